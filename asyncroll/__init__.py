@@ -1,0 +1,57 @@
+"""asyncroll: an async, single-node RL rollout engine for LLM post-training, without Ray.
+
+A `Producer` drives an `Engine` (vLLM in this process, or the `SimEngine` simulation) from
+asyncio tasks and keeps a bounded `RolloutBuffer` of encoded `RolloutGroup`s that the trainer
+takes with `produce_batch`. Failed, filtered and expired groups are dropped on arrival and
+counted on the producer (`ProduceProgress`).
+"""
+
+from asyncroll import codec, filters
+from asyncroll.buffer import BufferStats, PutOutcome, RolloutBuffer
+from asyncroll.config import ProducerConfig
+from asyncroll.engines import Engine, EngineDeadError, SamplingConfig, SimConfig, SimEngine
+from asyncroll.producer import (
+    Ledger,
+    LedgerError,
+    Producer,
+    ProducerError,
+    ProducerExhausted,
+    RewardFn,
+    StalledError,
+)
+from asyncroll.progress import ProduceBatchResult, ProduceProgress, ProgressCounters
+from asyncroll.prompts import TaskMix
+from asyncroll.state import CheckpointError, ProducerState
+from asyncroll.types import Prompt, RolloutGroup, RolloutState, Status, group_status
+
+__all__ = [
+    "BufferStats",
+    "CheckpointError",
+    "Engine",
+    "EngineDeadError",
+    "Ledger",
+    "LedgerError",
+    "ProduceBatchResult",
+    "ProduceProgress",
+    "Producer",
+    "ProducerConfig",
+    "ProducerError",
+    "ProducerExhausted",
+    "ProducerState",
+    "ProgressCounters",
+    "Prompt",
+    "PutOutcome",
+    "RewardFn",
+    "RolloutBuffer",
+    "RolloutGroup",
+    "RolloutState",
+    "SamplingConfig",
+    "SimConfig",
+    "SimEngine",
+    "StalledError",
+    "Status",
+    "TaskMix",
+    "codec",
+    "filters",
+    "group_status",
+]

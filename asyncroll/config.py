@@ -1,0 +1,115 @@
+"""`ProducerConfig`: every knob of the producer, validated when it is built.
+
+A mistake here would otherwise surface minutes into a run (or never, as a silent stall), so each
+check names the field and what to change.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import msgspec
+
+from asyncroll.engines.base import SamplingConfig
+
+# Encoded bytes per generated token: token id, logprob and version, 4 bytes each.
+BYTES_PER_TOKEN = 12
+# Per-sample msgpack header and alignment padding in the codec (measured: ~150-250 bytes).
+SAMPLE_OVERHEAD_BYTES = 512
+
+
+class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Knobs of a `Producer`. Sizes are in groups unless the name says otherwise."""
+
+    group_size: int = 8
+    sampling: SamplingConfig = SamplingConfig()
+    batch_size: int | None = None  # groups per produce_batch; required with max_staleness
+    max_staleness: int | None = None  # versions a token may lag at hand-out; None: no limit
+    oversample: float = 1.0  # run up to this many batches' worth beyond the staleness capacity
+    max_inflight_groups: int = 64
+    max_buffer_groups: int = 1024  # in flight + ready + waiting to resume
+    max_buffer_bytes: int = 1 << 30  # encoded bytes held + reserved for in-flight groups
+    order: Literal["fifo", "stalest"] = "fifo"
+    pause_mode: Literal["abort", "keep"] = "abort"
+    generate_timeout_s: float = 600.0
+    reward_timeout_s: float = 60.0
+    abort_timeout_s: float = 30.0
+    update_timeout_s: float = 600.0
+    prompt_timeout_s: float = 300.0
+    reward_workers: int = 4  # threads for synchronous reward functions
+    reward_in_thread: bool = True  # False: call sync reward functions on the event loop
+
+    def __post_init__(self) -> None:
+        _at_least("group_size", self.group_size, 1, "generate at least one sample per prompt")
+        _at_least("max_inflight_groups", self.max_inflight_groups, 1, "allow one group at least")
+        _at_least("max_buffer_groups", self.max_buffer_groups, 1, "hold one group at least")
+        _at_least("reward_workers", self.reward_workers, 1, "use one thread at least")
+        if self.batch_size is not None:
+            _at_least("batch_size", self.batch_size, 1, "or None")
+            if self.batch_size > self.max_buffer_groups:
+                raise ValueError(
+                    f"batch_size={self.batch_size} exceeds max_buffer_groups="
+                    f"{self.max_buffer_groups}: a batch could never be ready at once; raise "
+                    "max_buffer_groups"
+                )
+        if self.max_staleness is not None:
+            _at_least("max_staleness", self.max_staleness, 0, "use None for no limit")
+            if self.batch_size is None:
+                raise ValueError(
+                    "max_staleness needs batch_size (groups per produce_batch): admission keeps "
+                    "accepted + running <= (max_staleness + version + 1) x batch_size"
+                )
+        if not (math.isfinite(self.oversample) and self.oversample >= 1.0):
+            raise ValueError(f"oversample={self.oversample}: must be >= 1.0 (1.0: no extra)")
+        for name in (
+            "generate_timeout_s", "reward_timeout_s", "abort_timeout_s", "update_timeout_s",
+            "prompt_timeout_s",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name}={value}: every deadline must be a positive number")
+        if self.order not in ("fifo", "stalest"):
+            raise ValueError(f"order={self.order!r}: use 'fifo' or 'stalest'")
+        if self.pause_mode not in ("abort", "keep"):
+            raise ValueError(f"pause_mode={self.pause_mode!r}: use 'abort' or 'keep'")
+
+    def group_bytes(self, payload_bytes_per_sample: int) -> int:
+        """Largest encoded size a group can reach (without its prompt), to size the buffer."""
+        per_sample = (
+            self.sampling.max_new_tokens * BYTES_PER_TOKEN
+            + payload_bytes_per_sample
+            + SAMPLE_OVERHEAD_BYTES
+        )
+        return self.group_size * per_sample
+
+    def check_fits(self, payload_bytes_per_sample: int) -> None:
+        """Refuse a buffer smaller than one group can be."""
+        need = self.group_bytes(payload_bytes_per_sample)
+        if self.max_buffer_bytes < need:
+            raise ValueError(
+                f"max_buffer_bytes={self.max_buffer_bytes} is smaller than one group can be "
+                f"({self.group_size} samples x ({self.sampling.max_new_tokens} tokens x "
+                f"{BYTES_PER_TOKEN} B + {payload_bytes_per_sample} B payload + "
+                f"{SAMPLE_OVERHEAD_BYTES} B) = {need} B): raise max_buffer_bytes or lower "
+                "group_size / max_new_tokens"
+            )
+
+
+def make_config(config: ProducerConfig | None, overrides: dict[str, Any]) -> ProducerConfig:
+    """`config` with keyword overrides, naming any unknown keyword."""
+    base = config or ProducerConfig()
+    unknown = sorted(set(overrides) - set(ProducerConfig.__struct_fields__))
+    if unknown:
+        raise ValueError(
+            f"unknown producer option(s) {unknown}: valid are "
+            f"{sorted(ProducerConfig.__struct_fields__)}"
+        )
+    if isinstance(overrides.get("sampling"), dict):
+        overrides = {**overrides, "sampling": SamplingConfig(**overrides["sampling"])}
+    return msgspec.structs.replace(base, **overrides) if overrides else base
+
+
+def _at_least(name: str, value: int, low: int, fix: str) -> None:
+    if not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r}: must be an integer >= {low} ({fix})")

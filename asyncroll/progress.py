@@ -1,0 +1,171 @@
+"""Counters of the producer (DESIGN.md invariants 4 and 5).
+
+Every counter is cumulative and lives on the producer; "since the last batch" is the difference
+of two cumulative snapshots, so there is no second set of counters to keep in step and nothing to
+forget to reset. Units are in the names: `_groups`, `_samples`, `_tokens`, `_s` (seconds).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from asyncroll.types import RolloutGroup
+
+
+class ProgressCounters(msgspec.Struct, kw_only=True):
+    """Cumulative counts. The ledger identity over them is checked by `Producer.check_ledger`:
+    started == in_flight + ready + resume + consumed + filtered + failed + expired."""
+
+    started_groups: int = 0
+    started_samples: int = 0
+    resumed_groups: int = 0  # an aborted group started again (not a new start)
+    aborted_groups: int = 0  # times a group came back partial from a pause (an event, not a state)
+    aborted_samples: int = 0
+    completed_groups: int = 0  # entered the buffer as ready
+    completed_samples: int = 0
+    consumed_groups: int = 0  # handed to the trainer
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    failed_groups: int = 0
+    failed_samples: int = 0
+    filtered_groups: int = 0
+    filtered_samples: int = 0
+    expired_groups: int = 0
+    expired_samples: int = 0
+    generated_tokens: int = 0
+    wasted_tokens_failed: int = 0
+    wasted_tokens_filtered: int = 0
+    wasted_tokens_expired: int = 0
+    reward_sum: float = 0.0  # over every scored sample, before filtering
+    reward_count: int = 0
+    wait_s: float = 0.0  # time the trainer spent waiting inside produce_batch
+
+    def minus(self, earlier: ProgressCounters) -> ProgressCounters:
+        """The counts accumulated since `earlier` (a snapshot of the same counters)."""
+        return ProgressCounters(
+            **{f: getattr(self, f) - getattr(earlier, f) for f in self.__struct_fields__}
+        )
+
+    def copy(self) -> ProgressCounters:
+        return msgspec.structs.replace(self)
+
+
+class LatencyHistogram:
+    """Group latencies in log-spaced buckets (2% wide, 0.1 ms to 1 day): fixed memory however
+    long the run, quantiles within one bucket's width."""
+
+    LOW_S = 1e-4
+    RATIO = 1.02
+    BUCKETS = math.ceil(math.log(86400 / LOW_S) / math.log(RATIO)) + 1
+
+    def __init__(self) -> None:
+        self.counts: npt.NDArray[np.int64] = np.zeros(self.BUCKETS, dtype=np.int64)
+
+    def record(self, seconds: float) -> None:
+        idx = 0 if seconds <= self.LOW_S else int(math.log(seconds / self.LOW_S, self.RATIO)) + 1
+        self.counts[min(idx, self.BUCKETS - 1)] += 1
+
+    def snapshot(self) -> npt.NDArray[np.int64]:
+        return self.counts.copy()
+
+    @classmethod
+    def quantile(cls, counts: npt.NDArray[np.int64], q: float) -> float:
+        """The q-quantile (0..1) of the latencies counted in `counts` (upper bucket edge);
+        NaN when nothing was counted."""
+        total = int(counts.sum())
+        if total == 0:
+            return math.nan
+        idx = int(np.searchsorted(np.cumsum(counts), max(1, math.ceil(q * total))))
+        return cls.LOW_S * cls.RATIO**idx
+
+
+class ProduceBatchResult(msgspec.Struct, kw_only=True):
+    """What `Producer.produce_batch` hands the trainer: the groups, the policy version at hand-out,
+    the counters since the previous batch (`delta`) and since the start (`totals`)."""
+
+    groups: list[RolloutGroup]
+    version: int
+    delta: ProgressCounters
+    totals: ProgressCounters
+    window_s: float  # wall time since the previous batch
+    latency_p50_s: float
+    latency_p99_s: float
+
+    def staleness_tokens(self) -> dict[int, int]:
+        """Tokens of the batch counted by staleness (`version` - the token's version)."""
+        versions = [s.versions for g in self.groups for s in g.samples]
+        flat = np.concatenate(versions) if versions else np.zeros(0, dtype=np.int32)
+        if not flat.size:
+            return {}
+        staleness = self.version - flat.astype(np.int64)
+        low = int(staleness.min())
+        counts = np.bincount(staleness - low)
+        return {low + i: int(c) for i, c in enumerate(counts.tolist()) if c}
+
+    def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
+        """A flat `{name: number}` dict for wandb/tensorboard: the deltas, a few ratios, totals."""
+        d = self.delta
+        out: dict[str, float] = {f"{prefix}{f}": getattr(d, f) for f in d.__struct_fields__}
+        for f in self.totals.__struct_fields__:
+            out[f"{prefix}total/{f}"] = getattr(self.totals, f)
+        staleness = self.staleness_tokens()
+        finished = d.completed_groups + d.failed_groups + d.filtered_groups
+        out |= {
+            f"{prefix}version": self.version,
+            f"{prefix}batch_groups": len(self.groups),
+            f"{prefix}reward_mean": d.reward_sum / d.reward_count if d.reward_count else math.nan,
+            f"{prefix}failed_ratio": d.failed_groups / finished if finished else 0.0,
+            f"{prefix}filtered_ratio": d.filtered_groups / finished if finished else 0.0,
+            f"{prefix}tokens_per_s": d.generated_tokens / self.window_s if self.window_s else 0.0,
+            f"{prefix}wait_ratio": d.wait_s / self.window_s if self.window_s else 0.0,
+            f"{prefix}latency_p50_s": self.latency_p50_s,
+            f"{prefix}latency_p99_s": self.latency_p99_s,
+            f"{prefix}staleness_mean": _mean_staleness(staleness),
+            f"{prefix}staleness_max": max(staleness, default=0),
+        }
+        return out
+
+
+def _mean_staleness(hist: dict[int, int]) -> float:
+    n = sum(hist.values())
+    return sum(k * v for k, v in hist.items()) / n if n else 0.0
+
+
+class ProduceProgress:
+    """The producer's counters and latency histogram, with a read-and-reset window.
+
+    `consume()` returns what accumulated since the previous call (the delta of two cumulative
+    snapshots) plus the cumulative totals, and moves the window's start to now.
+    """
+
+    def __init__(self) -> None:
+        self.counters = ProgressCounters()
+        self.latency = LatencyHistogram()
+        self._mark_counters = ProgressCounters()
+        self._mark_latency = self.latency.snapshot()
+        self._mark_time = time.monotonic()
+
+    def consume(self) -> tuple[ProgressCounters, ProgressCounters, npt.NDArray[np.int64], float]:
+        """(delta, totals, latency counts of the window, window seconds); starts a new window."""
+        now = time.monotonic()
+        totals = self.counters.copy()
+        latency = self.latency.snapshot()
+        out = (totals.minus(self._mark_counters), totals, latency - self._mark_latency,
+               now - self._mark_time)  # fmt: skip
+        self._mark_counters, self._mark_latency, self._mark_time = totals, latency, now
+        return out
+
+    def restore(self, counters: ProgressCounters, latency_counts: list[int]) -> None:
+        """Continue from a checkpoint's totals; the next window starts here."""
+        if len(latency_counts) != LatencyHistogram.BUCKETS:
+            raise ValueError("checkpoint latency histogram has a different bucket layout")
+        self.counters = counters.copy()
+        self.latency.counts = np.asarray(latency_counts, dtype=np.int64)
+        self._mark_counters = counters.copy()
+        self._mark_latency = self.latency.snapshot()
+        self._mark_time = time.monotonic()

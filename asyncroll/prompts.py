@@ -1,0 +1,196 @@
+"""Where prompts come from: one source or a weighted mix of tasks, with a resumable cursor.
+
+A checkpoint stores how many prompts each task has given (its cursor), the mix's random state
+and the prompts waiting to be drawn again; on resume the same sources are skipped forward by
+the cursor. That is exact as long as a source yields the same prompts in the same order each
+time it is iterated (a list, a file, a seeded generator factory).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from asyncroll.types import Prompt
+
+PromptLike = Prompt | Mapping[str, Any] | Iterable[int]
+PromptSource = Iterable[PromptLike] | AsyncIterable[PromptLike]
+
+
+class CursorState(msgspec.Struct, frozen=True, kw_only=True):
+    """The resumable position of a `PromptStream` (part of a producer checkpoint)."""
+
+    drawn: dict[str, int]  # prompts drawn so far, per task
+    rng_state: list[Any] | None  # the task mix's random state
+    requeued: list[Prompt]  # prompts to draw again before any new one
+
+
+def as_prompt(item: PromptLike, task: str, index: int) -> Prompt:
+    """Normalize a source item; the prompt id defaults to "<task>/<index in its source>"."""
+    if isinstance(item, Prompt):
+        prompt = item
+    elif isinstance(item, Mapping):
+        prompt = Prompt(**item)
+    else:
+        prompt = Prompt(tokens=item, task=task)
+    if prompt.prompt_id is None:
+        prompt = msgspec.structs.replace(prompt, prompt_id=f"{prompt.task}/{index}")
+    return prompt
+
+
+class _TaskSource:
+    """One iterable, sync or async, with the count of items drawn from it."""
+
+    def __init__(self, task: str, source: PromptSource) -> None:
+        self.task = task
+        self.source = source
+        self.drawn = 0
+        self._skip = 0
+        self._sync: Iterator[PromptLike] | None = None
+        self._async: AsyncIterator[PromptLike] | None = None
+        self.exhausted = False
+
+    def seek(self, drawn: int) -> None:
+        """Resume after `drawn` items (skipped on the next draw)."""
+        if self._sync is not None or self._async is not None:
+            raise RuntimeError("seek() after drawing has started")
+        self.drawn = self._skip = drawn
+
+    async def next(self) -> Prompt | None:
+        while not self.exhausted:
+            item = await self._next_raw()
+            if item is None:
+                self.exhausted = True
+                break
+            if self._skip:
+                self._skip -= 1
+                continue
+            prompt = as_prompt(item, self.task, self.drawn)
+            self.drawn += 1
+            return prompt
+        if self._skip:
+            raise ValueError(
+                f"task {self.task!r} ran out {self._skip} prompts before the checkpoint's cursor: "
+                "resume with the same prompt source"
+            )
+        return None
+
+    async def _next_raw(self) -> PromptLike | None:
+        if self._sync is None and self._async is None:
+            if isinstance(self.source, AsyncIterable):
+                self._async = aiter(self.source)
+            else:
+                self._sync = iter(self.source)
+        if self._async is not None:
+            try:
+                return await anext(self._async)
+            except StopAsyncIteration:
+                return None
+        assert self._sync is not None
+        return next(self._sync, None)
+
+
+class TaskMix:
+    """A weighted mix of prompt sources, one per task: each draw picks a task with probability
+    proportional to its weight among the tasks not yet exhausted (seeded, resumable)."""
+
+    def __init__(
+        self,
+        tasks: Mapping[str, PromptSource],
+        weights: Mapping[str, float] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if not tasks:
+            raise ValueError("TaskMix needs at least one task")
+        weights = dict(weights) if weights is not None else dict.fromkeys(tasks, 1.0)
+        if set(weights) != set(tasks):
+            raise ValueError(
+                f"TaskMix weights name tasks {sorted(weights)} but the sources are {sorted(tasks)}"
+            )
+        if not all(w > 0 and np.isfinite(w) for w in weights.values()):
+            raise ValueError(f"TaskMix weights must be finite and > 0, got {weights}")
+        self.sources = {t: _TaskSource(t, s) for t, s in tasks.items()}
+        self.weights = weights
+        self.rng = random.Random(seed)
+
+
+class PromptStream:
+    """The producer's prompts: draws from a source or a `TaskMix`, re-queues, resumes."""
+
+    def __init__(self, source: PromptSource | TaskMix) -> None:
+        if isinstance(source, TaskMix):
+            self._mix: TaskMix | None = source
+            self._sources = source.sources
+        else:
+            self._mix = None
+            self._sources = {"default": _TaskSource("default", source)}
+        self._requeued: deque[Prompt] = deque()
+
+    @property
+    def exhausted(self) -> bool:
+        """No prompt left to draw: every source ran dry and nothing is re-queued."""
+        return not self._requeued and all(s.exhausted for s in self._sources.values())
+
+    def requeue(self, prompt: Prompt) -> None:
+        """Draw this prompt again (an expired group's prompt), before any new one."""
+        self._requeued.append(prompt)
+
+    def unread(self, prompt: Prompt) -> None:
+        """Put back the prompt just drawn, to be drawn next."""
+        self._requeued.appendleft(prompt)
+
+    async def next(self) -> Prompt | None:
+        """The next prompt, or None once every source is exhausted."""
+        if self._requeued:
+            return self._requeued.popleft()
+        while True:
+            live = [s for s in self._sources.values() if not s.exhausted]
+            if not live:
+                return None
+            if self._mix is None:
+                source = live[0]
+            else:
+                weights = [self._mix.weights[s.task] for s in live]
+                source = self._mix.rng.choices(live, weights)[0]
+            prompt = await source.next()
+            if prompt is not None:
+                return prompt
+
+    def state(self) -> CursorState:
+        return CursorState(
+            drawn={t: s.drawn for t, s in self._sources.items()},
+            rng_state=_to_list(self._mix.rng.getstate()) if self._mix else None,
+            requeued=list(self._requeued),
+        )
+
+    def check(self, state: CursorState) -> None:
+        """Raise `ValueError` if `state` cannot be loaded into this stream."""
+        if set(state.drawn) != set(self._sources):
+            raise ValueError(
+                f"the checkpoint's tasks {sorted(state.drawn)} differ from this producer's "
+                f"{sorted(self._sources)}: resume with the same prompt sources"
+            )
+        if (state.rng_state is None) != (self._mix is None):
+            raise ValueError("the checkpoint and this producer differ in using a TaskMix")
+
+    def load(self, state: CursorState) -> None:
+        """Continue from `state`; call before the first draw."""
+        self.check(state)
+        for task, drawn in state.drawn.items():
+            self._sources[task].seek(drawn)
+        if self._mix is not None and state.rng_state is not None:
+            self._mix.rng.setstate(_to_tuple(state.rng_state))
+        self._requeued = deque(state.requeued)
+
+
+def _to_list(value: Any) -> Any:
+    return [_to_list(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _to_tuple(value: Any) -> Any:
+    return tuple(_to_tuple(v) for v in value) if isinstance(value, list) else value

@@ -1,0 +1,215 @@
+"""Pure steps of one attempt at a group: check the prompt, build the engine request, check and
+merge the engine's answer, check the rewards.
+
+Each check raises `RolloutError` with a message a person can act on; the producer turns it into
+a FAILED group. Nothing here awaits or keeps state, so each step is tested on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest, SamplingConfig
+from asyncroll.types import (
+    Int32Array,
+    RolloutGroup,
+    RolloutState,
+    Status,
+    sample_status,
+)
+
+_LOGPROB_TOLERANCE = 1e-4  # float rounding can put log(1) a hair above 0
+
+
+class RolloutError(ValueError):
+    """Why one group failed (bad prompt, malformed engine output, bad rewards)."""
+
+
+def prompt_array(tokens: Any, vocab_size: int, max_model_len: int | None) -> Int32Array:
+    """The prompt as an int32 array, or `RolloutError` saying what is wrong with it."""
+    try:
+        arr = np.asarray(tokens)
+    except (ValueError, TypeError) as exc:
+        raise RolloutError(f"prompt tokens are not an array of ids: {exc}") from None
+    if arr.ndim != 1 or arr.size == 0:
+        raise RolloutError(
+            f"prompt must be a non-empty 1-D list of token ids, got shape {arr.shape}"
+        )
+    if arr.dtype.kind not in "iu":
+        raise RolloutError(f"prompt token ids must be integers, got dtype {arr.dtype}")
+    low, high = int(arr.min()), int(arr.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise RolloutError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if max_model_len is not None and arr.size >= max_model_len:
+        raise RolloutError(
+            f"prompt of {arr.size} tokens leaves no room to generate: max_model_len={max_model_len}"
+        )
+    return arr.astype(np.int32)
+
+
+def token_budget(group: RolloutGroup, sampling: SamplingConfig, max_model_len: int | None) -> int:
+    """Response tokens a sample of this group may have in all (prompt + response must fit)."""
+    if max_model_len is None:
+        return sampling.max_new_tokens
+    return min(sampling.max_new_tokens, max_model_len - len(group.prompt_tokens))
+
+
+_PENDING = RolloutState()  # immutable, so every fresh group can share it
+
+
+def fresh_samples(group_size: int) -> tuple[RolloutState, ...]:
+    return (_PENDING,) * group_size
+
+
+def unfinished(group: RolloutGroup) -> list[int]:
+    """Indices of the samples that still need tokens (everything not COMPLETED)."""
+    return [i for i, s in enumerate(group.samples) if s.status is not Status.COMPLETED]
+
+
+def build_request(
+    group: RolloutGroup, request_id: str, sampling: SamplingConfig, budget: int
+) -> GenerateRequest:
+    samples = tuple(
+        SampleRequest(group.samples[i].tokens, budget - len(group.samples[i].tokens))
+        for i in unfinished(group)
+    )
+    return GenerateRequest(
+        request_id=request_id, prompt_tokens=group.prompt_tokens, samples=samples, sampling=sampling
+    )
+
+
+def merge_outputs(
+    group: RolloutGroup,
+    request: GenerateRequest,
+    outputs: Sequence[SampleOutput],
+    *,
+    vocab_size: int,
+    version: int,
+) -> tuple[RolloutState, ...]:
+    """The group's samples after this attempt: each unfinished sample extended by its output.
+
+    Checks what a buggy engine could get wrong: the number of outputs, array types and lengths,
+    token ids outside the vocabulary, logprobs that are NaN, infinite or positive, versions that
+    go backwards or run ahead of `version`, more tokens than the budget, unknown finish reasons.
+    """
+    todo = unfinished(group)
+    if len(outputs) != len(todo):
+        raise RolloutError(f"engine returned {len(outputs)} samples for {len(todo)} requested")
+    samples = list(group.samples)
+    for idx, req, out in zip(todo, request.samples, outputs, strict=True):
+        samples[idx] = _extend(samples[idx], req, out, vocab_size, version)
+    return tuple(samples)
+
+
+def _extend(
+    sample: RolloutState, req: SampleRequest, out: SampleOutput, vocab_size: int, version: int
+) -> RolloutState:
+    try:
+        tokens = _as(out.tokens, np.int32, "i")
+        logprobs = _as(out.logprobs, np.float32, "f")
+        versions = _as(out.versions, np.int32, "i")
+    except (TypeError, ValueError) as exc:
+        raise RolloutError(f"malformed engine output: {exc}") from None
+    n = len(tokens)
+    if len(logprobs) != n or len(versions) != n:
+        raise RolloutError(
+            f"malformed engine output: {n} tokens, {len(logprobs)} logprobs, "
+            f"{len(versions)} versions"
+        )
+    if n > req.max_new_tokens:
+        raise RolloutError(f"engine returned {n} tokens for a budget of {req.max_new_tokens}")
+    if n:
+        if int(tokens.view(np.uint32).max()) >= vocab_size:  # negative ids wrap to huge
+            raise RolloutError(
+                f"engine returned a token id outside the vocabulary [0, {vocab_size})"
+            )
+        if not math.isfinite(float(logprobs.sum())) or logprobs.max() > _LOGPROB_TOLERANCE:
+            raise RolloutError("engine returned a logprob that is NaN, infinite or positive")
+        previous = int(sample.versions[-1]) if len(sample.versions) else 0
+        if int(versions[0]) < previous or int(versions[-1]) > version:
+            raise RolloutError(
+                f"engine stamped versions {int(versions[0])}..{int(versions[-1])} outside "
+                f"[{previous}, {version}]"
+            )
+    try:
+        status = sample_status(out.finish_reason)
+    except ValueError as exc:
+        raise RolloutError(f"malformed engine output: {exc}") from None
+    finish = out.finish_reason
+    if status is Status.ABORTED and n == req.max_new_tokens:
+        status, finish = Status.COMPLETED, "length"  # the abort landed on the last token
+    experts = out.routed_experts
+    if experts is not None and len(experts) != n:
+        raise RolloutError(f"engine returned routed experts for {len(experts)} of {n} tokens")
+    if len(sample.tokens):
+        tokens = np.concatenate([sample.tokens, tokens])
+        logprobs = np.concatenate([sample.logprobs, logprobs])
+        versions = np.concatenate([sample.versions, versions])
+        if experts is not None and sample.routed_experts is not None:
+            experts = np.concatenate([sample.routed_experts, experts])
+    return msgspec.structs.replace(
+        sample,
+        tokens=tokens,
+        logprobs=logprobs,
+        versions=versions,
+        status=status,
+        finish_reason=finish,
+        routed_experts=experts,
+    )
+
+
+def _as(arr: Any, dtype: type[np.generic], kind: str) -> Any:
+    """`arr` as a 1-D array of `dtype` without copying when it already is one."""
+    if isinstance(arr, np.ndarray) and arr.dtype == dtype and arr.ndim == 1:
+        return arr
+    out = np.asarray(arr)
+    if out.ndim != 1 or (out.size and out.dtype.kind not in (kind, "u" if kind == "i" else kind)):
+        raise TypeError(f"expected a 1-D {np.dtype(dtype).name} array, got {out.dtype} {out.shape}")
+    return out.astype(dtype) if out.size else np.zeros(0, dtype)
+
+
+def check_rewards(values: Any, n: int) -> list[float]:
+    """Rewards as n finite floats, or `RolloutError` saying what the reward function got wrong."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise RolloutError(f"reward function returned {type(values).__name__}, not {n} numbers")
+    if len(values) != n:
+        raise RolloutError(f"reward function returned {len(values)} rewards for {n} samples")
+    out: list[float] = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (numbers.Real, np.floating, np.integer)):
+            raise RolloutError(f"reward {v!r} is not a number")
+        f = float(v)
+        if not math.isfinite(f):
+            raise RolloutError(f"reward {f} is not finite")
+        out.append(f)
+    return out
+
+
+def with_rewards(
+    samples: tuple[RolloutState, ...], rewards: list[float]
+) -> tuple[RolloutState, ...]:
+    return tuple(
+        msgspec.structs.replace(s, reward=r) for s, r in zip(samples, rewards, strict=True)
+    )
+
+
+def interrupted(samples: tuple[RolloutState, ...]) -> tuple[RolloutState, ...]:
+    """Samples of an attempt that was cut off without an answer: whatever had not finished is
+    ABORTED with the tokens it had before the attempt (possibly none), so it can resume."""
+    return tuple(
+        s
+        if s.status in (Status.COMPLETED, Status.ABORTED)
+        else msgspec.structs.replace(s, status=Status.ABORTED, finish_reason="abort")
+        for s in samples
+    )
+
+
+def failed_group(group: RolloutGroup, error: str) -> RolloutGroup:
+    return msgspec.structs.replace(group, status=Status.FAILED, error=error)

@@ -1,0 +1,93 @@
+"""The producer's checkpoint: a versioned msgspec struct, and its file (checksummed, atomic).
+
+File layout: ``"ARCK" | format u32 | crc32 u32 | length u64 | msgpack(ProducerState)``. The
+checksum covers the payload, so a torn or bit-flipped file is refused before anything loads;
+writing goes to a temporary file in the same folder, fsynced, then renamed over the target, so
+a crash leaves either the old checkpoint or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+
+import msgspec
+
+from asyncroll.progress import ProgressCounters
+from asyncroll.prompts import CursorState
+
+STATE_FORMAT = 1
+_MAGIC = b"ARCK"
+_HEAD = struct.Struct("<4sIIQ")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded (corrupt, truncated, another format or run shape)."""
+
+
+class ProducerState(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a producer needs to continue a run: version, prompt cursor, counters, and the
+    ready and partial groups as their encoded bytes."""
+
+    format: int
+    version: int
+    next_uid: int
+    group_size: int
+    counters: ProgressCounters
+    latency_counts: list[int]
+    cursor: CursorState
+    ready: list[bytes]
+    resume: list[bytes]
+
+
+def dumps(state: ProducerState) -> bytes:
+    payload = msgspec.msgpack.encode(state)
+    return _HEAD.pack(_MAGIC, state.format, zlib.crc32(payload), len(payload)) + payload
+
+
+def loads(data: bytes) -> ProducerState:
+    if len(data) < _HEAD.size:
+        raise CheckpointError(f"truncated checkpoint: {len(data)} bytes")
+    magic, fmt, crc, length = _HEAD.unpack_from(data)
+    if magic != _MAGIC:
+        raise CheckpointError(f"not an asyncroll checkpoint (magic {magic!r})")
+    if fmt != STATE_FORMAT:
+        raise CheckpointError(
+            f"checkpoint format {fmt} cannot be read by this asyncroll (format {STATE_FORMAT})"
+        )
+    payload = memoryview(data)[_HEAD.size :]
+    if len(payload) != length:
+        raise CheckpointError(f"truncated checkpoint: {len(payload)} of {length} payload bytes")
+    if zlib.crc32(payload) != crc:
+        raise CheckpointError("corrupt checkpoint: checksum mismatch")
+    try:
+        state = msgspec.msgpack.decode(payload, type=ProducerState)
+    except msgspec.MsgspecError as exc:
+        raise CheckpointError(f"corrupt checkpoint: {exc}") from None
+    if state.format != STATE_FORMAT:
+        raise CheckpointError(f"checkpoint body says format {state.format}, header {fmt}")
+    return state
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old file or the new one, never a mix."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

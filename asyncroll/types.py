@@ -1,0 +1,169 @@
+"""The data model: one sample (`RolloutState`), the samples of one prompt (`RolloutGroup`).
+
+Token data are numpy arrays, never per-token Python objects: a Python int costs 28 bytes plus
+an 8-byte list slot, an int32 costs 4. Structs are frozen so that a status, once classified,
+cannot be rewritten by anyone downstream (DESIGN.md invariant 2); "changing" a group means
+building a new one with `msgspec.structs.replace`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+Int32Array = npt.NDArray[np.int32]
+Float32Array = npt.NDArray[np.float32]
+
+EMPTY_INT32: Int32Array = np.zeros(0, dtype=np.int32)
+EMPTY_INT32.flags.writeable = False
+EMPTY_FLOAT32: Float32Array = np.zeros(0, dtype=np.float32)
+EMPTY_FLOAT32.flags.writeable = False
+
+
+class Status(enum.StrEnum):
+    """Where a sample or a group stands. PENDING is the only status before generation."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    ABORTED = "aborted"
+    FAILED = "failed"
+    FILTERED = "filtered"
+    EXPIRED = "expired"
+
+
+class RolloutState(msgspec.Struct, frozen=True, kw_only=True, array_like=True, weakref=True):
+    """One sampled response to a prompt.
+
+    `tokens`, `logprobs` and `versions` are parallel arrays: token i was sampled with
+    log-probability `logprobs[i]` by policy version `versions[i]`. An aborted sample keeps its
+    partial arrays so it can be continued; `finish_reason` is the engine's ("stop", "length",
+    "abort"). A sample is only ever extended, so `versions` never decreases along it.
+    """
+
+    tokens: Int32Array = EMPTY_INT32
+    logprobs: Float32Array = EMPTY_FLOAT32
+    versions: Int32Array = EMPTY_INT32
+    status: Status = Status.PENDING
+    finish_reason: str | None = None
+    reward: float | None = None
+    error: str | None = None
+    routed_experts: npt.NDArray[Any] | None = None
+    extra: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        tokens, logprobs, versions = self.tokens, self.logprobs, self.versions
+        if tokens.dtype != np.int32 or versions.dtype != np.int32 or logprobs.dtype != np.float32:
+            raise TypeError(
+                "RolloutState needs tokens/versions as int32 and logprobs as float32 arrays, got "
+                f"{tokens.dtype}/{versions.dtype}/{logprobs.dtype}"
+            )
+        n = len(tokens)
+        if tokens.ndim != 1 or len(logprobs) != n or len(versions) != n or logprobs.ndim != 1:
+            raise ValueError(
+                "RolloutState arrays must be 1-D and of one length: "
+                f"tokens {tokens.shape}, logprobs {logprobs.shape}, versions {versions.shape}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True, array_like=True, weakref=True):
+    """The samples of one prompt: the unit of scheduling, buffering, filtering and staleness.
+
+    `uid` is unique per started group in a producer run; `prompt_id` names the prompt and is
+    what survives a re-queue (an expired group's prompt starts again under a new uid).
+    `start_version` is the policy version when the group was first started; it stands in for
+    the staleness of a group whose samples hold no token yet.
+    """
+
+    uid: int
+    prompt_id: str
+    task: str
+    prompt_tokens: Int32Array
+    samples: tuple[RolloutState, ...]
+    status: Status = Status.PENDING
+    error: str | None = None
+    metadata: dict[str, Any] = {}
+    start_version: int = 0
+    attempts: int = 0
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.samples:
+            raise ValueError("RolloutGroup needs at least one sample")
+        if self.prompt_tokens.dtype != np.int32 or self.prompt_tokens.ndim != 1:
+            raise TypeError(
+                f"RolloutGroup.prompt_tokens must be a 1-D int32 array, got "
+                f"{self.prompt_tokens.dtype} with shape {self.prompt_tokens.shape}"
+            )
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens held by the group (prompt tokens not included)."""
+        return sum(len(s.tokens) for s in self.samples)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version behind any token; the group's staleness is measured from it.
+        (`versions` never decreases along a sample, so its first entry is its minimum.)"""
+        versions = [int(s.versions[0]) for s in self.samples if len(s.versions)]
+        return min(versions) if versions else self.start_version
+
+    def rewards(self) -> npt.NDArray[np.float64]:
+        """Rewards of all samples as float64; NaN where a sample has none."""
+        return np.array(
+            [np.nan if s.reward is None else s.reward for s in self.samples], dtype=np.float64
+        )
+
+
+def group_status(samples: tuple[RolloutState, ...] | list[RolloutState]) -> Status:
+    """The status of a group from its samples' statuses: a total function with no fall-through.
+
+    COMPLETED only if every sample is; otherwise by precedence FAILED > ABORTED > EXPIRED >
+    FILTERED. A sample still PENDING next to finished ones is a mix no caller may produce, so it
+    is an error rather than a guess.
+    """
+    if not samples:
+        raise ValueError("group_status of an empty group")
+    seen = {s.status for s in samples}
+    if Status.PENDING in seen:
+        if seen == {Status.PENDING}:
+            return Status.PENDING
+        raise ValueError(f"unknown mix of sample statuses: {sorted(seen)}")
+    if seen == {Status.COMPLETED}:
+        return Status.COMPLETED
+    for status in (Status.FAILED, Status.ABORTED, Status.EXPIRED, Status.FILTERED):
+        if status in seen:
+            return status
+    raise AssertionError(f"unreachable: {seen}")
+
+
+def sample_status(finish_reason: str) -> Status:
+    """Status of a sample from the engine's finish reason; unknown reasons are malformed output."""
+    match finish_reason:
+        case "stop" | "length":
+            return Status.COMPLETED
+        case "abort":
+            return Status.ABORTED
+        case _:
+            raise ValueError(f"unknown finish_reason {finish_reason!r}")
+
+
+class Prompt(msgspec.Struct, frozen=True, kw_only=True):
+    """One prompt as drawn from a source. `tokens` is validated only when its group starts, so a
+    bad prompt becomes a FAILED group instead of stopping the run."""
+
+    tokens: Any
+    task: str = "default"
+    prompt_id: str | None = None
+    metadata: dict[str, Any] = {}
