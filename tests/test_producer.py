@@ -1,0 +1,686 @@
+"""Scenario tests of the Producer with SimEngine (a simulation: no model, random tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncroll import (
+    DropRecord,
+    Producer,
+    ProducerError,
+    ProducerExhausted,
+    PutOutcome,
+    RolloutGroup,
+    SamplingConfig,
+    SimConfig,
+    SimEngine,
+    StalledError,
+    Status,
+)
+from asyncroll.engines.base import GenerateRequest, SampleOutput
+
+VOCAB = 1000
+
+
+def prompts(n: int, length: int = 3) -> list[list[int]]:
+    return [[(i * 7 + j) % VOCAB for j in range(length)] for i in range(n)]
+
+
+async def parity_reward(group: RolloutGroup) -> list[float]:
+    """Reward 1 for an even first token: random under SimEngine, so groups differ."""
+    return [float(s.tokens[0] % 2 == 0) if len(s.tokens) else 0.0 for s in group.samples]
+
+
+def make_producer(
+    n_prompts: int = 50,
+    *,
+    sim: dict[str, Any] | None = None,
+    reward: Any = parity_reward,
+    max_new_tokens: int = 16,
+    **options: Any,
+) -> Producer:
+    engine = SimEngine(SimConfig(vocab_size=VOCAB, **(sim or {})))
+    options.setdefault("group_size", 4)
+    return Producer(
+        engine,
+        prompts(n_prompts),
+        reward,
+        sampling=SamplingConfig(max_new_tokens=max_new_tokens),
+        **options,
+    )
+
+
+def watch_ledger(producer: Producer) -> list[int]:
+    """Check the ledger at every state change of the producer (each one ends with a notify of
+    its change signal); returns a list whose length counts the checks."""
+    checks: list[int] = []
+    notify = producer._changed.notify
+
+    def checked_notify() -> None:
+        producer.check_ledger()
+        checks.append(1)
+        notify()
+
+    producer._changed.notify = checked_notify  # type: ignore[method-assign]
+    return checks
+
+
+async def consume_all(producer: Producer, n: int) -> list[RolloutGroup]:
+    groups: list[RolloutGroup] = []
+    async for batch in producer.batches(n):
+        producer.check_ledger()
+        assert len(batch.groups) <= n
+        groups += batch.groups
+    return groups
+
+
+def terminal_by_prompt(consumed: Sequence[RolloutGroup], drops: list[DropRecord]) -> Counter[str]:
+    """How many terminal states each prompt reached (expired ones are re-queued, not terminal)."""
+    ends = Counter(g.prompt_id for g in consumed)
+    ends.update(d.prompt_id for d in drops if d.outcome is not PutOutcome.DROPPED_EXPIRED)
+    return ends
+
+
+# -- the main scenario ---------------------------------------------------------------------------
+
+
+async def test_thousands_of_groups_with_failures_and_filtering() -> None:
+    drops: list[DropRecord] = []
+    producer = make_producer(
+        3000,
+        sim={"fail_rate": 0.1, "malformed_rate": 0.05, "lengths": "uniform", "seed": 3},
+        filter="nonzero_std",
+        on_drop=drops.append,
+        max_inflight_groups=32,
+    )
+    checks = watch_ledger(producer)
+    async with producer:
+        consumed = await consume_all(producer, 64)
+    ledger = producer.check_ledger()
+    c = producer.progress.counters
+    assert len(checks) >= 3000 + len(consumed) // 64  # at every landing and every hand-out
+    assert ledger.started_groups == 3000 and ledger.in_flight_groups == 0
+    assert c.failed_groups > 300 and c.filtered_groups > 100  # both paths really ran
+    assert ledger.consumed_groups == len(consumed) == c.completed_groups
+    assert c.failed_groups + c.filtered_groups == len(drops)
+    ends = terminal_by_prompt(consumed, drops)
+    assert len(ends) == 3000 and set(ends.values()) == {1}  # every prompt ends exactly once
+    assert all(len(set(g.rewards().tolist())) > 1 for g in consumed)  # the filter held
+    errors = Counter(
+        (d.error or "").split(":")[0] for d in drops if d.outcome is PutOutcome.DROPPED_FAILED
+    )
+    assert "engine error" in errors  # SimEngineError
+    assert any("malformed" in k or "engine returned" in k for k in errors)
+    assert c.reward_count == 4 * (3000 - c.failed_groups) or c.reward_count > 0
+    assert (
+        c.generated_tokens == c.consumed_tokens + c.wasted_tokens_failed + c.wasted_tokens_filtered
+    )
+
+
+async def test_batch_metrics_are_a_flat_dict_of_numbers() -> None:
+    producer = make_producer(20, filter="nonzero_std")
+    async with producer:
+        batch = await producer.produce_batch(4)
+    metrics = batch.metrics()
+    assert all(k.startswith("rollout/") for k in metrics)
+    assert all(isinstance(v, (int, float)) for v in metrics.values())
+    assert metrics["rollout/batch_groups"] == 4
+    assert metrics["rollout/consumed_groups"] == 4
+    assert metrics["rollout/total/started_groups"] >= 4
+    assert 0 <= metrics["rollout/reward_mean"] <= 1
+    assert metrics["rollout/staleness_max"] == 0
+    assert batch.staleness_tokens() == {0: sum(g.num_tokens for g in batch.groups)}
+
+
+async def test_delta_counters_reset_between_batches_and_add_up_to_totals() -> None:
+    producer = make_producer(40)
+    async with producer:
+        deltas = [batch.delta async for batch in producer.batches(8)]
+    assert [d.consumed_groups for d in deltas] == [8] * 5
+    totals = producer.progress.counters
+    for field in totals.__struct_fields__:
+        if field != "wait_s":  # the last, exhausted call waited too
+            assert sum(getattr(d, field) for d in deltas) == getattr(totals, field), field
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ([], "non-empty"),
+        ([1, -2, 3], "outside the vocabulary"),
+        ([1, VOCAB], "outside the vocabulary"),
+        ([1.5, 2.0], "integers"),
+        (["a", "b"], "integers"),
+        ([[1, 2], [3]], "not an array|non-empty 1-D"),
+        ("hello", "non-empty 1-D"),
+    ],
+)
+async def test_bad_prompt_fails_its_group_and_the_run_continues(bad: Any, message: str) -> None:
+    drops: list[DropRecord] = []
+    engine = SimEngine(vocab_size=VOCAB)
+    good = prompts(5)
+    producer = Producer(
+        engine, [*good[:2], bad, *good[2:]], parity_reward, group_size=2, on_drop=drops.append
+    )
+    async with producer:
+        consumed = await consume_all(producer, 5)
+    assert len(consumed) == 5
+    assert len(drops) == 1 and drops[0].outcome is PutOutcome.DROPPED_FAILED
+    assert drops[0].prompt_id == "default/2"
+    assert drops[0].error is not None and "bad prompt" in drops[0].error
+    import re
+
+    assert re.search(message, drops[0].error)
+    assert engine.calls == 5  # the bad prompt never reached the engine
+
+
+def test_prompt_longer_than_max_model_len_fails() -> None:
+    from asyncroll.rollout import RolloutError, prompt_array
+
+    with pytest.raises(RolloutError, match="max_model_len=4"):
+        prompt_array([1, 2, 3, 4], 10, 4)
+    assert prompt_array([1, 2, 3], 10, 4).dtype == np.int32
+
+
+def _reward_cases() -> list[tuple[Any, str]]:
+    async def raises(g: RolloutGroup) -> list[float]:
+        raise RuntimeError("judge is down")
+
+    def sync_raises(g: RolloutGroup) -> list[float]:
+        raise KeyError("label")
+
+    return [
+        (raises, "reward function raised RuntimeError: judge is down"),
+        (sync_raises, "reward function raised KeyError"),
+        (lambda g: [math.nan] * g.num_samples, "not finite"),
+        (lambda g: [math.inf] * g.num_samples, "not finite"),
+        (lambda g: ["1"] * g.num_samples, "not a number"),
+        (lambda g: [True] * g.num_samples, "not a number"),
+        (lambda g: [1.0], "1 rewards for 2 samples"),
+        (lambda g: 1.0, "not 2 numbers"),
+        (lambda g: None, "not 2 numbers"),
+    ]
+
+
+@pytest.mark.parametrize(("reward", "message"), _reward_cases())
+async def test_reward_errors_fail_the_group(reward: Any, message: str) -> None:
+    drops: list[DropRecord] = []
+    producer = make_producer(6, reward=reward, group_size=2, on_drop=drops.append)
+    async with producer:
+        with pytest.raises(ProducerExhausted):
+            await producer.produce_batch(1)
+    assert len(drops) == 6
+    assert all(d.outcome is PutOutcome.DROPPED_FAILED for d in drops)
+    assert drops[0].error is not None and message in drops[0].error
+    producer.check_ledger()
+    assert producer.progress.counters.reward_count == 0
+
+
+async def test_async_reward_timeout_fails_the_group() -> None:
+    never = asyncio.Event()
+
+    async def slow(group: RolloutGroup) -> list[float]:
+        await never.wait()
+        return [0.0] * group.num_samples
+
+    drops: list[DropRecord] = []
+    producer = make_producer(3, reward=slow, reward_timeout_s=0.05, on_drop=drops.append)
+    async with producer:
+        with pytest.raises(ProducerExhausted):
+            await producer.produce_batch(1)
+    assert [d.error for d in drops] == [
+        "reward function took longer than reward_timeout_s=0.05"
+    ] * 3
+
+
+async def test_sync_reward_that_hangs_in_its_thread_fails_the_group() -> None:
+    release = threading.Event()
+
+    def stuck(group: RolloutGroup) -> list[float]:
+        release.wait(30)  # a hung judge; released at the end so the thread can exit
+        return [0.0] * group.num_samples
+
+    drops: list[DropRecord] = []
+    producer = make_producer(2, reward=stuck, reward_timeout_s=0.05, on_drop=drops.append)
+    try:
+        async with producer:
+            with pytest.raises(ProducerExhausted):
+                await producer.produce_batch(1)
+    finally:
+        release.set()
+    assert len(drops) == 2 and all("reward_timeout_s" in (d.error or "") for d in drops)
+
+
+async def test_inline_sync_reward_runs_on_the_loop() -> None:
+    seen: list[str] = []
+
+    def reward(group: RolloutGroup) -> list[float]:
+        seen.append(threading.current_thread().name)
+        return [1.0, 0.0]
+
+    producer = make_producer(3, reward=reward, group_size=2, reward_in_thread=False)
+    async with producer:
+        consumed = await consume_all(producer, 3)
+    assert len(consumed) == 3 and seen == [threading.current_thread().name] * 3
+
+
+async def test_hanging_engine_is_cut_by_the_generate_deadline() -> None:
+    drops: list[DropRecord] = []
+    producer = make_producer(
+        40, sim={"hang_rate": 0.5, "seed": 1}, generate_timeout_s=0.05, on_drop=drops.append
+    )
+    async with producer:
+        consumed = await consume_all(producer, 10)
+    assert drops and all("generate_timeout_s=0.05" in (d.error or "") for d in drops)
+    assert len(consumed) + len(drops) == 40
+    producer.check_ledger()
+
+
+async def test_malformed_outputs_fail_with_the_reason() -> None:
+    drops: list[DropRecord] = []
+    producer = make_producer(60, sim={"malformed_rate": 1.0, "seed": 2}, on_drop=drops.append)
+    async with producer:
+        with pytest.raises(ProducerExhausted):
+            await producer.produce_batch(1)
+    reasons = {(d.error or "").split(":")[0].split(" (")[0] for d in drops}
+    assert len(drops) == 60
+    assert any("samples for" in r for r in reasons)  # wrong number of outputs
+    assert any("logprob" in (d.error or "") for d in drops)
+    assert any("vocabulary" in (d.error or "") for d in drops)
+
+
+# -- memory: drop on arrival, bounded bytes ------------------------------------------------------
+
+
+class RecordingEngine(SimEngine):
+    """SimEngine that keeps weak references to every array it hands out."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.refs: list[weakref.ref[Any]] = []
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        outputs = await super().generate(request)
+        for out in outputs:
+            self.refs += [weakref.ref(out.tokens), weakref.ref(out.logprobs)]
+            if out.routed_experts is not None:
+                self.refs.append(weakref.ref(out.routed_experts))
+        return outputs
+
+
+async def test_no_payload_survives_once_groups_land() -> None:
+    """Every array the engine produced is freed by reference counting once its group landed:
+    ready groups live on as encoded bytes, dropped ones not at all."""
+    engine = RecordingEngine(vocab_size=VOCAB, fail_rate=0.2, payload_bytes_per_sample=4096)
+    producer = Producer(
+        engine, prompts(300), parity_reward, group_size=4, filter="nonzero_std",
+        sampling=SamplingConfig(max_new_tokens=32),
+    )  # fmt: skip
+    gc.disable()
+    try:
+        async with producer:
+            batch = await producer.produce_batch(10)
+            await producer.pause()
+            assert not producer.ledger().in_flight_groups
+            assert engine.refs and all(r() is None for r in engine.refs)
+            await producer.resume()
+            rest = await consume_all(producer, 50)
+        assert all(r() is None for r in engine.refs)
+    finally:
+        gc.enable()
+    c = producer.progress.counters
+    assert c.failed_groups > 20 and c.filtered_groups > 10
+    assert len(batch.groups) + len(rest) == c.consumed_groups
+
+
+async def test_bytes_stay_bounded_under_a_slow_consumer() -> None:
+    """The consumer takes one small batch at a time while the producer could run far ahead:
+    held + reserved bytes never pass max_buffer_bytes, and production stops at the bound."""
+    producer = make_producer(
+        400, sim={"payload_bytes_per_sample": 8192}, max_new_tokens=64, group_size=4,
+        max_buffer_bytes=400_000, max_inflight_groups=64,
+    )  # fmt: skip
+    bound = producer.config.max_buffer_bytes
+    peaks: list[int] = []
+    put = producer.buffer.put
+
+    def checked_put(group: RolloutGroup) -> PutOutcome:
+        outcome = put(group)
+        held = producer.buffer.held_bytes
+        reserved = producer.buffer.num_reserved * producer.buffer.reserve_bytes
+        assert held + reserved <= bound, (held, reserved, bound)
+        peaks.append(held)
+        return outcome
+
+    producer.buffer.put = checked_put  # type: ignore[method-assign]
+    async with producer:
+        taken = 0
+        while taken < 400:
+            batch = await producer.produce_batch(2)
+            taken += len(batch.groups)
+            assert producer.ledger().ready_groups * producer.buffer.reserve_bytes <= bound
+    assert max(peaks) > bound // 2  # the bound, not the workload, limited it
+    assert producer.buffer.reserve_bytes * 12 > bound  # ~10 groups fit: far fewer than 64
+
+
+# -- pause, resume, abort, versions --------------------------------------------------------------
+
+
+async def test_pause_resume_storm_loses_nothing() -> None:
+    drops: list[DropRecord] = []
+    producer = make_producer(
+        120,
+        sim={"per_token_latency_s": 0.0005, "lengths": "uniform", "min_new_tokens": 4},
+        max_new_tokens=32,
+        max_inflight_groups=16,
+        on_drop=drops.append,
+    )
+    checks = watch_ledger(producer)
+    consumed: list[RolloutGroup] = []
+    async with producer:
+        for cycle in range(100):
+            await producer.pause()
+            ledger = producer.check_ledger()
+            assert ledger.in_flight_groups == 0  # abort mode: everything landed
+            await producer.resume()
+            if cycle % 5 == 4:
+                try:
+                    consumed += (await producer.produce_batch(4)).groups
+                except ProducerExhausted:
+                    break
+        consumed += await consume_all(producer, 8)
+    c = producer.progress.counters
+    assert c.aborted_groups > 20 and c.resumed_groups > 20  # the storm really cut groups
+    assert not drops and len(consumed) == 120
+    assert {g.prompt_id for g in consumed} == {f"default/{i}" for i in range(120)}
+    for g in consumed:
+        for s in g.samples:
+            assert s.status is Status.COMPLETED and s.finish_reason in ("stop", "length")
+            assert len(s.tokens) == len(s.logprobs) == len(s.versions) <= 32
+            assert s.finish_reason == "stop" or len(s.tokens) == 32
+    assert any(g.attempts > 1 for g in consumed)
+    assert len(checks) >= c.aborted_groups + c.completed_groups  # checked at every landing
+
+
+async def test_update_weights_stamps_versions_and_resumes_partials() -> None:
+    producer = make_producer(
+        40, sim={"per_token_latency_s": 0.002, "lengths": "uniform", "min_new_tokens": 4},
+        max_new_tokens=32, max_inflight_groups=8,
+    )  # fmt: skip
+    consumed: list[RolloutGroup] = []
+    async with producer:
+        for _ in range(4):
+            batch = await producer.produce_batch(4)
+            consumed += batch.groups
+            assert await producer.update_weights(None) == batch.version + 1
+        consumed += await consume_all(producer, 4)
+    assert producer.version == 4
+    mixed = [
+        s for g in consumed for s in g.samples if len(set(s.versions.tolist())) > 1
+    ]  # continued under a newer version after an abort
+    assert mixed, "expected some samples to span a weight update"
+    for s in mixed:
+        assert (np.diff(s.versions) >= 0).all()
+        assert s.finish_reason == "stop" or len(s.tokens) == 32
+    assert len({g.prompt_id for g in consumed}) == 40
+
+
+async def test_keep_mode_freezes_in_place_and_stamps_new_tokens() -> None:
+    producer = make_producer(
+        40, sim={"per_token_latency_s": 0.002, "lengths": "uniform", "min_new_tokens": 4},
+        max_new_tokens=32, pause_mode="keep", max_inflight_groups=8,
+    )  # fmt: skip
+    consumed: list[RolloutGroup] = []
+    async with producer:
+        for _ in range(4):
+            consumed += (await producer.produce_batch(4)).groups
+            in_flight = producer.ledger().in_flight_groups
+            await producer.pause()
+            assert producer.ledger().in_flight_groups == in_flight  # nothing aborted
+            await producer.resume()
+            await producer.update_weights(None)
+        consumed += await consume_all(producer, 4)
+    c = producer.progress.counters
+    assert c.aborted_groups == 0 and c.resumed_groups == 0
+    spans = [s for g in consumed for s in g.samples if len(set(s.versions.tolist())) > 1]
+    assert spans  # frozen mid-sample, continued under the next version
+    assert all((np.diff(s.versions) >= 0).all() for s in spans)
+    assert max(int(s.versions[-1]) for s in spans) <= producer.version
+
+
+async def test_keep_mode_needs_an_engine_that_supports_it() -> None:
+    class NoKeep(SimEngine):
+        @property
+        def supports_keep_pause(self) -> bool:
+            return False
+
+    with pytest.raises(ValueError, match="pause_mode='abort'"):
+        Producer(NoKeep(), [], parity_reward, pause_mode="keep")
+
+
+# -- staleness -----------------------------------------------------------------------------------
+
+
+async def test_staleness_zero_trains_only_on_policy_tokens() -> None:
+    producer = make_producer(
+        64, sim={"per_token_latency_s": 0.0005}, batch_size=4, max_staleness=0,
+        max_inflight_groups=16,
+    )  # fmt: skip
+    async with producer:
+        async for batch in producer.batches():
+            assert batch.staleness_tokens().keys() <= {0}
+            assert producer.ledger().in_flight_groups + producer.ledger().ready_groups <= 4
+            await producer.update_weights(None)
+    assert producer.progress.counters.consumed_groups == 64
+
+
+async def test_staleness_one_overlaps_and_expires_what_is_too_old() -> None:
+    drops: list[DropRecord] = []
+    producer = make_producer(
+        80, sim={"per_token_latency_s": 0.001, "lengths": "uniform"}, max_new_tokens=32,
+        batch_size=4, max_staleness=1, oversample=2.0, max_inflight_groups=16,
+        on_drop=drops.append,
+    )  # fmt: skip
+    consumed: list[RolloutGroup] = []
+    async with producer:
+        async for batch in producer.batches():
+            assert max(batch.staleness_tokens(), default=0) <= 1
+            consumed += batch.groups
+            await producer.update_weights(None)
+            producer.check_ledger()
+    expired = [d for d in drops if d.outcome is PutOutcome.DROPPED_EXPIRED]
+    assert producer.progress.counters.expired_groups == len(expired)
+    ends = terminal_by_prompt(consumed, drops)
+    assert len(ends) == 80 and set(ends.values()) == {1}  # expired prompts came back
+
+
+async def test_stall_is_reported_instead_of_waiting_forever() -> None:
+    producer = make_producer(20, batch_size=4, max_staleness=0)
+    async with producer:
+        await producer.produce_batch()
+        with pytest.raises(StalledError, match="update_weights"):
+            await producer.produce_batch()
+        await producer.update_weights(None)
+        assert len((await producer.produce_batch()).groups) == 4
+
+
+async def test_produce_batch_while_paused_is_a_stall() -> None:
+    producer = make_producer(20)
+    async with producer:
+        await producer.pause()
+        with pytest.raises(StalledError, match="resume"):
+            await producer.produce_batch(4)
+        await producer.resume()
+        assert len((await producer.produce_batch(4)).groups) == 4
+
+
+async def test_timeout_takes_nothing() -> None:
+    producer = make_producer(
+        8, sim={"per_token_latency_s": 0.05}, max_new_tokens=100, max_inflight_groups=1
+    )
+    async with producer:
+        with pytest.raises(TimeoutError):
+            await producer.produce_batch(8, timeout=0.01)
+        assert producer.ledger().consumed_groups == 0
+
+
+# -- lifecycle, death, cancellation --------------------------------------------------------------
+
+
+async def test_engine_death_surfaces_as_an_error() -> None:
+    engine = SimEngine(vocab_size=VOCAB, per_token_latency_s=0.001)
+    producer = Producer(engine, prompts(100), parity_reward, group_size=2)
+    with pytest.raises(ProducerError, match="engine died"):
+        async with producer:
+            await producer.produce_batch(2)
+            await engine.close()
+            await asyncio.wait_for(consume_all(producer, 2), 10)
+    producer.check_ledger()
+    assert not producer.running
+
+
+async def test_cancelling_the_owner_leaves_no_task_and_no_reference() -> None:
+    engine = RecordingEngine(vocab_size=VOCAB, per_token_latency_s=0.001)
+    producer = Producer(engine, prompts(200), parity_reward, group_size=4)
+    started = asyncio.Event()
+
+    async def owner(p: Producer) -> None:
+        async with p:
+            await p.produce_batch(2)
+            started.set()
+            await consume_all(p, 2)
+
+    task = asyncio.ensure_future(owner(producer))
+    await asyncio.wait_for(started.wait(), 10)
+    task.cancel()
+    try:  # not pytest.raises: its ExceptionInfo would keep the traceback (and the producer)
+        await task
+    except asyncio.CancelledError:
+        pass
+    else:
+        pytest.fail("the owner was not cancelled")
+    names = [t.get_name() for t in asyncio.all_tasks()]
+    assert not [n for n in names if n.startswith("asyncroll")]
+    producer.check_ledger()
+    assert producer.ledger().in_flight_groups == 0 and producer.ledger().resume_groups > 0
+    ref = weakref.ref(producer)
+    gc.disable()
+    try:
+        del producer, task
+        # The loop still holds the cancelled task's last wake-up callback (asyncio internals);
+        # one turn of the loop runs it. Not a timing wait: nothing else is pending.
+        await asyncio.sleep(0)
+        assert ref() is None  # no task, callback or cycle kept it alive
+        assert all(r() is None for r in engine.refs)
+    finally:
+        gc.enable()
+
+
+async def test_exception_in_the_body_stops_cleanly_and_keeps_partials() -> None:
+    producer = make_producer(100, sim={"per_token_latency_s": 0.001}, max_inflight_groups=8)
+    with pytest.raises(KeyError):
+        async with producer:
+            await producer.produce_batch(2)
+            raise KeyError("trainer crashed")
+    ledger = producer.check_ledger()
+    assert ledger.in_flight_groups == 0
+    assert ledger.resume_groups + ledger.ready_groups > 0  # kept for a checkpoint
+    state = producer.state_dict()
+    assert len(state.ready) + len(state.resume) == ledger.ready_groups + ledger.resume_groups
+
+
+async def test_producer_runs_once_and_needs_its_context() -> None:
+    producer = make_producer(4)
+    with pytest.raises(RuntimeError, match="async with"):
+        await producer.produce_batch(1)
+    async with producer:
+        await producer.produce_batch(1)
+    with pytest.raises(RuntimeError, match="stopped"):
+        await producer.produce_batch(1)
+    with pytest.raises(RuntimeError, match="runs once"):
+        async with producer:
+            pass
+
+
+async def test_failing_prompt_source_stops_the_producer() -> None:
+    def source() -> Any:
+        yield [1, 2]
+        raise OSError("dataset file vanished")
+
+    producer = Producer(SimEngine(vocab_size=VOCAB), source(), parity_reward, group_size=2)
+    with pytest.raises(ProducerError, match="prompt source raised OSError"):
+        async with producer:
+            await producer.produce_batch(1)
+            await producer.produce_batch(1)
+
+
+async def test_async_prompt_source_and_its_deadline() -> None:
+    async def source() -> Any:
+        for p in prompts(6):
+            yield p
+
+    producer = Producer(SimEngine(vocab_size=VOCAB), source(), parity_reward, group_size=2)
+    async with producer:
+        assert len(await consume_all(producer, 4)) == 6
+
+    async def stuck() -> Any:
+        yield [1, 2]
+        await asyncio.Event().wait()
+        yield [3, 4]
+
+    producer = Producer(
+        SimEngine(vocab_size=VOCAB), stuck(), parity_reward, group_size=2, prompt_timeout_s=0.05
+    )
+    with pytest.raises(ProducerError, match="prompt_timeout_s"):
+        async with producer:
+            await producer.produce_batch(1)
+            await producer.produce_batch(1)
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"group_size": 0}, "group_size=0"),
+        ({"max_staleness": -1, "batch_size": 4}, "max_staleness=-1"),
+        ({"max_staleness": 1}, "needs batch_size"),
+        ({"max_buffer_bytes": 1000}, "max_buffer_bytes=1000 is smaller than one group"),
+        ({"batch_size": 10, "max_buffer_groups": 5}, "raise max_buffer_groups"),
+        ({"filter": "top_k"}, "filter='top_k' is unknown"),
+        ({"reward_timeout_s": 0}, "reward_timeout_s=0"),
+        ({"oversample": 0.5}, "oversample"),
+        ({"pause_mode": "freeze"}, "pause_mode"),
+        ({"groupsize": 8}, "unknown producer option"),
+        ({"reward_fn_typo": 1}, "valid are"),
+    ],
+)
+def test_bad_config_names_the_field_and_the_fix(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_producer(4, **options)
+
+
+def test_reward_fn_must_be_callable() -> None:
+    with pytest.raises(ValueError, match="reward_fn must be callable"):
+        Producer(SimEngine(), [], "not a function")  # type: ignore[arg-type]
+
+
+async def test_batch_that_can_never_fill_is_refused() -> None:
+    producer = make_producer(4, max_buffer_groups=8)
+    async with producer:
+        with pytest.raises(ValueError, match="can never fill"):
+            await producer.produce_batch(9)

@@ -1,0 +1,168 @@
+"""Checkpoints: exact continuation, atomic files, clear refusals (SimEngine: a simulation)."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from asyncroll import CheckpointError, DropRecord, Producer, PutOutcome, RolloutGroup, TaskMix
+from asyncroll.state import dumps, loads
+from tests.test_producer import VOCAB, SimEngine, consume_all, make_producer, parity_reward, prompts
+
+
+def ends(consumed: list[RolloutGroup], drops: list[DropRecord]) -> list[str]:
+    out = [g.prompt_id for g in consumed]
+    out += [d.prompt_id for d in drops if d.outcome is not PutOutcome.DROPPED_EXPIRED]
+    return sorted(out)
+
+
+async def test_state_dict_continues_the_run_exactly() -> None:
+    sim = {"per_token_latency_s": 0.0005, "fail_rate": 0.1, "lengths": "uniform"}
+    drops_a: list[DropRecord] = []
+    a = make_producer(120, sim=sim, max_new_tokens=32, on_drop=drops_a.append, filter="nonzero_std")
+    consumed_a: list[RolloutGroup] = []
+    async with a:
+        for _ in range(3):
+            consumed_a += (await a.produce_batch(8)).groups
+        await a.update_weights(None)
+        async with a.pausing():  # abort mode: in-flight work lands as partials first
+            state = loads(dumps(a.state_dict()))
+            drops_before = list(drops_a)
+    assert state.version == 1 and state.resume  # partial groups are in the checkpoint
+
+    drops_b: list[DropRecord] = []
+    b = make_producer(120, sim=sim, max_new_tokens=32, on_drop=drops_b.append, filter="nonzero_std")
+    b.load_state_dict(state)
+    assert b.version == 1
+    b.check_ledger()  # the loaded run is balanced before it starts
+    async with b:
+        consumed_b = await consume_all(b, 8)
+    b.check_ledger()
+    assert ends(consumed_a + consumed_b, drops_before + drops_b) == sorted(
+        f"default/{i}" for i in range(120)
+    )  # every prompt ended exactly once across the two runs
+    c = b.progress.counters
+    assert c.started_groups == 120 and c.consumed_groups == len(consumed_a) + len(consumed_b)
+    assert c.reward_count > state.counters.reward_count  # counters continued, not restarted
+    assert c.resumed_groups > state.counters.resumed_groups  # the partials were resumed
+
+
+async def test_save_while_running_and_load_from_file(tmp_path: Path) -> None:
+    sim = {"per_token_latency_s": 0.0005, "fail_rate": 0.1, "lengths": "uniform"}
+    a = make_producer(100, sim=sim, max_new_tokens=32)
+    async with a:
+        await a.produce_batch(8)
+        await a.save(tmp_path / "ckpt")
+    state = loads((tmp_path / "ckpt").read_bytes())
+    ended_before = state.counters.consumed_groups + state.counters.failed_groups
+    drops_b: list[DropRecord] = []
+    b = make_producer(100, sim=sim, max_new_tokens=32, on_drop=drops_b.append)
+    b.load(tmp_path / "ckpt")
+    b.check_ledger()
+    async with b:
+        consumed_b = await consume_all(b, 8)
+    ended_after = ends(consumed_b, drops_b)
+    assert len(set(ended_after)) == len(ended_after)  # none twice
+    assert ended_before + len(ended_after) == 100  # none missing
+
+
+async def test_checkpoint_after_exit_holds_partials_and_ready_groups() -> None:
+    producer = make_producer(60, sim={"per_token_latency_s": 0.001}, max_new_tokens=32)
+    async with producer:
+        await producer.produce_batch(4)
+    state = producer.state_dict()
+    ledger = producer.ledger()
+    assert len(state.ready) == ledger.ready_groups and len(state.resume) == ledger.resume_groups
+    again = loads(dumps(state))
+    assert again == state
+
+
+async def test_state_dict_refuses_while_groups_are_in_flight() -> None:
+    producer = make_producer(60, sim={"per_token_latency_s": 0.01}, max_new_tokens=100)
+    async with producer:
+        with pytest.raises(TimeoutError):
+            await producer.produce_batch(1, timeout=0.05)
+        with pytest.raises(RuntimeError, match="in flight"):
+            producer.state_dict()
+        async with producer.pausing():
+            assert producer.state_dict().resume  # abort mode drained them into partials
+
+
+def corrupt(data: bytes) -> list[tuple[bytes, str]]:
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    future = bytearray(data)
+    future[4:8] = struct.pack("<I", 99)
+    return [
+        (data[:10], "truncated"),
+        (data[:-5], "truncated"),
+        (bytes(flipped), "checksum"),
+        (b"NOPE" + data[4:], "not an asyncroll checkpoint"),
+        (bytes(future), "format 99"),
+    ]
+
+
+async def test_bad_checkpoints_fail_clearly_and_never_half_load(tmp_path: Path) -> None:
+    producer = make_producer(30, sim={"per_token_latency_s": 0.001})
+    async with producer:
+        await producer.produce_batch(4)
+    data = dumps(producer.state_dict())
+    for bad, message in corrupt(data):
+        path = tmp_path / "bad"
+        path.write_bytes(bad)
+        fresh = make_producer(30)
+        with pytest.raises(CheckpointError, match=message):
+            fresh.load(path)
+        assert fresh.version == 0 and fresh.buffer.num_ready == fresh.buffer.num_resume == 0
+        assert fresh.progress.counters.started_groups == 0
+
+
+async def test_checkpoint_of_another_shape_is_refused() -> None:
+    producer = make_producer(30)
+    async with producer:
+        await producer.produce_batch(4)
+    state = producer.state_dict()
+    with pytest.raises(CheckpointError, match="group_size"):
+        make_producer(30, group_size=3).load_state_dict(state)
+    mixed = Producer(
+        SimEngine(vocab_size=VOCAB), TaskMix({"a": prompts(3)}), parity_reward, group_size=4
+    )
+    with pytest.raises(ValueError, match="tasks"):
+        mixed.load_state_dict(state)
+    wrong_version = msgspec.structs.replace(state, format=2)
+    with pytest.raises(CheckpointError, match="format 2"):
+        make_producer(30).load_state_dict(wrong_version)
+    running = make_producer(30)
+    async with running:
+        with pytest.raises(RuntimeError, match="before"):
+            running.load_state_dict(state)
+
+
+def test_write_is_atomic_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    from asyncroll.state import write_atomic
+
+    target = tmp_path / "sub" / "ckpt"
+    write_atomic(target, b"one")
+    write_atomic(target, b"two")
+    assert target.read_bytes() == b"two"
+    assert os.listdir(target.parent) == ["ckpt"]
+
+
+def test_failed_write_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncroll import state as state_mod
+
+    target = tmp_path / "ckpt"
+    state_mod.write_atomic(target, b"old")
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(state_mod.os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        state_mod.write_atomic(target, b"new")
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["ckpt"]
