@@ -80,13 +80,15 @@ async def _simulate(args: argparse.Namespace) -> None:
     c = producer.progress.counters
     rows = [
         ("groups started", ledger.started_groups),
-        ("consumed / failed / filtered", f"{c.consumed_groups} / {c.failed_groups} / "
-         f"{c.filtered_groups}"),
+        ("consumed groups", c.consumed_groups),
+        ("failed groups", c.failed_groups),
+        ("filtered groups", c.filtered_groups),
         ("generated tokens", c.generated_tokens),
-        ("wasted tokens (failed, filtered)", f"{c.wasted_tokens_failed}, {c.wasted_tokens_filtered}"),
+        ("wasted tokens: failed", c.wasted_tokens_failed),
+        ("wasted tokens: filtered", c.wasted_tokens_filtered),
         ("groups/s", f"{ledger.started_groups / seconds:,.0f}"),
         ("ledger", "balanced"),
-    ]  # fmt: skip
+    ]
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
