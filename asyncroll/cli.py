@@ -1,4 +1,8 @@
-"""`asyncroll` command line: `simulate` runs the producer against SimEngine (a simulation)."""
+"""`asyncroll` command line.
+
+`demo` trains the tiny local model with GRPO on CPU with real vLLM rollouts; `simulate` runs the
+producer against SimEngine (a simulation: random tokens, no model) to show its accounting.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from collections.abc import Sequence
 import psutil
 from tqdm import tqdm
 
+from asyncroll.demo import DemoConfig, ensure_cpu_env, run_demo
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.engines.sim import SimConfig, SimEngine
 from asyncroll.producer import Producer
@@ -19,6 +24,18 @@ from asyncroll.types import RolloutGroup
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="asyncroll", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="GRPO on the tiny local model with real vLLM (CPU ok)")
+    defaults = DemoConfig()
+    demo.add_argument("--steps", type=int, default=defaults.steps)
+    demo.add_argument("--group-size", type=int, default=defaults.group_size)
+    demo.add_argument("--batch-groups", type=int, default=defaults.batch_groups)
+    demo.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    demo.add_argument("--max-staleness", type=int, default=defaults.max_staleness)
+    demo.add_argument("--lr", type=float, default=defaults.lr)
+    demo.add_argument("--seed", type=int, default=defaults.seed)
+    demo.add_argument("--out", default=defaults.out, help="folder for metrics, plot, checkpoints")
+    demo.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: never)")
+    demo.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     sim = sub.add_parser(
         "simulate",
         help="run the producer against SimEngine: a simulation (random tokens, no model) that "
@@ -34,7 +51,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     sim.add_argument("--filter", default="nonzero_std", help="'nonzero_std' or 'none'")
     sim.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    asyncio.run(_simulate(args))
+    if args.command == "demo":
+        options = {k: v for k, v in vars(args).items() if k != "command"}
+        try:
+            config = DemoConfig(**options)
+        except ValueError as exc:
+            parser.error(str(exc))
+        ensure_cpu_env()
+        asyncio.run(run_demo(config))
+    else:
+        asyncio.run(_simulate(args))
 
 
 async def _parity_reward(group: RolloutGroup) -> list[float]:

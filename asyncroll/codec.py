@@ -18,6 +18,7 @@ of their own, in-memory buffer entries are immutable `bytes`).
 
 from __future__ import annotations
 
+import math
 import struct
 import sys
 from typing import Any
@@ -136,13 +137,9 @@ def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
         if dtype_code >= len(_DTYPES):
             raise CodecError(f"bad array header (dtype code {dtype_code})")
         dtype = _DTYPES[dtype_code]
-        count = 1
-        for dim in shape:
-            if dim < 0:
-                raise CodecError(f"negative array dimension in shape {shape}")
-            count *= dim
-        if offset + count * dtype.itemsize > data_len:
-            raise CodecError(f"array of shape {shape} runs past the end of the data region")
+        count = shape[0] if ndim == 1 else math.prod(shape)
+        if min(shape, default=0) < 0 or offset + count * dtype.itemsize > data_len:
+            raise CodecError(f"array of shape {shape} at {offset} lies outside the data region")
         arr = np.frombuffer(buf, dtype=dtype, count=count, offset=data_start + offset)
         return arr if ndim == 1 else arr.reshape(shape)
 

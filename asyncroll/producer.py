@@ -193,6 +193,7 @@ class Producer:
         self._fatal: str | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._scheduler: asyncio.Task[None] | None = None
+        self._idle_since: float | None = None  # when the last group in flight landed
         self._executor: ThreadPoolExecutor | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -208,6 +209,7 @@ class Producer:
         tg = asyncio.TaskGroup()
         await tg.__aenter__()
         self._tg = tg
+        self._idle_since = time.monotonic()
         try:
             if self._version:  # resumed from a checkpoint: stamp tokens with its version
                 await self._engine_call(
@@ -231,6 +233,7 @@ class Producer:
         self._changed.notify()
         try:
             await self._drain()
+            self._count_idle()
         finally:
             for flight in self._inflight.values():
                 if flight.task is not None:
@@ -298,6 +301,7 @@ class Producer:
             c.consumed_samples += g.num_samples
             c.consumed_tokens += g.num_tokens
         self._changed.notify()
+        self._count_idle()
         delta, totals, latency, window_s = self.progress.consume()
         return ProduceBatchResult(
             groups=groups,
@@ -599,6 +603,7 @@ class Producer:
             started_at=time.monotonic(),
         )
         self._inflight[group.uid] = flight
+        self._count_idle()
         c = self.progress.counters
         if resumed:
             c.resumed_groups += 1
@@ -722,9 +727,18 @@ class Producer:
             latency_s=group.latency_s + (time.monotonic() - flight.started_at),
         )
 
+    def _count_idle(self) -> None:
+        """Add the idle time since the last group landed (if none is in flight) to `idle_s`."""
+        now = time.monotonic()
+        if self._idle_since is not None:
+            self.progress.counters.idle_s += now - self._idle_since
+        self._idle_since = None if self._inflight else now
+
     def _land(self, group: RolloutGroup, flight: _Flight) -> None:
         """Hand a finished attempt to the buffer and count it: one synchronous step."""
         del self._inflight[group.uid]
+        if not self._inflight:
+            self._idle_since = time.monotonic()
         c = self.progress.counters
         c.generated_tokens += group.num_tokens - flight.tokens
         outcome = self.buffer.put(group)

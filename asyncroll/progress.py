@@ -44,6 +44,7 @@ class ProgressCounters(msgspec.Struct, kw_only=True):
     reward_sum: float = 0.0  # over every scored sample, before filtering
     reward_count: int = 0
     wait_s: float = 0.0  # time the trainer spent waiting inside produce_batch
+    idle_s: float = 0.0  # time the producer ran with no group in flight (generation idle)
 
     def minus(self, earlier: ProgressCounters) -> ProgressCounters:
         """The counts accumulated since `earlier` (a snapshot of the same counters)."""

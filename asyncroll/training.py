@@ -54,13 +54,14 @@ def group_advantages(
     if method == "none":
         return rewards.copy()
     n = rewards.shape[1]
-    mean = rewards.mean(axis=1, keepdims=True)
+    centered: npt.NDArray[np.float64] = rewards - rewards.mean(axis=1, keepdims=True)
     if method == "grpo":
-        return (rewards - mean) / (rewards.std(axis=1, keepdims=True) + eps)
+        scale: npt.NDArray[np.float64] = rewards.std(axis=1, keepdims=True) + eps
+        return centered / scale
     if method == "rloo":
         if n < 2:
             raise ValueError("rloo needs at least 2 samples per group")
-        return (rewards - mean) * n / (n - 1)
+        return centered * np.float64(n / (n - 1))
     raise ValueError(f"advantage={method!r}: use 'grpo', 'rloo' or 'none'")
 
 

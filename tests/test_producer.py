@@ -149,7 +149,7 @@ async def test_delta_counters_reset_between_batches_and_add_up_to_totals() -> No
     assert [d.consumed_groups for d in deltas] == [8] * 5
     totals = producer.progress.counters
     for field in totals.__struct_fields__:
-        if field != "wait_s":  # the last, exhausted call waited too
+        if field not in ("wait_s", "idle_s"):  # also counted after the last batch
             assert sum(getattr(d, field) for d in deltas) == getattr(totals, field), field
 
 
@@ -404,6 +404,7 @@ async def test_pause_resume_storm_loses_nothing() -> None:
         consumed += await consume_all(producer, 8)
     c = producer.progress.counters
     assert c.aborted_groups > 20 and c.resumed_groups > 20  # the storm really cut groups
+    assert c.idle_s > 0  # paused stretches, with nothing in flight, count as idle
     assert not drops and len(consumed) == 120
     assert {g.prompt_id for g in consumed} == {f"default/{i}" for i in range(120)}
     for g in consumed:
@@ -525,6 +526,15 @@ async def test_produce_batch_while_paused_is_a_stall() -> None:
             await producer.produce_batch(4)
         await producer.resume()
         assert len((await producer.produce_batch(4)).groups) == 4
+
+
+async def test_idle_time_is_bounded_by_the_run() -> None:
+    producer = make_producer(30, sim={"per_token_latency_s": 0.0005})
+    start = asyncio.get_running_loop().time()
+    async with producer:
+        await consume_all(producer, 5)
+    wall = asyncio.get_running_loop().time() - start
+    assert 0 < producer.progress.counters.idle_s <= wall
 
 
 async def test_timeout_takes_nothing() -> None:
