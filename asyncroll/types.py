@@ -35,7 +35,7 @@ class Status(enum.StrEnum):
     EXPIRED = "expired"
 
 
-class RolloutState(msgspec.Struct, frozen=True, kw_only=True, array_like=True, weakref=True):
+class RolloutState(msgspec.Struct, frozen=True, array_like=True, weakref=True):
     """One sampled response to a prompt.
 
     `tokens`, `logprobs` and `versions` are parallel arrays: token i was sampled with
@@ -73,7 +73,7 @@ class RolloutState(msgspec.Struct, frozen=True, kw_only=True, array_like=True, w
         return len(self.tokens)
 
 
-class RolloutGroup(msgspec.Struct, frozen=True, kw_only=True, array_like=True, weakref=True):
+class RolloutGroup(msgspec.Struct, frozen=True, array_like=True, weakref=True):
     """The samples of one prompt: the unit of scheduling, buffering, filtering and staleness.
 
     `uid` is unique per started group in a producer run; `prompt_id` names the prompt and is

@@ -53,7 +53,7 @@ def test_round_trip_is_exact(group: RolloutGroup) -> None:
 
 
 def test_decode_is_zero_copy_read_only_and_aligned() -> None:
-    group = make_group(samples=3, tokens=1000, payload=7)
+    group = make_group(samples=3, tokens=1001, payload=7)
     data = encode(group)
     out = decode(data)
     base = np.frombuffer(data, dtype=np.uint8)
@@ -62,7 +62,11 @@ def test_decode_is_zero_copy_read_only_and_aligned() -> None:
             assert arr is not None
             assert np.shares_memory(arr, base)  # a view into the message, not a copy
             assert not arr.flags.writeable
-            assert (arr.ctypes.data - base.ctypes.data) % ALIGN == 0
+            assert arr.flags.aligned
+    first = out.samples[0]  # each packed field and each other array starts on ALIGN bytes
+    for arr in (first.tokens, first.logprobs, first.versions, first.routed_experts):
+        assert arr is not None
+        assert (arr.ctypes.data - base.ctypes.data) % ALIGN == 0
     with pytest.raises(ValueError, match="read-only"):
         out.samples[0].tokens[0] = 1
 
