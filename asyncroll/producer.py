@@ -660,8 +660,8 @@ class Producer:
             samples = rollout.merge_outputs(
                 group, request, outputs, vocab_size=engine.vocab_size, version=self._version
             )
-        except rollout.RolloutError as exc:
-            return finish(group.samples, Status.FAILED, str(exc))
+        except (ValueError, TypeError) as exc:  # RolloutError, or arrays that do not fit
+            return finish(group.samples, Status.FAILED, f"malformed engine output: {exc}")
         status = group_status(samples)
         if status is not Status.COMPLETED:
             return finish(samples, status)
@@ -693,19 +693,22 @@ class Producer:
         """Call the reward function on the completed group, within `reward_timeout_s`."""
         cfg = self.config
         scored = msgspec.structs.replace(group, samples=samples, status=Status.COMPLETED)
-        async with asyncio.timeout(cfg.reward_timeout_s):
-            if self._executor is not None:
-                loop = asyncio.get_running_loop()
-                result = await loop.run_in_executor(self._executor, self.reward_fn, scored)
-            else:
-                start = time.monotonic()
-                result = self.reward_fn(scored)
-                if (
-                    not inspect.isawaitable(result)
-                    and time.monotonic() - start > cfg.reward_timeout_s
-                ):
+        pending: Any
+        if self._reward_is_async:
+            pending = self.reward_fn(scored)
+        elif self._executor is not None:
+            loop = asyncio.get_running_loop()
+            pending = loop.run_in_executor(self._executor, self.reward_fn, scored)
+        else:  # inline on the loop: it cannot be interrupted, only judged late
+            start = time.monotonic()
+            pending = self.reward_fn(scored)
+            if not inspect.isawaitable(pending):
+                if time.monotonic() - start > cfg.reward_timeout_s:
                     raise TimeoutError
-            if inspect.isawaitable(result):
+                return pending
+        async with asyncio.timeout(cfg.reward_timeout_s):
+            result = await pending
+            while inspect.isawaitable(result):  # a sync function that returned a coroutine
                 result = await result
         return result
 

@@ -295,9 +295,10 @@ async def test_malformed_outputs_fail_with_the_reason() -> None:
     async with producer:
         with pytest.raises(ProducerExhausted):
             await producer.produce_batch(1)
-    reasons = {(d.error or "").split(":")[0].split(" (")[0] for d in drops}
+    errors = [d.error or "" for d in drops]
     assert len(drops) == 60
-    assert any("samples for" in r for r in reasons)  # wrong number of outputs
+    assert all(e.startswith("malformed engine output: ") for e in errors)
+    assert any("samples for" in e for e in errors)  # wrong number of outputs
     assert any("logprob" in (d.error or "") for d in drops)
     assert any("vocabulary" in (d.error or "") for d in drops)
 
@@ -694,3 +695,87 @@ async def test_batch_that_can_never_fill_is_refused() -> None:
     async with producer:
         with pytest.raises(ValueError, match="can never fill"):
             await producer.produce_batch(9)
+
+
+# -- routed experts (MoE router replay payload) --------------------------------------------------
+
+
+async def test_routed_experts_survive_abort_and_resume_one_row_per_token() -> None:
+    sim = {"per_token_latency_s": 0.002, "payload_bytes_per_sample": 32 * 16, "lengths": "uniform"}
+    producer = make_producer(40, sim=sim, max_new_tokens=32, max_inflight_groups=8)
+    async with producer:
+        consumed = []
+        for _ in range(3):
+            consumed += (await producer.produce_batch(4)).groups
+            await producer.update_weights(None)  # aborts mid-sample: partials resume
+        consumed += await consume_all(producer, 4)
+    assert producer.progress.counters.resumed_groups > 0
+    for g in consumed:
+        for s in g.samples:
+            assert s.routed_experts is not None
+            assert s.routed_experts.shape == (len(s.tokens), 16)
+
+
+class BadExpertsEngine(SimEngine):
+    """Continues samples with routed experts of another width: malformed output."""
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        outputs = await super().generate(request)
+        if any(len(s.prefix) for s in request.samples):
+            return [
+                msgspec_replace(o, routed_experts=np.zeros((len(o.tokens), 3), np.uint8))
+                for o in outputs
+            ]
+        return outputs
+
+
+async def test_malformed_continuation_fails_the_group_not_the_producer() -> None:
+    drops: list[DropRecord] = []
+    engine = BadExpertsEngine(
+        vocab_size=VOCAB, per_token_latency_s=0.002, payload_bytes_per_sample=32 * 16,
+        lengths="uniform", min_new_tokens=8,
+    )  # fmt: skip
+    producer = Producer(
+        engine, prompts(24), parity_reward, group_size=2, max_inflight_groups=8,
+        sampling=SamplingConfig(max_new_tokens=32), on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        for _ in range(3):
+            await producer.produce_batch(2)
+            await producer.update_weights(None)
+        await consume_all(producer, 2)
+    failed = [d for d in drops if d.outcome is PutOutcome.DROPPED_FAILED]
+    assert failed and all("routed experts" in (d.error or "") for d in failed)
+    producer.check_ledger()
+
+
+def test_routed_experts_merge_rules() -> None:
+    from asyncroll.engines.base import SampleRequest
+    from asyncroll.rollout import RolloutError, _extend
+    from asyncroll.types import RolloutState
+
+    def out(n: int, experts: Any) -> SampleOutput:
+        return SampleOutput(
+            tokens=np.ones(n, np.int32), logprobs=np.full(n, -1.0, np.float32),
+            versions=np.zeros(n, np.int32), finish_reason="length", routed_experts=experts,
+        )  # fmt: skip
+
+    req = SampleRequest(np.zeros(0, np.int32), 8)
+    fresh = _extend(RolloutState(), req, out(3, np.ones((3, 2), np.uint8)), VOCAB, 0)
+    assert fresh.routed_experts is not None and fresh.routed_experts.shape == (3, 2)
+    partial = msgspec_replace(fresh, status=Status.ABORTED)
+    more = _extend(partial, req, out(2, np.zeros((2, 2), np.uint8)), VOCAB, 0)
+    assert more.routed_experts is not None and more.routed_experts.shape == (5, 2)
+    with pytest.raises(RolloutError, match="only part"):
+        _extend(partial, req, out(2, None), VOCAB, 0)
+    with pytest.raises(RolloutError, match="change shape"):
+        _extend(partial, req, out(2, np.zeros((2, 5), np.uint8)), VOCAB, 0)
+    with pytest.raises(RolloutError, match="for 1 of 2 tokens"):
+        _extend(partial, req, out(2, np.zeros((1, 2), np.uint8)), VOCAB, 0)
+    assert _extend(partial, req, out(0, None), VOCAB, 0).routed_experts.shape == (3, 2)
+
+
+def msgspec_replace(obj: Any, **changes: Any) -> Any:
+    import msgspec
+
+    return msgspec.structs.replace(obj, **changes)

@@ -136,8 +136,9 @@ class SimEngine:
             del self._live[request.request_id]
         if self._closed:
             raise EngineDeadError("SimEngine was closed during the request")
+        width = -(-cfg.payload_bytes_per_sample // request.sampling.max_new_tokens)
         outputs = [
-            self._output(target, s.max_new_tokens, segments)
+            self._output(target, s.max_new_tokens, segments, width)
             for target, s in zip(targets, request.samples, strict=True)
         ]
         return self._corrupt(outputs) if malformed else outputs
@@ -224,8 +225,12 @@ class SimEngine:
         done = (active_s - cfg.first_token_latency_s) / cfg.per_token_latency_s
         return max(0, min(longest, int(done)))
 
-    def _output(self, target: int, budget: int, segments: list[tuple[int, int]]) -> SampleOutput:
-        """Sample output of `target` tokens (of a `budget`), cut short if aborted earlier."""
+    def _output(
+        self, target: int, budget: int, segments: list[tuple[int, int]], width: int
+    ) -> SampleOutput:
+        """Sample output of `target` tokens (of a `budget`), cut short if aborted earlier, with
+        `width` payload bytes per token (so a full-length sample carries about
+        `payload_bytes_per_sample`)."""
         n = min(target, segments[-1][0] if segments else 0)
         start = int(self._rng.integers(0, _POOL - n)) if n < _POOL else 0
         tokens = self._token_pool[start : start + n].copy()
@@ -245,10 +250,7 @@ class SimEngine:
                 end = min(upto, n)
                 versions[done:end] = version
                 done = max(done, end)
-        payload = self.config.payload_bytes_per_sample
-        experts = None
-        if payload:  # rows per token, like routed experts; `payload` bytes at the full budget
-            experts = np.full((n, -(-payload // budget)), n % 251, dtype=np.uint8)
+        experts = np.full((n, width), n % 251, dtype=np.uint8) if width else None
         return SampleOutput(
             tokens=tokens,
             logprobs=self._logprob_pool[start : start + n].copy(),
