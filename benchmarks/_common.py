@@ -136,8 +136,12 @@ def _json_default(obj: Any) -> Any:
 def best_time(fn: Callable[[], object], *, min_time_s: float, repeats: int = 5) -> float:
     """Seconds per call of `fn`: the best of `repeats` rounds of at least `min_time_s / repeats`
     each. The minimum is the least disturbed estimate on a shared machine (as `timeit` advises);
-    the rounds' spread is noise from other processes, not a property of the code."""
+    the rounds' spread is noise from other processes, not a property of the code. A call
+    slower than `min_time_s` is timed once after the warm-up (rounds would take minutes)."""
+    start = time.perf_counter()
     fn()  # warm caches and allocator pools: the first call is not what a steady run pays
+    if time.perf_counter() - start > min_time_s:
+        repeats = 1
     round_s = min_time_s / repeats
     best = float("inf")
     for _ in range(repeats):
