@@ -22,10 +22,9 @@ and resumes it). The trainer takes a batch, "trains" for `--train-s` seconds whi
 fills the buffer up to its bound, and updates the weights (a pause, a drain, a version bump).
 
 Per step (one `produce_batch`) each process samples RSS, the Python heap (tracemalloc, only
-with `--tracemalloc`: on 2 cores it added ~40% to the CPU time of a
-`--quick` run, and its own bookkeeping to RSS), the buffer's bytes and groups, the live
-`RolloutState` objects (a scan of the garbage collector's objects) and
-`torch.cuda.memory_allocated` where a CUDA GPU is present. The slope is a least-squares fit of
+with `--tracemalloc`: on 2 cores it added ~40% to the CPU time of a `--quick` run, and its own
+bookkeeping to RSS), the buffer's bytes and groups, the live `RolloutState` objects (a scan of
+the garbage collector's objects) and `torch.cuda.memory_allocated` where a CUDA GPU is present. The slope is a least-squares fit of
 RSS over groups started, after `--warmup` of the run (while the buffer first fills).
 """
 
