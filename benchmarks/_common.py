@@ -167,6 +167,12 @@ def rss_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def new_figure(ncols: int, *, width: float = 6.0, height: float = 4.2) -> tuple[Any, Any]:
-    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
-    return fig, axes[0]
+def new_figure(
+    nrows: int, ncols: int, *, width: float = 6.0, height: float = 4.2
+) -> tuple[Any, list[Any]]:
+    """A figure of nrows x ncols panels (flattened, row by row) whose layout leaves room for
+    a suptitle."""
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False, layout="constrained"
+    )
+    return fig, list(axes.ravel())

@@ -24,8 +24,10 @@ fills the buffer up to its bound, and updates the weights (a pause, a drain, a v
 Per step (one `produce_batch`) each process samples RSS, the Python heap (tracemalloc, only
 with `--tracemalloc`: on 2 cores it added ~40% to the CPU time of a `--quick` run, and its own
 bookkeeping to RSS), the buffer's bytes and groups, the live `RolloutState` objects (a scan of
-the garbage collector's objects) and `torch.cuda.memory_allocated` where a CUDA GPU is present. The slope is a least-squares fit of
-RSS over groups started, after `--warmup` of the run (while the buffer first fills).
+the garbage collector's objects) and `torch.cuda.memory_allocated` where a CUDA GPU is present.
+The slope is a least-squares fit of RSS over groups started, from the end of the warm-up (the
+buffer filling up to its bound) to the moment every prompt has started (after it the trainer
+only drains the buffer).
 """
 
 from __future__ import annotations
@@ -408,7 +410,7 @@ def _yes(ok: bool) -> str:
 
 
 def plot(runs: list[dict[str, Any]], w: Workload, bound: float, info: dict[str, Any]) -> Any:
-    fig, (ax_rss, ax_states) = new_figure(2)
+    fig, (ax_rss, ax_ours, ax_states) = new_figure(1, 3, width=5.2)
     for run in runs:
         rows = run["rows"]
         x = [r["groups"] for r in rows]
@@ -417,11 +419,13 @@ def plot(runs: list[dict[str, Any]], w: Workload, bound: float, info: dict[str, 
             heap = [r["heap_mib"] for r in rows]
             ax_rss.plot(x, heap, "--", color=line.get_color(), label=f"{run['variant']} heap")
         ax_states.plot(x, [r["live_states"] for r in rows], label=run["variant"])
-    ax_rss.axhline(bound, color="grey", linestyle=":", label="asyncroll bound (start+max+64)")
+        if run["variant"] == "asyncroll":
+            _plot_close_up(ax_ours, rows, bound, line.get_color())
+    ax_rss.axhline(bound, color="grey", linestyle=":", label="asyncroll bound")
     ax_rss.set(xlabel="groups started", ylabel="MiB", title="Process memory")
     ax_states.set(xlabel="groups started", ylabel="objects", title="Live RolloutState objects")
     ax_states.set_yscale("symlog")
-    for ax in (ax_rss, ax_states):
+    for ax in (ax_rss, ax_ours, ax_states):
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(
@@ -431,6 +435,15 @@ def plot(runs: list[dict[str, Any]], w: Workload, bound: float, info: dict[str, 
         fontsize=9,
     )
     return fig
+
+
+def _plot_close_up(ax: Any, rows: list[dict[str, Any]], bound: float, color: str) -> None:
+    """asyncroll alone, at a scale where a slope would show: RSS next to what the buffer holds."""
+    x = [r["groups"] for r in rows]
+    ax.plot(x, [r["rss_mib"] for r in rows], color=color, label="RSS")
+    ax.plot(x, [r["buffer_mib"] for r in rows], color=color, alpha=0.5, label="buffer holds")
+    ax.axhline(bound, color="grey", linestyle=":", label="bound: start + max_bytes + 64 MiB")
+    ax.set(xlabel="groups started", ylabel="MiB", title="asyncroll close-up", ylim=(0, None))
 
 
 def run_children(w: Workload, variants: Sequence[str]) -> list[dict[str, Any]]:

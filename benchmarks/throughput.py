@@ -715,7 +715,7 @@ def _yes(ok: bool) -> str:
 
 
 def plot(results: dict[str, Any], info: dict[str, Any]) -> Any:
-    fig, axes = new_figure(4, width=5.0)
+    fig, axes = new_figure(2, 2, width=6.5, height=4.5)
     if "codec" in results:
         _plot_codec(axes[0], results["codec"])
     if "buffer" in results:
@@ -749,7 +749,6 @@ def plot(results: dict[str, Any], info: dict[str, Any]) -> Any:
         f"{info['cpu_affinity']} CPUs",
         fontsize=9,
     )
-    fig.tight_layout()
     return fig
 
 
@@ -772,7 +771,7 @@ def _plot_codec(ax: Any, rows: list[dict[str, Any]]) -> None:
         ylabel="round trip GB/s",
         title="(a) Codec",
     )
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.08))
 
 
 # -- CLI -----------------------------------------------------------------------------------------
