@@ -58,8 +58,19 @@ def _commit() -> str:
         )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    # Changed tracked files make the stamp "+dirty"; committed results in DEFAULT_OUT do not.
     dirty = subprocess.run(
-        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+        [
+            "git",
+            "-C",
+            str(ROOT),
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ".",
+            f":!{DEFAULT_OUT.relative_to(ROOT)}",
+        ],
         capture_output=True,
         text=True,
     ).stdout.strip()
