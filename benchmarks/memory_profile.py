@@ -282,9 +282,9 @@ async def run_variant(w: Workload, variant: str) -> dict[str, Any]:
                     result = await producer.produce_batch(w.batch_size)
                 except ProducerExhausted:
                     break
-                del result  # the trainer is done with the batch once it has trained on it
                 step += 1
                 await asyncio.sleep(w.train_s)  # "training": the producer fills the buffer
+                del result  # the trainer is done with the batch once it has trained on it
                 if w.update_every and step % w.update_every == 0:
                     await producer.update_weights()
                 producer.check_ledger()
