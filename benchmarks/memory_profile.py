@@ -374,7 +374,7 @@ def report(w: Workload, runs: list[dict[str, Any]], out_dir: Path) -> dict[str, 
         "Targets",
         ["figure", "measured", "target", "met"],
         [
-            ["slope asyncroll / baseline", f"{ratio:.2%}", "<= 1%", _yes(ratio <= 0.01)],
+            ["slope asyncroll / baseline", f"{ratio * 100:.2g}%", "<= 1%", _yes(ratio <= 0.01)],
             ["peak RSS asyncroll (MiB)", f"{ours['peak_mib']:,.0f}", peak_target,
              _yes(ours["peak_mib"] <= bound)],
         ],
