@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 import psutil
 from _common import (
     DEFAULT_OUT,
@@ -128,12 +127,7 @@ def make_reward(w: Workload) -> Callable[[RolloutGroup], list[float]]:
 
 
 class WorkloadEngine(SimEngine):
-    """`SimEngine` whose answers are cut short ("abort") for a seeded share of attempts.
-
-    It also works around a SimEngine bug (reported in benchmarks/README.md): SimEngine sizes the
-    payload rows of a resumed sample by the *remaining* budget, so the rows no longer match the
-    prefix's and the producer's merge fails. Here every row has the width of the full budget.
-    """
+    """`SimEngine` whose answers are cut short ("abort") for a seeded share of attempts."""
 
     def __init__(self, config: SimConfig, *, aborted: float, seed: int) -> None:
         super().__init__(config)
@@ -141,21 +135,10 @@ class WorkloadEngine(SimEngine):
         self.seed = seed
 
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
-        outputs = [
-            self._full_width(out, len(s.prefix) + s.max_new_tokens)
-            for out, s in zip(await super().generate(request), request.samples, strict=True)
-        ]
+        outputs = await super().generate(request)
         if _draw(self.seed, f"abort/{request.request_id}") < self.aborted:
             return [_cut_short(out) for out in outputs]
-        return outputs
-
-    def _full_width(self, out: SampleOutput, budget: int) -> SampleOutput:
-        experts = out.routed_experts
-        width = -(-self.config.payload_bytes_per_sample // budget)
-        if experts is None or experts.shape[1] == width:
-            return out
-        fixed = np.full((len(experts), width), len(experts) % 251, dtype=np.uint8)
-        return msgspec.structs.replace(out, routed_experts=fixed)
+        return list(outputs)
 
 
 def _cut_short(out: SampleOutput) -> SampleOutput:
