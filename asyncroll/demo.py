@@ -18,6 +18,7 @@ import math
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,13 @@ from asyncroll.engines.base import SamplingConfig
 from asyncroll.progress import ProduceBatchResult
 from asyncroll.types import Prompt, RolloutGroup
 
-LETTERS = "abcdefghijklmnop"
+LETTERS = "abcdefgh"
 
 
 class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Flags of `asyncroll demo`; defaults fit 2 cores and finish in a few minutes."""
 
-    steps: int = 60
+    steps: int = 80
     group_size: int = 8
     batch_groups: int = 16
     max_new_tokens: int = 8
@@ -46,6 +47,8 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     out: str = "runs/demo"
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
     resume: bool = False
+    solved_reward: float = 0.98  # stop once the last 3 steps average this (0: never)
+    batch_timeout_s: float = 120.0  # a batch that cannot fill (everything filtered) ends the run
 
     def __post_init__(self) -> None:
         for name in ("steps", "group_size", "batch_groups", "max_new_tokens"):
@@ -73,6 +76,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     rss_mib: float
     loss: float
     staleness_mean: float
+    idle_s: float  # time with no group in flight since the previous step
 
 
 def echo_prompts(tokenizer: Any, seed: int) -> Iterator[Prompt]:
@@ -133,7 +137,7 @@ class Trainer:
         loss.backward()  # type: ignore[no-untyped-call]
         self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
-        return float(loss)
+        return float(loss.detach())
 
     def weights(self) -> list[tuple[str, Any]]:
         return [(n, p.detach()) for n, p in self.model.named_parameters()]
@@ -168,7 +172,7 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     trainer = Trainer(model_dir, cfg.lr, cfg.seed)
     step = 0
-    async with VLLMEngine(model=str(model_dir), seed=cfg.seed) as engine:
+    async with VLLMEngine(model_dir, dtype="float32", seed=cfg.seed) as engine:
         producer = Producer(
             engine,
             echo_prompts(tokenizer, cfg.seed),
@@ -176,7 +180,7 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
             group_size=cfg.group_size,
             batch_size=cfg.batch_groups,
             max_staleness=cfg.max_staleness,
-            sampling=SamplingConfig(max_new_tokens=cfg.max_new_tokens, seed=cfg.seed),
+            sampling=SamplingConfig(max_new_tokens=cfg.max_new_tokens),
             filter="nonzero_std",
             reward_in_thread=False,  # a few numpy ops: cheaper inline than a thread hop
         )
@@ -185,12 +189,21 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
             step = trainer.load(out / "trainer.pt")
             await engine.update_weights(trainer.weights(), version=producer.version)
         records: list[StepRecord] = []
+        staleness: Counter[int] = Counter()
         bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="GRPO echo")
         async with producer:
-            while step < cfg.steps:
+            while step < cfg.steps and not _solved(records, cfg.solved_reward):
                 start = time.perf_counter()
-                batch = await producer.produce_batch()
+                try:
+                    batch = await producer.produce_batch(timeout=cfg.batch_timeout_s)
+                except TimeoutError:
+                    print(
+                        f"no batch within {cfg.batch_timeout_s} s (the filter drops every "
+                        "group: the task is solved or the policy collapsed); stopping"
+                    )
+                    break
                 waited = time.perf_counter() - start
+                staleness.update(batch.staleness_tokens())
                 train_start = time.perf_counter()
                 loss = await asyncio.to_thread(trainer.step, batch.groups)
                 train_s = time.perf_counter() - train_start
@@ -206,8 +219,16 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
                         await producer.save(out / "producer.ckpt")
         bar.close()
         producer.check_ledger()
-    _summarise(out, records, producer.progress.counters.copy())
+    _summarise(out, records, producer.progress.counters.copy(), staleness)
     return records
+
+
+def _solved(records: list[StepRecord], threshold: float) -> bool:
+    return (
+        threshold > 0
+        and len(records) >= 3
+        and np.mean([r.reward for r in records[-3:]]) >= threshold
+    )
 
 
 def _record(
@@ -217,7 +238,7 @@ def _record(
     return StepRecord(
         step=step,
         version=batch.version,
-        reward=float(np.mean([s.reward for g in batch.groups for s in g.samples])),
+        reward=_population_reward(batch),
         train_s=train_s,
         wait_s=waited,
         wall_s=time.perf_counter() - start,
@@ -228,7 +249,18 @@ def _record(
         rss_mib=tree_rss_mib(),
         loss=loss,
         staleness_mean=m["rollout/staleness_mean"],
+        idle_s=batch.delta.idle_s,
     )
+
+
+def _population_reward(batch: ProduceBatchResult) -> float:
+    """Mean reward of every sample scored since the previous batch, before the filter drops
+    zero-variance groups (the kept groups alone would overstate it); the batch's own mean if
+    nothing new was scored."""
+    d = batch.delta
+    if d.reward_count:
+        return d.reward_sum / d.reward_count
+    return float(np.mean([s.reward for g in batch.groups for s in g.samples]))
 
 
 def _postfix(r: StepRecord) -> dict[str, Any]:
@@ -247,7 +279,9 @@ def _log(out: Path, record: StepRecord) -> None:
         f.write(msgspec.json.encode(record) + b"\n")
 
 
-def _summarise(out: Path, records: list[StepRecord], counters: Any) -> None:
+def _summarise(
+    out: Path, records: list[StepRecord], counters: Any, staleness: Counter[int]
+) -> None:
     if not records:
         return
     k = max(1, len(records) // 5)
@@ -265,12 +299,18 @@ def _summarise(out: Path, records: list[StepRecord], counters: Any) -> None:
         ("trainer waiting for rollouts",
          f"{sum(r.wait_s for r in records) / sum(r.wall_s for r in records):.0%}"),
         ("peak RSS of process tree", f"{max(r.rss_mib for r in records) / 1024:.2f} GiB"),
+        ("trained tokens by staleness", _shares(staleness)),
     ]  # fmt: skip
     width = max(len(str(r[0])) for r in rows)
     text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
     print(text)
     (out / "summary.txt").write_text(text + "\n")
     _plot(out / "demo.png", records)
+
+
+def _shares(counts: Counter[int]) -> str:
+    total = sum(counts.values()) or 1
+    return ", ".join(f"{k}: {v / total:.0%}" for k, v in sorted(counts.items()))
 
 
 def _plot(path: Path, records: list[StepRecord]) -> None:
