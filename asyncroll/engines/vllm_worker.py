@@ -52,3 +52,22 @@ class WeightLoaderExtension:
 
     def _asyncroll_reload(self, weights: Iterator[tuple[str, Any]]) -> None:
         self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+        self._asyncroll_refresh_tied_head()
+
+    def _asyncroll_refresh_tied_head(self) -> None:
+        """Re-run the output layer's weight processing when it shares the input embedding.
+
+        A tied `lm_head` receives no tensor of its own, so `reload_weights` leaves it alone;
+        on CPU its processing made a packed copy of the weight for the GEMM kernel, which would
+        keep serving the old embedding (vLLM 0.32: greedy tokens then differ from the new
+        weights'). Processing it again repacks from the shared, now reloaded, weight; on GPU
+        it is a no-op.
+        """
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        head = getattr(model, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        if head is None or weight is None:
+            return
+        tied = any(m is not head and getattr(m, "weight", None) is weight for m in model.modules())
+        if tied:
+            head.quant_method.process_weights_after_loading(head)

@@ -25,8 +25,15 @@ DEADLINE_S = 60.0  # for any single wait in these tests; generation here takes w
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the tests that kill the shared engine after every other test."""
+    """Run the tests that kill the shared engine after every other test; skip GPU tests
+    without CUDA."""
     items.sort(key=lambda item: "engine_to_kill" in getattr(item, "fixturenames", ()))
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
 @pytest.fixture(scope="session")
