@@ -17,9 +17,11 @@ every request is an async generator in this loop. The pieces of vLLM (>= 0.32) i
 * **Weight reload** through `WeightLoaderExtension` (`asyncroll.engines.vllm_worker`), mixed
   into vLLM's workers.
 
-Samples are streamed as DELTA outputs every `stream_interval` tokens (and at the first token)
-rather than only at the end: `generated_tokens` / `wait_generated` expose progress, and an
-abort that races with a request still being added is applied when its first token arrives.
+Samples are streamed as DELTA outputs: the first token, then (by default) everything at the end.
+The first-token output makes progress observable (`generated_tokens`, `wait_generated`) and
+lets an abort that raced with a request still being added reach it at once. Outputs every
+`stream_interval` tokens are available, at a price: on 2 CPU cores with the tiny model, an
+output every 32 tokens cost about 5% of throughput.
 """
 
 from __future__ import annotations
@@ -109,6 +111,9 @@ class VLLMEngine:
     anyway since their prefixes differ. vLLM fans `n=k` out into k requests in the front end,
     so both share the prompt's KV blocks through the prefix cache.
 
+    `stream_interval`: also receive a sample's tokens every that many tokens (None: only its
+    first token and the rest at the end, the fastest; see the module docstring).
+
     `transfer`: how `update_weights` moves tensors into the workers. "file" writes one
     safetensors file to /dev/shm that each worker memory-maps (works for any placement, CPU or
     GPU); "cuda_ipc" shares CUDA tensors with the worker without a copy (needs the tensors on
@@ -120,7 +125,7 @@ class VLLMEngine:
         model: str | os.PathLike[str],
         *,
         parallel_sampling: bool = False,
-        stream_interval: int = 32,
+        stream_interval: int | None = None,
         transfer: Transfer = "auto",
         control_timeout_s: float = 300.0,
         **engine_args: Any,
@@ -131,8 +136,8 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         _require_vllm(vllm_version)
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval={stream_interval}: must be >= 1")
+        if stream_interval is not None and stream_interval < 1:
+            raise ValueError(f"stream_interval={stream_interval}: must be >= 1 (or None)")
         if transfer not in ("auto", "file", "cuda_ipc"):
             raise ValueError(f"transfer={transfer!r}: use 'auto', 'file' or 'cuda_ipc'")
         if control_timeout_s <= 0:
@@ -382,7 +387,7 @@ class VLLMEngine:
             flat_logprobs=True,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
-            stream_interval=self.stream_interval,
+            stream_interval=self.stream_interval or part.max_tokens,
             **extra,
         )
 

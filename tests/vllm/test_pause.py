@@ -22,17 +22,24 @@ LONG = 200  # tokens per sample: far more than are generated before an abort lan
 
 
 async def test_abort_returns_partial_samples(engine: VLLMEngine) -> None:
+    """Streamed every 8 tokens, the samples are aborted once they hold 27 tokens together
+    (only intermediate outputs can show that before they finish); they keep what they had."""
     start = engine.generated_tokens
-    task = asyncio.create_task(engine.generate(request("to-abort", ids(0, 11, 12), 3, LONG)))
-    await engine.wait_generated(start + 3, timeout=DEADLINE_S)  # first token of each sample
-    await engine.abort("to-abort")
-    async with asyncio.timeout(DEADLINE_S):
-        outputs = await task
+    engine.stream_interval = 8
+    try:
+        task = asyncio.create_task(engine.generate(request("to-abort", ids(0, 11, 12), 3, LONG)))
+        await engine.wait_generated(start + 3 * 9, timeout=DEADLINE_S)
+        await engine.abort("to-abort")
+        async with asyncio.timeout(DEADLINE_S):
+            outputs = await task
+    finally:
+        engine.stream_interval = None
     for out in outputs:
         assert out.finish_reason == "abort"
         assert 0 < len(out.tokens) < LONG
         assert len(out.logprobs) == len(out.versions) == len(out.tokens)
         assert (out.versions == 0).all()
+    assert sum(len(out.tokens) for out in outputs) >= 3 * 9
     assert engine.running_requests == 0  # vLLM's front end holds none of them any more
     async with asyncio.timeout(DEADLINE_S):  # and the engine still serves
         (after,) = await engine.generate(request("after-abort", ids(0, 11, 12), 1, 4))
