@@ -443,6 +443,7 @@ class VLLMEngine:
             path.unlink(missing_ok=True)
 
     async def _load_cuda_ipc(self, named: list[tuple[str, Any]]) -> None:
+        import torch
         from torch.multiprocessing import reductions
 
         reduce_tensor: Any = reductions.reduce_tensor
@@ -453,6 +454,7 @@ class VLLMEngine:
         payload = pickle.dumps(([name for name, _ in named], handles))
         await self._call(self._llm.collective_rpc("asyncroll_load_cuda_ipc", args=(payload,)))
         del keep
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # free what workers let go
 
     # -- errors and deadlines --------------------------------------------------------------------
 

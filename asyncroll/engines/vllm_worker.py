@@ -30,14 +30,19 @@ class WeightLoaderExtension:
         self._asyncroll_reload(iter(tensors.items()))
         return len(tensors)
 
-    def asyncroll_load_cuda_ipc(self, names: list[str], handles: list[tuple[Any, ...]]) -> int:
-        """Load tensors the trainer's process shared with CUDA IPC (`reduce_tensor` args, one per
-        name). The device index in each handle is the sender's; it is replaced by this worker's
-        device, which must be the same physical GPU or one with peer access to it."""
+    def asyncroll_load_cuda_ipc(self, payload: bytes) -> int:
+        """Load tensors the trainer's process shared with CUDA IPC: `payload` pickles the
+        names and `reduce_tensor` arguments of each (pickled by us, in the trainer's process,
+        because vLLM's RPC encoding does not carry classes and dtypes). The device index in
+        each handle is the sender's; it is replaced by this worker's device, which must be the
+        same physical GPU."""
+        import pickle
+
         import torch
         from torch.multiprocessing import reductions
 
         rebuild_cuda_tensor: Any = reductions.rebuild_cuda_tensor
+        names, handles = pickle.loads(payload)
         device = torch.cuda.current_device()
 
         def tensors() -> Iterator[tuple[str, Any]]:

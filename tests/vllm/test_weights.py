@@ -62,7 +62,8 @@ async def greedy(engine: VLLMEngine, tag: str) -> list[SampleOutput]:
 async def test_update_serves_the_new_weights(
     engine: VLLMEngine, tiny_model: Path, device: str
 ) -> None:
-    """`device="cuda"` sends CUDA tensors, which go to the worker by CUDA IPC."""
+    """`device="cuda"` sends CUDA tensors, which go to the worker by CUDA IPC (GPU kernels
+    differ more from the reference than CPU ones: a looser logprob tolerance there)."""
     hf = perturbed_model(tiny_model, device)
     before = await greedy(engine, "before")
     await engine.update_weights(hf.named_parameters(), version=1)
@@ -72,7 +73,8 @@ async def test_update_serves_the_new_weights(
         assert (out.versions == 1).all()
         ref = reference_logprobs(hf, prompt, out.tokens)
         np.testing.assert_array_equal(ref.argmax(axis=-1), out.tokens)
-        np.testing.assert_allclose(out.logprobs, ref[np.arange(STEPS), out.tokens], atol=1e-4)
+        atol = 1e-4 if device == "cpu" else 5e-3
+        np.testing.assert_allclose(out.logprobs, ref[np.arange(STEPS), out.tokens], atol=atol)
 
     await engine.update_weights(None, version=2)  # only the version changes
     again = await greedy(engine, "again")
