@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 """Special tokens, with ids 0, 1 and 2 in that order."""
 
 _FORMAT = 1  # bump when the build changes in a way the config hash cannot see
+_SEEDED = threading.Lock()  # weights come from torch's global RNG: one seeded init at a time
 
 _WORDS = (
     "the a an is are was be to of and in on at it this that with for as by from not no yes "
@@ -177,7 +179,8 @@ def _build(cfg: TinyModelConfig, out: Path) -> None:
         tie_word_embeddings=cfg.tie_word_embeddings,
         torch_dtype="float32",
     )
-    torch.manual_seed(cfg.seed)
-    model = hf.AutoModelForCausalLM.from_config(hf_config)
+    with _SEEDED, torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
+        torch.manual_seed(cfg.seed)
+        model = hf.AutoModelForCausalLM.from_config(hf_config)
     model.save_pretrained(out, safe_serialization=True)
     (out / "asyncroll.json").write_text(json.dumps(msgspec.to_builtins(cfg), indent=1))
