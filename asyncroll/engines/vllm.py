@@ -114,6 +114,9 @@ class VLLMEngine:
     `stream_interval`: also receive a sample's tokens every that many tokens (None: only its
     first token and the rest at the end, the fastest; see the module docstring).
 
+    `generate_timeout_s` bounds one `generate` call (its vLLM requests are aborted when it
+    runs out) and `control_timeout_s` every other call into vLLM: nothing here waits forever.
+
     `transfer`: how `update_weights` moves tensors into the workers. "file" writes one
     safetensors file to /dev/shm that each worker memory-maps (works for any placement, CPU or
     GPU); "cuda_ipc" shares CUDA tensors with the worker without a copy (needs the tensors on
@@ -127,6 +130,7 @@ class VLLMEngine:
         parallel_sampling: bool = False,
         stream_interval: int | None = None,
         transfer: Transfer = "auto",
+        generate_timeout_s: float = 3600.0,
         control_timeout_s: float = 300.0,
         **engine_args: Any,
     ) -> None:
@@ -140,8 +144,8 @@ class VLLMEngine:
             raise ValueError(f"stream_interval={stream_interval}: must be >= 1 (or None)")
         if transfer not in ("auto", "file", "cuda_ipc"):
             raise ValueError(f"transfer={transfer!r}: use 'auto', 'file' or 'cuda_ipc'")
-        if control_timeout_s <= 0:
-            raise ValueError(f"control_timeout_s={control_timeout_s}: must be > 0")
+        if generate_timeout_s <= 0 or control_timeout_s <= 0:
+            raise ValueError("generate_timeout_s and control_timeout_s must be > 0")
         extension = engine_args.setdefault("worker_extension_cls", _EXTENSION)
         if extension != _EXTENSION:
             raise ValueError(
@@ -159,6 +163,7 @@ class VLLMEngine:
         self.parallel_sampling = parallel_sampling
         self.stream_interval = stream_interval
         self.transfer: Transfer = transfer
+        self.generate_timeout_s = generate_timeout_s
         self.control_timeout_s = control_timeout_s
         args = AsyncEngineArgs(model=self.model, **engine_args)
         with _child_environment(on_cpu):
@@ -211,7 +216,14 @@ class VLLMEngine:
         live = self._live[rid] = _Live(parts)
         samples = [_Sample() for _ in request.samples]
         try:
-            await self._run_parts(live, samples, request.sampling)
+            async with asyncio.timeout(self.generate_timeout_s):
+                await self._run_parts(live, samples, request.sampling)
+        except TimeoutError:
+            self._check_alive()
+            raise TimeoutError(
+                f"vLLM did not finish {rid} within generate_timeout_s={self.generate_timeout_s}"
+                " (its requests were aborted)"
+            ) from None
         finally:
             del self._live[rid]
         return [self._output(s, rid) for s in samples]

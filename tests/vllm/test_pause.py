@@ -46,6 +46,16 @@ async def test_abort_returns_partial_samples(engine: VLLMEngine) -> None:
     assert len(after.tokens) == 4
 
 
+async def test_generate_deadline_aborts_its_requests(engine: VLLMEngine) -> None:
+    engine.generate_timeout_s = 0.05  # far less than LONG tokens take
+    try:
+        with pytest.raises(TimeoutError, match="generate_timeout_s"):
+            await engine.generate(request("too-slow", ids(0, 13, 14), 2, LONG))
+    finally:
+        engine.generate_timeout_s = 3600.0
+    assert engine.running_requests == 0
+
+
 @pytest.mark.parametrize("pause_mode", ["abort", "keep"])
 async def test_weight_update_mid_generation(
     engine: VLLMEngine, tiny_model: object, pause_mode: str
