@@ -9,13 +9,19 @@ every request is an async generator in this loop. The pieces of vLLM (>= 0.32) i
   of the weights that sampled it, including tokens sampled before a pause and received after
   it. Versions are exact in both pause modes; nothing is stamped on arrival.
 * **Keep-in-place pause.** `pause_generation` freezes running requests inside vLLM
-  (`mode="keep"`). A weight update then preempts them (`reset_prefix_cache(
-  reset_running_requests=True)`), so on resume vLLM recomputes their KV cache under the new
-  weights: tokens after the update are exactly what the new weights sample given the prefix.
+  (`mode="keep"`) with their KV cache. A weight update then preempts them
+  (`reset_prefix_cache(reset_running_requests=True)`), so on resume vLLM recomputes their KV
+  cache under the new weights: tokens after the update are exactly what the new weights sample
+  given the prefix, as after an abort and re-prefill, without leaving vLLM. A pause without an
+  update keeps the KV cache.
 * **Abort keeps partial samples.** Aborting a request makes vLLM emit a final output with
   every token (and logprob and version span) received so far, finish reason "abort".
 * **Weight reload** through `WeightLoaderExtension` (`asyncroll.engines.vllm_worker`), mixed
   into vLLM's workers.
+* **Routed experts** (MoE router replay), when the engine is built with
+  `enable_return_routed_experts=True`: one row of layers x top-k expert ids per new token.
+  vLLM 0.32 returns them only with its model runner V2 (`VLLM_USE_V2_MODEL_RUNNER=1`), which
+  needs Triton: GPU only.
 
 Samples are streamed as DELTA outputs: the first token, then (by default) everything at the end.
 The first-token output makes progress observable (`generated_tokens`, `wait_generated`) and
@@ -102,14 +108,15 @@ class VLLMEngine:
     `disable_log_stats=True`, and on a CPU build `enforce_eager=True` and a 128 MiB KV cache
     (vLLM's CPU default reserves a share of the NUMA node that can exceed free memory).
 
-    Constructing starts vLLM's processes and blocks for that long (15-20 s on 2 CPU cores); the
+    Constructing starts vLLM's processes and blocks while it does (11-20 s on 2 CPU cores); the
     engine then belongs to the event loop that first uses it.
 
     `parallel_sampling`: True sends the fresh samples of a group as one vLLM request with
-    `n=k`; False (the default, measured at least as fast on the tiny model on CPU; see
-    `benchmarks/vllm_throughput.py`) sends one request per sample, which resumed samples need
-    anyway since their prefixes differ. vLLM fans `n=k` out into k requests in the front end,
-    so both share the prompt's KV blocks through the prefix cache.
+    `n=k` (not when greedy: vLLM refuses n > 1 then); False, the default, sends one request per
+    sample, as resumed samples need anyway since their prefixes differ. vLLM fans `n=k` out
+    into k requests in its front end, so both share the prompt's KV blocks through the prefix
+    cache, and `benchmarks/vllm_throughput.py` measures no difference beyond noise (tiny model,
+    2 CPU cores); one code path for fresh and resumed samples decides it.
 
     `stream_interval`: also receive a sample's tokens every that many tokens (None: only its
     first token and the rest at the end, the fastest; see the module docstring).
