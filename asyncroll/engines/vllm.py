@@ -40,6 +40,7 @@ import pickle
 import sysconfig
 import tempfile
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +59,7 @@ from asyncroll.engines.base import (
 _EXTENSION = "asyncroll.engines.vllm_worker.WeightLoaderExtension"
 _FINISH_REASONS = frozenset({"stop", "length", "abort"})
 _INITIAL_LABEL = "default"  # vLLM's weight version label before any update: our version 0
+_EARLY_ABORTS = 4096  # ids aborted before their generate() started, remembered this many
 _WEIGHTS_DIR = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
 
 Transfer = Literal["auto", "file", "cuda_ipc"]
@@ -79,14 +81,13 @@ class _Sample:
 class _Part:
     """One vLLM request of a group: `n` samples continuing the same prompt + prefix."""
 
-    __slots__ = ("abort_sent", "indices", "max_tokens", "prompt", "vllm_id")
+    __slots__ = ("indices", "max_tokens", "prompt", "vllm_id")
 
     def __init__(self, vllm_id: str, prompt: list[int], max_tokens: int, indices: list[int]):
         self.vllm_id = vllm_id
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.indices = indices  # positions in the group's request.samples
-        self.abort_sent = False
 
 
 class _Live:
@@ -186,6 +187,7 @@ class VLLMEngine:
         self._keep_pause = mode is not None and "keep" in str(mode.annotation)
         self._version = 0
         self._live: dict[str, _Live] = {}
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._generated = 0
         self._progress = Signal()
         self._paused = False
@@ -221,6 +223,9 @@ class VLLMEngine:
             raise ValueError(f"request id {rid!r} is already running")
         parts = self._split(request)
         live = self._live[rid] = _Live(parts)
+        if rid in self._early_aborts:  # aborted before it got here
+            del self._early_aborts[rid]
+            live.aborted = True
         samples = [_Sample() for _ in request.samples]
         try:
             async with asyncio.timeout(self.generate_timeout_s):
@@ -237,14 +242,17 @@ class VLLMEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort every vLLM request of the group. Its `generate` then returns the partial
-        samples with finish reason "abort"; a request not yet added to vLLM is aborted when its
-        first token arrives (or never started)."""
+        samples with finish reason "abort". A vLLM request still being added is aborted when
+        its first token arrives; a `generate` that has not started yet returns at once."""
         live = self._live.get(request_id)
-        if live is None or live.aborted:
+        if live is None:
+            self._early_aborts[request_id] = None
+            if len(self._early_aborts) > _EARLY_ABORTS:
+                self._early_aborts.popitem(last=False)
+            return
+        if live.aborted:
             return
         live.aborted = True
-        for part in live.parts:
-            part.abort_sent = True
         await self._call(self._llm.abort([p.vllm_id for p in live.parts]))
 
     async def pause_generation(self) -> None:
@@ -374,15 +382,16 @@ class VLLMEngine:
         stream: AsyncIterator[Any] = self._llm.generate(
             TokensPrompt(prompt_token_ids=part.prompt), params, part.vllm_id
         )
+        first = True
         async for out in stream:
             for completion in out.outputs:
                 sample = samples[part.indices[completion.index]]
                 _append(sample, completion)
                 self._generated += len(completion.token_ids)
             self._progress.notify()
-            if _abort_pending(live, part):  # aborted while it was being added
-                part.abort_sent = True
-                await self._call(self._llm.abort(part.vllm_id))
+            if first and _aborted(live):  # abort() may have run before vLLM knew this request
+                await self._call(self._llm.abort(part.vllm_id))  # (a no-op if it did know)
+            first = False
 
     def _sampling_params(self, sampling: SamplingConfig, part: _Part) -> Any:
         from vllm import SamplingParams
@@ -503,8 +512,10 @@ class VLLMEngine:
         return exc
 
 
-def _abort_pending(live: _Live, part: _Part) -> bool:
-    return live.aborted and not part.abort_sent
+def _aborted(live: _Live) -> bool:
+    """`live.aborted`, read through a call: it changes across awaits, which mypy's narrowing
+    does not know."""
+    return live.aborted
 
 
 def _append(sample: _Sample, completion: Any) -> None:

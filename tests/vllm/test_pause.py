@@ -46,6 +46,16 @@ async def test_abort_returns_partial_samples(engine: VLLMEngine) -> None:
     assert len(after.tokens) == 4
 
 
+async def test_abort_before_generate_starts(engine: VLLMEngine) -> None:
+    """The producer may abort a group whose task has not run yet: it must not run to the end."""
+    task = asyncio.create_task(engine.generate(request("early", ids(0, 15, 16), 2, LONG)))
+    await engine.abort("early")  # the task has not started: nothing here yields to it
+    async with asyncio.timeout(DEADLINE_S):
+        outputs = await task
+    assert [(o.finish_reason, len(o.tokens)) for o in outputs] == [("abort", 0)] * 2
+    assert engine.running_requests == 0
+
+
 async def test_generate_deadline_aborts_its_requests(engine: VLLMEngine) -> None:
     engine.generate_timeout_s = 0.05  # far less than LONG tokens take
     try:
