@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import os
 import pickle
 import sysconfig
 import tempfile
+import typing
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -145,6 +145,7 @@ class VLLMEngine:
         from vllm import __version__ as vllm_version
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
+        from vllm.v1.engine import PauseMode
         from vllm.v1.engine.async_llm import AsyncLLM
 
         _require_vllm(vllm_version)
@@ -183,8 +184,7 @@ class VLLMEngine:
         self._world_size = int(parallel.world_size) * int(parallel.data_parallel_size)
         experts = bool(args.enable_return_routed_experts)
         self._experts_row_bytes = _experts_row_bytes(config) if experts else 0
-        mode = inspect.signature(AsyncLLM.pause_generation).parameters.get("mode")
-        self._keep_pause = mode is not None and "keep" in str(mode.annotation)
+        self._keep_pause = "keep" in typing.get_args(PauseMode)
         self._version = 0
         self._live: dict[str, _Live] = {}
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
