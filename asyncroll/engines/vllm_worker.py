@@ -23,7 +23,7 @@ class WeightLoaderExtension:
 
     def asyncroll_load_file(self, path: str) -> int:
         """Load every tensor of a safetensors file (written by the trainer's process to
-        /dev/shm, so reading it is a memory map, not disk I/O). Returns the tensor count."""
+        /dev/shm: reading it is a memory copy, not disk I/O). Returns the tensor count."""
         from safetensors.torch import load_file
 
         tensors = load_file(path)
