@@ -1,0 +1,605 @@
+"""`VLLMEngine`: vLLM's `AsyncLLM` in this process, driven from the caller's event loop.
+
+No HTTP server and no Ray: the engine core and its workers are vLLM's own child processes, and
+every request is an async generator in this loop. The pieces of vLLM (>= 0.32) it builds on:
+
+* **Per-token versions.** The engine core labels every step's outputs with its current weight
+  version, and a finished output carries the label spans over its tokens. `update_weights`
+  changes the label only while the scheduler is paused, so each token's version is the version
+  of the weights that sampled it, including tokens sampled before a pause and received after
+  it. Versions are exact in both pause modes; nothing is stamped on arrival.
+* **Keep-in-place pause.** `pause_generation` freezes running requests inside vLLM
+  (`mode="keep"`) with their KV cache. A weight update then preempts them
+  (`reset_prefix_cache(reset_running_requests=True)`), so on resume vLLM recomputes their KV
+  cache under the new weights: tokens after the update are exactly what the new weights sample
+  given the prefix, as after an abort and re-prefill, without leaving vLLM. A pause without an
+  update keeps the KV cache.
+* **Abort keeps partial samples.** Aborting a request makes vLLM emit a final output with
+  every token (and logprob and version span) received so far, finish reason "abort".
+* **Weight reload** through `WeightLoaderExtension` (`asyncroll.engines.vllm_worker`), mixed
+  into vLLM's workers.
+* **Routed experts** (MoE router replay), when the engine is built with
+  `enable_return_routed_experts=True`: one row of layers x top-k expert ids per new token.
+  vLLM 0.32 returns them only with its model runner V2 (`VLLM_USE_V2_MODEL_RUNNER=1`), which
+  needs Triton: GPU only.
+
+Samples are streamed as DELTA outputs: the first token, then (by default) everything at the end.
+The first-token output makes progress observable (`generated_tokens`, `wait_generated`) and
+lets an abort that raced with a request still being added reach it at once. Outputs every
+`stream_interval` tokens are available, at a price: on 2 CPU cores with the tiny model, an
+output every 32 tokens cost about 5% of throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+import sysconfig
+import tempfile
+import typing
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from asyncroll._signal import Signal
+from asyncroll.engines.base import (
+    EngineDeadError,
+    GenerateRequest,
+    SampleOutput,
+    SamplingConfig,
+    Weights,
+)
+
+_EXTENSION = "asyncroll.engines.vllm_worker.WeightLoaderExtension"
+_FINISH_REASONS = frozenset({"stop", "length", "abort"})
+_INITIAL_LABEL = "default"  # vLLM's weight version label before any update: our version 0
+_EARLY_ABORTS = 4096  # ids aborted before their generate() started, remembered this many
+_WEIGHTS_DIR = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+
+Transfer = Literal["auto", "file", "cuda_ipc"]
+
+
+class _Sample:
+    """One sample's tokens as they stream in."""
+
+    __slots__ = ("experts", "finish", "logprobs", "spans", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: str | None = None
+        self.spans: list[Any] | None = None
+        self.experts: Any = None
+
+
+class _Part:
+    """One vLLM request of a group: `n` samples continuing the same prompt + prefix."""
+
+    __slots__ = ("indices", "max_tokens", "prompt", "vllm_id")
+
+    def __init__(self, vllm_id: str, prompt: list[int], max_tokens: int, indices: list[int]):
+        self.vllm_id = vllm_id
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.indices = indices  # positions in the group's request.samples
+
+
+class _Live:
+    __slots__ = ("aborted", "parts")
+
+    def __init__(self, parts: list[_Part]) -> None:
+        self.parts = parts
+        self.aborted = False
+
+
+class VLLMEngine:
+    """The `Engine` protocol on vLLM `AsyncLLM` (see the module docstring).
+
+    `model` is a Hugging Face model folder (e.g. `asyncroll.models.build_tiny_model()`).
+    `engine_args` go to `vllm.AsyncEngineArgs` unchanged (`tensor_parallel_size`,
+    `data_parallel_size`, `gpu_memory_utilization`, `max_model_len`, `dtype`, `seed`,
+    `kv_cache_memory_bytes`, `enable_return_routed_experts`, ...). Defaults fill what the
+    caller did not give: `skip_tokenizer_init=True` (prompts are token ids),
+    `disable_log_stats=True`, and on a CPU build `enforce_eager=True` and a 128 MiB KV cache
+    (vLLM's CPU default reserves a share of the NUMA node that can exceed free memory).
+
+    Constructing starts vLLM's processes and blocks while it does (11-20 s on 2 CPU cores); the
+    engine then belongs to the event loop that first uses it.
+
+    `parallel_sampling`: True sends the fresh samples of a group as one vLLM request with
+    `n=k` (not when greedy: vLLM refuses n > 1 then); False, the default, sends one request per
+    sample, as resumed samples need anyway since their prefixes differ. vLLM fans `n=k` out
+    into k requests in its front end, so both share the prompt's KV blocks through the prefix
+    cache, and `benchmarks/vllm_throughput.py` measures no difference beyond noise (tiny model,
+    2 CPU cores); one code path for fresh and resumed samples decides it.
+
+    `stream_interval`: also receive a sample's tokens every that many tokens (None: only its
+    first token and the rest at the end, the fastest; see the module docstring).
+
+    `generate_timeout_s` bounds one `generate` call (its vLLM requests are aborted when it
+    runs out) and `control_timeout_s` every other call into vLLM: nothing here waits forever.
+
+    `transfer`: how `update_weights` moves tensors into the workers. "file" writes one
+    safetensors file to /dev/shm that each worker memory-maps (works for any placement, CPU or
+    GPU); "cuda_ipc" shares CUDA tensors with the worker without a copy (needs the tensors on
+    the GPU of a single-GPU engine); "auto" picks "cuda_ipc" when that holds, else "file".
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        parallel_sampling: bool = False,
+        stream_interval: int | None = None,
+        transfer: Transfer = "auto",
+        generate_timeout_s: float = 3600.0,
+        control_timeout_s: float = 300.0,
+        **engine_args: Any,
+    ) -> None:
+        from vllm import __version__ as vllm_version
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine import PauseMode
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        _require_vllm(vllm_version)
+        if stream_interval is not None and stream_interval < 1:
+            raise ValueError(f"stream_interval={stream_interval}: must be >= 1 (or None)")
+        if transfer not in ("auto", "file", "cuda_ipc"):
+            raise ValueError(f"transfer={transfer!r}: use 'auto', 'file' or 'cuda_ipc'")
+        if generate_timeout_s <= 0 or control_timeout_s <= 0:
+            raise ValueError("generate_timeout_s and control_timeout_s must be > 0")
+        extension = engine_args.setdefault("worker_extension_cls", _EXTENSION)
+        if extension != _EXTENSION:
+            raise ValueError(
+                f"worker_extension_cls={extension!r}: VLLMEngine loads weights through "
+                f"{_EXTENSION}; leave worker_extension_cls unset"
+            )
+        engine_args.setdefault("skip_tokenizer_init", True)
+        engine_args.setdefault("disable_log_stats", True)
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            engine_args.setdefault("enforce_eager", True)
+            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+                engine_args.setdefault("kv_cache_memory_bytes", 128 << 20)
+        self.model = str(model)
+        self.parallel_sampling = parallel_sampling
+        self.stream_interval = stream_interval
+        self.transfer: Transfer = transfer
+        self.generate_timeout_s = generate_timeout_s
+        self.control_timeout_s = control_timeout_s
+        args = AsyncEngineArgs(model=self.model, **engine_args)
+        with _child_environment(on_cpu):
+            self._llm: Any = AsyncLLM.from_engine_args(args)
+        config = self._llm.vllm_config
+        self._vocab_size = int(config.model_config.get_vocab_size())
+        self._max_model_len = int(config.model_config.max_model_len)
+        parallel = config.parallel_config
+        self._world_size = int(parallel.world_size) * int(parallel.data_parallel_size)
+        experts = bool(args.enable_return_routed_experts)
+        self._experts_row_bytes = _experts_row_bytes(config) if experts else 0
+        self._keep_pause = "keep" in typing.get_args(PauseMode)
+        self._version = 0
+        self._live: dict[str, _Live] = {}
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._generated = 0
+        self._progress = Signal()
+        self._paused = False
+        self._control = asyncio.Lock()
+        self._closed = False
+
+    # -- Engine protocol -------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def supports_keep_pause(self) -> bool:
+        return self._keep_pause
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def payload_bytes(self, max_new_tokens: int) -> int:
+        """Routed experts (one row of layers x top-k expert ids per token) when enabled."""
+        return self._experts_row_bytes * max_new_tokens
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        self._check_alive()
+        rid = request.request_id
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} is already running")
+        parts = self._split(request)
+        live = self._live[rid] = _Live(parts)
+        if rid in self._early_aborts:  # aborted before it got here
+            del self._early_aborts[rid]
+            live.aborted = True
+        samples = [_Sample() for _ in request.samples]
+        try:
+            async with asyncio.timeout(self.generate_timeout_s):
+                await self._run_parts(live, samples, request.sampling)
+        except TimeoutError:
+            self._check_alive()
+            raise TimeoutError(
+                f"vLLM did not finish {rid} within generate_timeout_s={self.generate_timeout_s}"
+                " (its requests were aborted)"
+            ) from None
+        finally:
+            del self._live[rid]
+        return [self._output(s, rid) for s in samples]
+
+    async def abort(self, request_id: str) -> None:
+        """Abort every vLLM request of the group. Its `generate` then returns the partial
+        samples with finish reason "abort". A vLLM request still being added is aborted when
+        its first token arrives; a `generate` that has not started yet returns at once."""
+        live = self._live.get(request_id)
+        if live is None:
+            self._early_aborts[request_id] = None
+            if len(self._early_aborts) > _EARLY_ABORTS:
+                self._early_aborts.popitem(last=False)
+            return
+        if live.aborted:
+            return
+        live.aborted = True
+        await self._call(self._llm.abort([p.vllm_id for p in live.parts]))
+
+    async def pause_generation(self) -> None:
+        """Freeze running requests inside vLLM (they keep their KV cache until a weight update
+        preempts them)."""
+        async with self._control:
+            await self._call(self._llm.pause_generation(mode="keep", clear_cache=False))
+            self._paused = True
+
+    async def resume_generation(self) -> None:
+        async with self._control:
+            await self._call(self._llm.resume_generation())
+            self._paused = False
+
+    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+        """Pause (unless paused already), load `weights`, drop every cached KV block (running
+        requests are recomputed under the new weights), label later tokens `version`, resume.
+        Returns once new tokens come from the new weights."""
+        self._check_alive()
+        async with self._control:
+            pause_here = not self._paused
+            if pause_here:
+                await self._call(self._llm.pause_generation(mode="keep", clear_cache=False))
+            try:
+                if weights is not None:
+                    await self._load(weights)
+                if not await self._call(self._llm.reset_prefix_cache(reset_running_requests=True)):
+                    raise RuntimeError("vLLM could not reset its prefix cache after the update")
+                await self._call(self._llm.update_weight_version(str(version)))
+                self._version = version
+            finally:
+                if pause_here and not self._dead():
+                    await self._call(self._llm.resume_generation())
+
+    async def close(self) -> None:
+        """Abort what runs, shut vLLM's processes down. Later calls raise `EngineDeadError`."""
+        if self._closed:
+            return
+        for rid in list(self._live):
+            with contextlib.suppress(Exception):
+                await self.abort(rid)
+        self._closed = True
+        # Let go of vLLM now: AsyncLLM.__del__ at interpreter exit would shut it down again.
+        llm, self._llm = self._llm, None
+        # Stop reading its outputs first, or vLLM logs the shutdown as an engine failure.
+        handler = llm.output_handler
+        if handler is not None:
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler
+        await asyncio.to_thread(llm.shutdown, self.control_timeout_s)
+
+    async def __aenter__(self) -> VLLMEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- progress --------------------------------------------------------------------------------
+
+    @property
+    def running_requests(self) -> int:
+        """vLLM requests not finished yet (as seen by its front end)."""
+        return 0 if self._closed else int(self._llm.get_num_unfinished_requests())
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens received from vLLM since the engine started (all requests)."""
+        return self._generated
+
+    async def wait_generated(self, tokens: int, timeout: float) -> None:
+        """Return once `generated_tokens >= tokens`; `TimeoutError` after `timeout` s."""
+        await self._progress.wait_until(lambda: self._generated >= tokens or self._dead(), timeout)
+        self._check_alive()
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def _split(self, request: GenerateRequest) -> list[_Part]:
+        """The vLLM requests of a group: fresh samples together (with `parallel_sampling`,
+        unless greedy: vLLM refuses n > 1 then), every other sample on its own. Token ids are
+        checked here because vLLM does not check them when it has no tokenizer, and an
+        out-of-vocabulary id kills its worker."""
+        prompt = _token_list(request.prompt_tokens, self._vocab_size, "prompt")
+        rid = request.request_id
+        together = self.parallel_sampling and request.sampling.temperature > 0
+        parts: list[_Part] = []
+        fresh: dict[int, list[int]] = {}
+        for i, sample in enumerate(request.samples):
+            if together and len(sample.prefix) == 0:
+                fresh.setdefault(sample.max_new_tokens, []).append(i)
+                continue
+            prefix = _token_list(sample.prefix, self._vocab_size, f"sample {i} prefix")
+            parts.append(_Part(f"{rid}/{i}", prompt + prefix, sample.max_new_tokens, [i]))
+        for max_tokens, indices in fresh.items():
+            parts.append(_Part(f"{rid}/n{indices[0]}", prompt, max_tokens, indices))
+        return parts
+
+    async def _run_parts(
+        self, live: _Live, samples: list[_Sample], sampling: SamplingConfig
+    ) -> None:
+        """Stream every part; on the first error abort the others and raise it."""
+        tasks = [
+            asyncio.ensure_future(self._stream(live, part, samples, sampling))
+            for part in live.parts
+        ]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()  # cancelling vLLM's generate() aborts its request
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        errors.sort(key=lambda e: isinstance(e, asyncio.CancelledError))  # the cause first
+        if errors:
+            raise self._translate(errors[0])
+
+    async def _stream(
+        self, live: _Live, part: _Part, samples: list[_Sample], sampling: SamplingConfig
+    ) -> None:
+        from vllm.inputs import TokensPrompt
+
+        if live.aborted:
+            for i in part.indices:
+                samples[i].finish = "abort"
+            return
+        params = self._sampling_params(sampling, part)
+        stream: AsyncIterator[Any] = self._llm.generate(
+            TokensPrompt(prompt_token_ids=part.prompt), params, part.vllm_id
+        )
+        first = True
+        async for out in stream:
+            for completion in out.outputs:
+                sample = samples[part.indices[completion.index]]
+                _append(sample, completion)
+                self._generated += len(completion.token_ids)
+            self._progress.notify()
+            if first and _aborted(live):  # abort() may have run before vLLM knew this request
+                await self._call(self._llm.abort(part.vllm_id))  # (a no-op if it did know)
+            first = False
+
+    def _sampling_params(self, sampling: SamplingConfig, part: _Part) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra: dict[str, Any] = {}
+        if sampling.top_k is not None:
+            extra["top_k"] = sampling.top_k
+        if sampling.seed is not None:
+            extra["seed"] = sampling.seed + part.indices[0]
+        if self._experts_row_bytes:  # rows from the position that samples the first new token
+            extra["routed_experts_prompt_start"] = len(part.prompt) - 1
+        return SamplingParams(
+            n=len(part.indices),
+            max_tokens=part.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,  # the sampled token's logprob only
+            flat_logprobs=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            stream_interval=self.stream_interval or part.max_tokens,
+            **extra,
+        )
+
+    def _output(self, sample: _Sample, request_id: str) -> SampleOutput:
+        n = len(sample.tokens)
+        finish = sample.finish
+        if finish not in _FINISH_REASONS:
+            raise RuntimeError(f"vLLM finished a sample of {request_id} with reason {finish!r}")
+        if len(sample.logprobs) != n:
+            raise RuntimeError(
+                f"vLLM returned {len(sample.logprobs)} logprobs for {n} tokens ({request_id})"
+            )
+        versions = np.empty(n, dtype=np.int32)
+        covered = 0
+        for span in sample.spans or ():
+            label = span.version
+            versions[span.start : span.end] = 0 if label == _INITIAL_LABEL else int(label)
+            covered += span.end - span.start
+        if covered != n:
+            raise RuntimeError(f"vLLM labelled {covered} of {n} tokens with a version")
+        experts = sample.experts
+        return SampleOutput(
+            tokens=np.array(sample.tokens, dtype=np.int32),
+            logprobs=np.array(sample.logprobs, dtype=np.float32),
+            versions=versions,
+            finish_reason=finish,
+            routed_experts=None if experts is None else np.ascontiguousarray(experts),
+        )
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    async def _load(self, weights: Weights) -> None:
+        import torch
+
+        named = [(name, torch.as_tensor(t).detach()) for name, t in weights]
+        if not named:
+            raise ValueError("update_weights got no tensors (use None to only set the version)")
+        on_gpu = all(t.is_cuda for _, t in named)
+        use_ipc = self.transfer == "cuda_ipc" or (
+            self.transfer == "auto" and on_gpu and self._world_size == 1
+        )
+        if use_ipc:
+            await self._load_cuda_ipc(named)
+        else:
+            await self._load_file(named)
+
+    async def _load_file(self, named: list[tuple[str, Any]]) -> None:
+        path = _WEIGHTS_DIR / f"asyncroll-weights-{uuid.uuid4().hex}.safetensors"
+        try:
+            await asyncio.to_thread(_write_safetensors, named, path)
+            await self._call(self._llm.collective_rpc("asyncroll_load_file", args=(str(path),)))
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def _load_cuda_ipc(self, named: list[tuple[str, Any]]) -> None:
+        import torch
+        from torch.multiprocessing import reductions
+
+        reduce_tensor: Any = reductions.reduce_tensor
+        if not all(t.is_cuda for _, t in named):
+            raise ValueError("transfer='cuda_ipc' needs every tensor on a CUDA device")
+        keep = [t.contiguous() for _, t in named]  # alive until the workers have copied them
+        handles = [reduce_tensor(t)[1] for t in keep]
+        payload = pickle.dumps(([name for name, _ in named], handles))
+        await self._call(self._llm.collective_rpc("asyncroll_load_cuda_ipc", args=(payload,)))
+        del keep
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # free what workers let go
+
+    # -- errors and deadlines --------------------------------------------------------------------
+
+    async def _call(self, awaitable: Any) -> Any:
+        """Await a vLLM control call within `control_timeout_s`; a dead engine raises
+        `EngineDeadError` instead of whatever vLLM raised (or a timeout)."""
+        try:
+            async with asyncio.timeout(self.control_timeout_s):
+                return await awaitable
+        except Exception as exc:
+            raise self._translate(exc) from None
+
+    def _dead(self) -> bool:
+        return self._closed or bool(self._llm.errored)  # `_llm` is None only once closed
+
+    def _check_alive(self) -> None:
+        if self._dead():
+            raise EngineDeadError("vLLM engine is closed" if self._closed else "vLLM engine died")
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDeadError
+
+        if isinstance(exc, EngineDeadError):
+            return exc
+        if isinstance(exc, VLLMDeadError) or self._dead():
+            return EngineDeadError(f"vLLM engine died: {type(exc).__name__}: {exc}")
+        return exc
+
+
+def _aborted(live: _Live) -> bool:
+    """`live.aborted`, read through a call: it changes across awaits, which mypy's narrowing
+    does not know."""
+    return live.aborted
+
+
+def _append(sample: _Sample, completion: Any) -> None:
+    """Add one DELTA output of a sample."""
+    from vllm.logprobs import FlatLogprobs
+
+    tokens = completion.token_ids
+    sample.tokens.extend(tokens)
+    logprobs = completion.logprobs
+    if isinstance(logprobs, FlatLogprobs):
+        sample.logprobs.extend(logprobs.logprobs)
+    elif logprobs is not None:
+        sample.logprobs.extend(pos[t].logprob for t, pos in zip(tokens, logprobs, strict=True))
+    if completion.finish_reason is not None:
+        sample.finish = str(completion.finish_reason)
+        sample.spans = completion.weight_versions
+        sample.experts = completion.routed_experts
+
+
+def _token_list(tokens: Any, vocab_size: int, what: str) -> list[int]:
+    arr = np.asarray(tokens)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+        raise ValueError(f"{what} has token id {bad} outside the vocabulary [0, {vocab_size})")
+    return [int(t) for t in arr.tolist()]
+
+
+def _write_safetensors(named: list[tuple[str, Any]], path: Path) -> None:
+    """Write CPU copies of the tensors; tensors sharing storage (tied embeddings) are cloned,
+    since safetensors refuses shared storage."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in named:
+        cpu = tensor.to("cpu").contiguous()
+        if cpu.untyped_storage().data_ptr() in seen:
+            cpu = cpu.clone()
+        seen.add(cpu.untyped_storage().data_ptr())
+        tensors[name] = cpu
+    save_file(tensors, str(path))
+
+
+def _experts_row_bytes(config: Any) -> int:
+    model = config.model_config
+    experts = int(model.get_num_experts())
+    per_token = int(model.get_total_num_hidden_layers()) * int(model.get_num_experts_per_tok())
+    return per_token * (1 if experts <= 256 else 2)
+
+
+def _require_vllm(version: str) -> None:
+    major, minor = (int(x) for x in version.split(".")[:2])
+    if (major, minor) < (0, 32):
+        raise RuntimeError(
+            f"VLLMEngine needs vllm >= 0.32 (weight version spans, keep-mode pause); "
+            f"found {version}"
+        )
+
+
+@contextlib.contextmanager
+def _child_environment(on_cpu: bool) -> Iterator[None]:
+    """Environment for the processes vLLM starts while the engine is built, restored after.
+
+    The workers import `asyncroll.engines.vllm_worker`. An installed asyncroll is found by any
+    Python of the same environment; for a source checkout (found through `sys.path` or
+    PYTHONPATH) the folder holding the package is put first on PYTHONPATH. Processes started
+    by multiprocessing (vLLM's default) would get this process's `sys.path` anyway; the
+    variable covers workers started any other way. On CPU, TORCH_COMPILE_DISABLE=1 skips the
+    8-17 s gcc compile vLLM's logprobs op would do on its first request, at no measurable speed
+    cost. Neither variable is left changed in this process.
+    """
+    root = str(Path(__file__).resolve().parents[2])
+    installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TORCH_COMPILE_DISABLE")}
+    paths = [p for p in (saved["PYTHONPATH"] or "").split(os.pathsep) if p]
+    if root not in paths and root not in installed:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    if on_cpu:
+        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
