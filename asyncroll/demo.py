@@ -172,7 +172,7 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     trainer = Trainer(model_dir, cfg.lr, cfg.seed)
     step = 0
-    async with VLLMEngine(model_dir, dtype="float32", seed=cfg.seed) as engine:
+    async with VLLMEngine(model_dir, seed=cfg.seed) as engine:
         producer = Producer(
             engine,
             echo_prompts(tokenizer, cfg.seed),

@@ -210,12 +210,12 @@ class Producer:
         await tg.__aenter__()
         self._tg = tg
         self._idle_since = time.monotonic()
-        try:
-            if self._version:  # resumed from a checkpoint: stamp tokens with its version
-                await self._engine_call(
-                    self.engine.update_weights(None, version=self._version),
-                    self.config.update_timeout_s,
-                )
+        try:  # the engine stamps tokens with our version (0, or a checkpoint's), whatever it
+            # served before (an engine can outlive a producer)
+            await self._engine_call(
+                self.engine.update_weights(None, version=self._version),
+                self.config.update_timeout_s,
+            )
             self._scheduler = tg.create_task(self._schedule(), name="asyncroll-scheduler")
         except BaseException:
             await self._shutdown()

@@ -33,7 +33,7 @@ class SamplingConfig(msgspec.Struct, frozen=True, kw_only=True):
     top_k: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = None  # reproducible sampling; each sample's stream derives from it
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

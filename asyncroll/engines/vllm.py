@@ -40,6 +40,7 @@ import sysconfig
 import tempfile
 import typing
 import uuid
+import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -166,6 +167,9 @@ class VLLMEngine:
         on_cpu = current_platform.is_cpu()
         if on_cpu:
             engine_args.setdefault("enforce_eager", True)
+            # vLLM's CPU "auto" dtype turns float32 checkpoints into bfloat16, whose AMX kernels
+            # die with SIGILL on VMs that do not grant AMX state (seen on this project's machines).
+            engine_args.setdefault("dtype", "float32")
             if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
                 engine_args.setdefault("kv_cache_memory_bytes", 128 << 20)
         self.model = str(model)
@@ -400,8 +404,8 @@ class VLLMEngine:
         extra: dict[str, Any] = {}
         if sampling.top_k is not None:
             extra["top_k"] = sampling.top_k
-        if sampling.seed is not None:
-            extra["seed"] = sampling.seed + part.indices[0]
+        if sampling.seed is not None:  # reproducible, yet distinct per group and sample
+            extra["seed"] = zlib.crc32(f"{sampling.seed}:{part.vllm_id}".encode())
         if self._experts_row_bytes:  # rows from the position that samples the first new token
             extra["routed_experts_prompt_start"] = len(part.prompt) - 1
         return SamplingParams(
