@@ -224,11 +224,8 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
 
 
 def _solved(records: list[StepRecord], threshold: float) -> bool:
-    return (
-        threshold > 0
-        and len(records) >= 3
-        and np.mean([r.reward for r in records[-3:]]) >= threshold
-    )
+    recent = [r.reward for r in records[-3:]]
+    return threshold > 0 and len(recent) == 3 and float(np.mean(recent)) >= threshold
 
 
 def _record(
