@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import psutil
 from tqdm import tqdm
 
-from asyncroll.demo import DemoConfig, ensure_cpu_env, run_demo
+from asyncroll.demo import DemoConfig, run_demo
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.engines.sim import SimConfig, SimEngine
 from asyncroll.producer import Producer
@@ -57,7 +57,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             config = DemoConfig(**options)
         except ValueError as exc:
             parser.error(str(exc))
-        ensure_cpu_env()
         asyncio.run(run_demo(config))
     else:
         asyncio.run(_simulate(args))

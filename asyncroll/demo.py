@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import random
 import time
 from collections import Counter
@@ -330,9 +329,3 @@ def _plot(path: Path, records: list[StepRecord]) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
-
-def ensure_cpu_env() -> None:
-    """vLLM on CPU needs an explicit KV-cache size (its default reads a NUMA MemTotal that is
-    unreliable on VMs) and runs fine without torch.compile for a tiny model."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")

@@ -22,18 +22,20 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import DEFAULT_OUT, info_line, new_figure, print_section, run_info, save_outputs
 
 from asyncroll import Producer, SamplingConfig
 from asyncroll.models import TinyModelConfig, build_tiny_model
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     on_cpu = not _cuda_available()
     if on_cpu:  # the same setting VLLMEngine gives its own processes, for a fair baseline
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
@@ -63,9 +65,10 @@ def main() -> None:
         for key, values in asyncio.run(bench_producer(model, prompts, args, engine_args)).items():
             timings.setdefault(key, []).extend(values)
     report(timings, tokens, _weights_bytes(model), vars(args), Path(args.out))
+    return 0
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small CI run (about a minute on CPU)")
     p.add_argument("--model", help="a Hugging Face model folder (default: build a random one)")
@@ -87,8 +90,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-mib", type=int, default=512, help="CPU only")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra vLLM engine argument, e.g. tensor_parallel_size=2")  # fmt: skip
-    p.add_argument("--out", default="bench-out")
-    args = p.parse_args()
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.max_new_tokens, args.reps, args.rounds = 32, 128, 2, 1
     return args
@@ -172,8 +175,8 @@ async def run_producer(engine: Any, prompts: list[list[int]], n: int, max_new_to
         max_buffer_groups=len(prompts),
         sampling=SamplingConfig(max_new_tokens=max_new_tokens, ignore_eos=True),
     )  # fmt: skip
-    start = time.perf_counter()
-    async with producer:
+    async with producer:  # its scheduler starts at the first await below
+        start = time.perf_counter()
         batch = await producer.produce_batch(len(prompts))
         elapsed = time.perf_counter() - start
         producer.check_ledger()
@@ -208,33 +211,39 @@ def report(
     timings: dict[str, list[float]], tokens: int, weight_bytes: int, config: Any, out: Path
 ) -> None:
     rates = {key: [tokens / t for t in timings[key]] for key, _ in PATHS}
-    base = max(rates["llm_generate"])
-    print(f"\n{'path':40s} {'best tok/s':>11s} {'median':>9s} {'best vs LLM':>12s}")
-    for key, name in PATHS:
-        best, median = max(rates[key]), statistics.median(rates[key])
-        print(f"{name:40s} {best:11.0f} {median:9.0f} {best / base:12.3f}")
+    base_best = max(rates["llm_generate"])
+    base_median = statistics.median(rates["llm_generate"])
+    rows = [
+        [name, max(rates[key]), statistics.median(rates[key]),
+         f"{max(rates[key]) / base_best:.3f}", f"{statistics.median(rates[key]) / base_median:.3f}"]
+        for key, name in PATHS
+    ]  # fmt: skip
     upd = timings["update_weights"]
-    print(
-        f"\nengine start: LLM {min(timings['llm_start']):.1f} s, VLLMEngine "
-        f"{min(timings['engine_start']):.1f} s; update_weights of {weight_bytes / 2**20:.1f} MiB:"
-        f" median {statistics.median(upd) * 1e3:.1f} ms, min {min(upd) * 1e3:.1f} ms"
+    text = "## vLLM: Producer + VLLMEngine next to offline LLM.generate\n\n"
+    text += info_line(run_info()) + "\n\n"
+    text += (
+        f"{config['prompts']} prompts x n={config['n']} x {config['max_new_tokens']} new "
+        f"tokens (eos ignored) per run; {config['reps']} runs x {config['rounds']} engine "
+        "starts per path\n"
     )
-    out.mkdir(parents=True, exist_ok=True)
-    summary = {"config": config, "tokens_per_run": tokens, "weight_bytes": weight_bytes}
-    summary |= {"seconds": timings, "tokens_per_s": rates}
-    (out / "vllm_throughput.json").write_text(json.dumps(summary, indent=1))
-    _plot(rates, out / "vllm_throughput.png")
-    print(f"wrote {out / 'vllm_throughput.json'} and {out / 'vllm_throughput.png'}")
+    text += print_section(
+        "Generated tokens/s", ["path", "best", "median", "best vs LLM", "median vs LLM"], rows
+    )
+    text += print_section(
+        "Engine start and weight update",
+        ["LLM start s", "VLLMEngine start s", "weights MiB", "update_weights median ms",
+         "update_weights min ms"],
+        [[min(timings["llm_start"]), min(timings["engine_start"]), weight_bytes / 2**20,
+          statistics.median(upd) * 1e3, min(upd) * 1e3]],
+    )  # fmt: skip
+    payload = {"config": config, "tokens_per_run": tokens, "weight_bytes": weight_bytes}
+    payload |= {"seconds": timings, "tokens_per_s": rates}
+    save_outputs(out, "vllm_throughput", _plot(rates), payload, text)
 
 
-def _plot(rates: dict[str, list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _plot(rates: dict[str, list[float]]) -> Any:
+    fig, (ax,) = new_figure(1, 1, width=8, height=3.5)
     base = max(rates["llm_generate"])
-    fig, ax = plt.subplots(figsize=(8, 3.5))
     for row, (key, _) in enumerate(PATHS):
         best = max(rates[key])
         ax.barh(row, best, color=("#888888", "#1f77b4", "#6baed6")[row])
@@ -244,9 +253,7 @@ def _plot(rates: dict[str, list[float]], path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("generated tokens/s (bar: best run, ticks: every run)")
     ax.set_title("same prompts, n and lengths")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def _engine_arg(text: str) -> tuple[str, Any]:
@@ -272,4 +279,4 @@ def _cuda_available() -> bool:
 
 
 if __name__ == "__main__":  # vLLM starts its processes with spawn: the guard is required
-    main()
+    sys.exit(main())

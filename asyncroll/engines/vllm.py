@@ -274,8 +274,11 @@ class VLLMEngine:
     async def update_weights(self, weights: Weights | None, *, version: int) -> None:
         """Pause (unless paused already), load `weights`, drop every cached KV block (running
         requests are recomputed under the new weights), label later tokens `version`, resume.
-        Returns once new tokens come from the new weights."""
+        Returns once new tokens come from the new weights. With no weights and the current
+        version there is nothing to change: it returns at once (keeping the prefix cache)."""
         self._check_alive()
+        if weights is None and version == self._version:
+            return
         async with self._control:
             pause_here = not self._paused
             if pause_here:
