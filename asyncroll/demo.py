@@ -328,4 +328,3 @@ def _plot(path: Path, records: list[StepRecord]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
