@@ -227,6 +227,3 @@ def interrupted(samples: tuple[RolloutState, ...]) -> tuple[RolloutState, ...]:
         for s in samples
     )
 
-
-def failed_group(group: RolloutGroup, error: str) -> RolloutGroup:
-    return msgspec.structs.replace(group, status=Status.FAILED, error=error)
