@@ -226,4 +226,3 @@ def interrupted(samples: tuple[RolloutState, ...]) -> tuple[RolloutState, ...]:
         else msgspec.structs.replace(s, status=Status.ABORTED, finish_reason="abort")
         for s in samples
     )
-
