@@ -168,15 +168,15 @@ class Producer:
         self.reward_fn = reward_fn
         self.filter = filters.resolve(filter)
         self.on_drop = on_drop
+        self._group_bytes = cfg.group_bytes(payload)
         self.buffer = RolloutBuffer(
             max_groups=cfg.max_buffer_groups,
             max_bytes=cfg.max_buffer_bytes,
-            reserve_bytes=cfg.group_bytes(payload),
+            reserve_bytes=self._group_bytes,
             max_staleness=cfg.max_staleness,
             order=cfg.order,
         )
         self.progress = ProduceProgress()
-        self._group_bytes = cfg.group_bytes(payload)
         self._reward_is_async = inspect.iscoroutinefunction(reward_fn) or (
             inspect.iscoroutinefunction(getattr(reward_fn, "__call__", None))  # noqa: B004
         )
@@ -487,17 +487,17 @@ class Producer:
         try:
             async with asyncio.timeout(self.config.prompt_timeout_s):
                 prompt = await self._prompts.next()
-        except BaseException as exc:
+        except TimeoutError:
             self.buffer.release()
-            if isinstance(exc, TimeoutError):
-                self._set_fatal(
-                    f"prompt source gave nothing within prompt_timeout_s="
-                    f"{self.config.prompt_timeout_s}"
-                )
-                return
-            if isinstance(exc, Exception):
-                self._set_fatal(f"prompt source raised {type(exc).__name__}: {exc}")
-                return
+            timeout = self.config.prompt_timeout_s
+            self._set_fatal(f"prompt source gave nothing within prompt_timeout_s={timeout}")
+            return
+        except Exception as exc:
+            self.buffer.release()
+            self._set_fatal(f"prompt source raised {type(exc).__name__}: {exc}")
+            return
+        except BaseException:  # cancelled: the slot was never used
+            self.buffer.release()
             raise
         if prompt is None:
             self.buffer.release()
@@ -529,25 +529,18 @@ class Producer:
         extra = math.ceil((cfg.oversample - 1.0) * cfg.batch_size)
         return accepted + running < (cfg.max_staleness + self._version + 1) * cfg.batch_size + extra
 
+    def _idle(self) -> bool:
+        """Nothing in flight, waiting to resume or about to start (each holds a slot)."""
+        return not self.buffer.num_reserved and not self.buffer.num_resume
+
     def _drained(self) -> bool:
-        """Nothing more can become ready: prompts used up, nothing in flight or partial."""
-        return (
-            self._prompts.exhausted
-            and not self._inflight
-            and not self.buffer.num_resume
-            and not self.buffer.num_reserved
-        )
+        """Nothing more can become ready: prompts used up and nothing pending."""
+        return self._prompts.exhausted and self._idle()
 
     def _stalled(self) -> bool:
-        """Nothing is in flight and nothing may start though prompts remain: no batch can fill
+        """Nothing pending and nothing may start though prompts remain: no batch can fill
         until the trainer changes something (bumps the version, resumes)."""
-        return (
-            not self._inflight
-            and not self.buffer.num_resume
-            and not self.buffer.num_reserved
-            and not self._prompts.exhausted
-            and not self._may_start()
-        )
+        return self._idle() and not self._prompts.exhausted and not self._may_start()
 
     def _stall_message(self, n: int) -> str:
         cfg = self.config
@@ -740,10 +733,10 @@ class Producer:
     def _land(self, group: RolloutGroup, flight: _Flight) -> None:
         """Hand a finished attempt to the buffer and count it: one synchronous step."""
         del self._inflight[group.uid]
-        if not self._inflight:
-            self._idle_since = time.monotonic()
+        self._count_idle()
         c = self.progress.counters
-        c.generated_tokens += group.num_tokens - flight.tokens
+        tokens = group.num_tokens
+        c.generated_tokens += tokens - flight.tokens
         outcome = self.buffer.put(group)
         match outcome:
             case PutOutcome.STORED_READY:
@@ -756,12 +749,12 @@ class Producer:
             case PutOutcome.DROPPED_FAILED:
                 c.failed_groups += 1
                 c.failed_samples += group.num_samples
-                c.wasted_tokens_failed += group.num_tokens
+                c.wasted_tokens_failed += tokens
                 self.progress.latency.record(group.latency_s)
             case PutOutcome.DROPPED_FILTERED:
                 c.filtered_groups += 1
                 c.filtered_samples += group.num_samples
-                c.wasted_tokens_filtered += group.num_tokens
+                c.wasted_tokens_filtered += tokens
                 self.progress.latency.record(group.latency_s)
             case PutOutcome.DROPPED_EXPIRED:
                 self._count_expired(group)

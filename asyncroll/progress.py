@@ -162,9 +162,8 @@ class ProduceProgress:
         return out
 
     def restore(self, counters: ProgressCounters, latency_counts: list[int]) -> None:
-        """Continue from a checkpoint's totals; the next window starts here."""
-        if len(latency_counts) != LatencyHistogram.BUCKETS:
-            raise ValueError("checkpoint latency histogram has a different bucket layout")
+        """Continue from a checkpoint's totals (whose histogram layout the caller checked);
+        the next window starts here."""
         self.counters = counters.copy()
         self.latency.counts = np.asarray(latency_counts, dtype=np.int64)
         self._mark_counters = counters.copy()
