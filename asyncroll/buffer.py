@@ -3,13 +3,15 @@
 What it holds is encoded bytes (see `asyncroll.codec`): the byte bound is exact, buffered data
 cannot be changed by anyone after `put`, and a checkpoint is a plain copy.
 
-Admission, not `put`, is where backpressure happens (DESIGN.md invariant 3). Before a group is
-started its producer reserves a slot; the slot stays with the group while it is in flight, ready
-or waiting to resume, and is given back when the group is handed out or dropped. A reservation
-also counts `reserve_bytes` against `max_bytes` until the group arrives, so what the buffer holds
-plus what is in flight stays within `max_bytes` as long as no group encodes larger than
-`reserve_bytes` (a larger group raises the reservation size for every later one). Because every
-group that can arrive already holds its slot, `put` never waits and a drain never deadlocks.
+Admission, not `put`, is where backpressure happens. Before a group is started its producer
+reserves a slot and the bytes the group can grow to (its prompt, its metadata and every sample
+at full length: the producer's estimate, `reserve_bytes` by default); the slot stays with the
+group while it is in flight, ready or waiting to resume, and is given back when the group is
+handed out or dropped. What the buffer holds plus what is reserved stays within `max_bytes` as
+long as no group encodes larger than its reservation (a larger one raises the default for later
+reservations). A group waiting to resume takes its reservation again before it restarts.
+Because every group that can arrive already holds its slot, `put` never waits and a drain never
+deadlocks.
 
 The buffer knows only what it holds. Counting what was dropped, and why, is the producer's job:
 `put` returns an explicit outcome and `set_version` returns the groups it expired.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -62,12 +65,14 @@ class BufferStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Entry:
-    """One stored group: its bytes plus what the buffer must know without decoding it."""
+    """One stored group: its bytes plus what the buffer must know without decoding it.
+    `reserved` is the reservation it started with, which it takes again when it resumes."""
 
-    __slots__ = ("data", "min_version", "samples", "seq", "tokens", "uid")
+    __slots__ = ("data", "min_version", "reserved", "samples", "seq", "tokens", "uid")
 
-    def __init__(self, data: bytes, group: RolloutGroup, seq: int) -> None:
+    def __init__(self, data: bytes, group: RolloutGroup, seq: int, reserved: int) -> None:
         self.data = data
+        self.reserved = reserved
         self.uid = group.uid
         self.min_version = group.min_version
         self.samples = group.num_samples
@@ -118,6 +123,7 @@ class RolloutBuffer:
         self._ready_bytes = 0
         self._resume_bytes = 0
         self._reserved = 0
+        self._reserved_bytes = 0
         self._seq = itertools.count()
 
     # -- admission -------------------------------------------------------------------------------
@@ -142,37 +148,48 @@ class RolloutBuffer:
     def num_reserved(self) -> int:
         return self._reserved
 
-    def can_reserve(self) -> bool:
-        """Whether one more group may start now (a slot free and its bytes within bound).
+    def can_reserve(self, nbytes: int | None = None) -> bool:
+        """Whether one more group of up to `nbytes` encoded bytes (default `reserve_bytes`) may
+        start now: a slot free and its bytes within bound.
 
         With nothing held and nothing in flight a reservation is always granted, so a single
         group larger than the estimate can never stall the buffer forever.
         """
         if self._reserved + len(self._ready) + len(self._resume) >= self.max_groups:
             return False
-        held = self.held_bytes
+        return self._fits(self.reserve_bytes if nbytes is None else nbytes, self.held_bytes)
+
+    def _fits(self, nbytes: int, held: int) -> bool:
         if held == 0 and self._reserved == 0:
             return True
-        return held + (self._reserved + 1) * self.reserve_bytes <= self.max_bytes
+        return held + self._reserved_bytes + nbytes <= self.max_bytes
 
-    def try_reserve(self) -> bool:
-        """Reserve a slot for a group about to start; False (nothing reserved) if full."""
-        if not self.can_reserve():
+    def try_reserve(self, nbytes: int | None = None) -> bool:
+        """Reserve a slot and `nbytes` (default `reserve_bytes`) for a group about to start;
+        False (nothing reserved) if full."""
+        nbytes = self.reserve_bytes if nbytes is None else nbytes
+        if not self.can_reserve(nbytes):
             return False
         self._reserved += 1
+        self._reserved_bytes += nbytes
         return True
 
     async def reserve(self, timeout: float | None = None) -> None:
         """Wait until a slot can be reserved and reserve it; `TimeoutError` after `timeout`."""
         await self.changed.wait_until(self.can_reserve, timeout)
-        self._reserved += 1
+        self.try_reserve()
 
-    def release(self) -> None:
-        """Give back a reservation whose group will never be put (it was never started)."""
+    def release(self, nbytes: int | None = None) -> None:
+        """Give back a reservation (of `nbytes`, default `reserve_bytes`) whose group will never
+        be put (it was never started)."""
         if self._reserved <= 0:
             raise RuntimeError("release() without a reservation")
-        self._reserved -= 1
+        self._unreserve(self.reserve_bytes if nbytes is None else nbytes)
         self.changed.notify()
+
+    def _unreserve(self, nbytes: int) -> None:
+        self._reserved -= 1
+        self._reserved_bytes = 0 if self._reserved == 0 else max(0, self._reserved_bytes - nbytes)
 
     # -- arrival ---------------------------------------------------------------------------------
 
@@ -181,28 +198,39 @@ class RolloutBuffer:
             self._version - group.min_version > self.max_staleness
         )
 
-    def put(self, group: RolloutGroup) -> PutOutcome:
+    def put(self, group: RolloutGroup, reserved: int | None = None) -> PutOutcome:
         """Store or drop a finished attempt of a group; never blocks, never changes its status.
 
-        Uses up the reservation the group started with. Dropped groups are not referenced after
-        this returns (nothing is stored, logged or kept in an exception).
+        Uses up the reservation (of `reserved` bytes, default `reserve_bytes`) the group started
+        with. All or nothing: a group that cannot be encoded (`CodecError`) or whose status
+        contradicts its samples (`ValueError`) raises before anything changes, and keeps its
+        reservation. Dropped groups are not referenced after this returns (nothing is stored,
+        logged or kept in an exception).
         """
         if self._reserved <= 0:
             raise RuntimeError(f"put() of group {group.uid} without a reservation")
+        reserved = self.reserve_bytes if reserved is None else reserved
         outcome = self._outcome(group)
-        self._reserved -= 1
-        if outcome is PutOutcome.STORED_READY:
-            entry = self._store(group)
+        entry = None
+        if outcome in (PutOutcome.STORED_READY, PutOutcome.STORED_RESUME):
+            entry = self._store(group, reserved)
+        self._unreserve(reserved)
+        if entry is not None and outcome is PutOutcome.STORED_READY:
             self._ready[entry.uid] = entry
             self._ready_bytes += len(entry.data)
-        elif outcome is PutOutcome.STORED_RESUME:
-            entry = self._store(group)
+        elif entry is not None:
             self._resume[entry.uid] = entry
             self._resume_bytes += len(entry.data)
         self.changed.notify()
         return outcome
 
     def _outcome(self, group: RolloutGroup) -> PutOutcome:
+        """Where a group goes by its status, after checking that its samples agree: a group
+        labelled COMPLETED (or ABORTED) is stored as trainable (or resumable), so the label
+        alone is not trusted."""
+        match group.status:
+            case Status.COMPLETED | Status.ABORTED:
+                _check_label(group)
         match group.status:
             case Status.COMPLETED:
                 return (
@@ -221,12 +249,12 @@ class RolloutBuffer:
             case Status.PENDING:
                 raise ValueError(f"put() of group {group.uid} that was never generated (PENDING)")
 
-    def _store(self, group: RolloutGroup) -> _Entry:
+    def _store(self, group: RolloutGroup, reserved: int) -> _Entry:
         if group.uid in self._ready or group.uid in self._resume:
             raise ValueError(f"group {group.uid} is already in the buffer")
-        entry = _Entry(encode(group), group, next(self._seq))
-        self.reserve_bytes = max(self.reserve_bytes, len(entry.data))
-        return entry
+        data = encode(group)
+        self.reserve_bytes = min(self.max_bytes, max(self.reserve_bytes, len(data)))
+        return _Entry(data, group, next(self._seq), max(reserved, len(data)))
 
     # -- hand-out --------------------------------------------------------------------------------
 
@@ -253,15 +281,25 @@ class RolloutBuffer:
         await self.changed.wait_until(lambda: len(self._ready) >= n, timeout)
         return self.take(n)
 
-    def take_resume(self) -> RolloutGroup | None:
-        """Take the oldest group waiting to resume; its slot becomes an in-flight reservation."""
+    def can_resume(self) -> bool:
+        """Whether the oldest group waiting to resume may start again now: its stored bytes
+        become its reservation again, which must fit."""
         if not self._resume:
+            return False
+        entry = next(iter(self._resume.values()))
+        return self._fits(entry.reserved, self.held_bytes - len(entry.data))
+
+    def take_resume(self) -> tuple[RolloutGroup, int] | None:
+        """Take the oldest group waiting to resume, if `can_resume`: its slot becomes an
+        in-flight reservation. Returns the group and its reservation's bytes (for `put`)."""
+        if not self.can_resume():
             return None
         entry = self._resume.pop(next(iter(self._resume)))
         self._resume_bytes -= len(entry.data)
         self._reserved += 1
+        self._reserved_bytes += entry.reserved
         self.changed.notify()
-        return decode(entry.data)
+        return decode(entry.data), entry.reserved
 
     def set_version(self, version: int) -> list[RolloutGroup]:
         """Move to policy `version`; remove and return the held groups that became stale."""
@@ -296,15 +334,22 @@ class RolloutBuffer:
             resume_tokens=sum(e.tokens for e in self._resume.values()),
             resume_bytes=self._resume_bytes,
             reserved_groups=self._reserved,
-            reserved_bytes=self._reserved * self.reserve_bytes,
+            reserved_bytes=self._reserved_bytes,
         )
 
     def snapshot(self) -> tuple[list[bytes], list[bytes]]:
         """The encoded ready and resume groups, in hand-out order of arrival (for checkpoints)."""
         return [e.data for e in self._ready.values()], [e.data for e in self._resume.values()]
 
-    def restore(self, version: int, ready: list[bytes], resume: list[bytes]) -> None:
-        """Load a `snapshot` into an empty buffer with no reservations."""
+    def restore(
+        self,
+        version: int,
+        ready: list[bytes],
+        resume: list[bytes],
+        reserve_for: Callable[[RolloutGroup], int] | None = None,
+    ) -> None:
+        """Load a `snapshot` into an empty buffer with no reservations. `reserve_for(group)` is
+        the reservation a resumed group takes again (default `reserve_bytes`)."""
         if self._ready or self._resume or self._reserved:
             raise RuntimeError("restore() needs an empty buffer with no reservations")
         if len(ready) + len(resume) > self.max_groups:
@@ -315,7 +360,9 @@ class RolloutBuffer:
         stores: tuple[dict[int, _Entry], dict[int, _Entry]] = ({}, {})
         for store, blobs in zip(stores, (ready, resume), strict=True):
             for data in blobs:  # decode everything before changing anything
-                entry = _Entry(data, decode(data), next(self._seq))
+                group = decode(data)
+                reserved = self.reserve_bytes if reserve_for is None else reserve_for(group)
+                entry = _Entry(data, group, next(self._seq), max(reserved, len(data)))
                 if entry.uid in stores[0] or entry.uid in stores[1]:
                     raise ValueError(f"the checkpoint holds group {entry.uid} twice")
                 store[entry.uid] = entry
@@ -324,3 +371,20 @@ class RolloutBuffer:
         self._ready_bytes = sum(len(e.data) for e in self._ready.values())
         self._resume_bytes = sum(len(e.data) for e in self._resume.values())
         self.changed.notify()
+
+
+def _check_label(group: RolloutGroup) -> None:
+    """Refuse a COMPLETED group with a sample that is not COMPLETED, and an ABORTED group with
+    a sample that is neither COMPLETED nor ABORTED (or with none ABORTED)."""
+    statuses = {sample.status for sample in group.samples}
+    if group.status is Status.COMPLETED:
+        allowed = {Status.COMPLETED}
+    else:
+        allowed = {Status.COMPLETED, Status.ABORTED}
+    if not statuses <= allowed or (
+        group.status is Status.ABORTED and Status.ABORTED not in statuses
+    ):
+        found = ", ".join(sorted(s.value for s in statuses))
+        raise ValueError(
+            f"group {group.uid} is labelled {group.status.value} but its samples are {found}"
+        )

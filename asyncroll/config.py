@@ -17,6 +17,8 @@ from asyncroll.engines.base import SamplingConfig
 BYTES_PER_TOKEN = 12
 # Per-sample msgpack header and alignment padding in the codec (measured: ~150-250 bytes).
 SAMPLE_OVERHEAD_BYTES = 512
+# The group's own header (ids, task, versions...) and the prompt's alignment padding.
+GROUP_OVERHEAD_BYTES = 1024
 
 
 class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,12 +41,18 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
     prompt_timeout_s: float = 300.0
     reward_workers: int = 4  # threads for synchronous reward functions
     reward_in_thread: bool = True  # False: call sync reward functions on the event loop
+    # Groups in a row that may fail or be filtered before the run stops with an error that
+    # counts them by reason (a reward that always raises, a filter that rejects everything).
+    # None: never stop.
+    max_dropped_in_a_row: int | None = 1024
 
     def __post_init__(self) -> None:
         _at_least("group_size", self.group_size, 1, "generate at least one sample per prompt")
         _at_least("max_inflight_groups", self.max_inflight_groups, 1, "allow one group at least")
         _at_least("max_buffer_groups", self.max_buffer_groups, 1, "hold one group at least")
         _at_least("reward_workers", self.reward_workers, 1, "use one thread at least")
+        if self.max_dropped_in_a_row is not None:
+            _at_least("max_dropped_in_a_row", self.max_dropped_in_a_row, 1, "or None for no limit")
         if self.batch_size is not None:
             _at_least("batch_size", self.batch_size, 1, "or None")
             if self.batch_size > self.max_buffer_groups:
@@ -74,14 +82,18 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.pause_mode not in ("abort", "keep"):
             raise ValueError(f"pause_mode={self.pause_mode!r}: use 'abort' or 'keep'")
 
-    def group_bytes(self, payload_bytes_per_sample: int) -> int:
-        """Largest encoded size a group can reach (without its prompt), to size the buffer."""
+    def group_bytes(
+        self, payload_bytes_per_sample: int, prompt_tokens: int = 0, metadata_bytes: int = 0
+    ) -> int:
+        """Largest encoded size a group can reach: its samples at full length, its prompt
+        (4 bytes a token) and its metadata (its encoded size). Reserved before it starts."""
         per_sample = (
             self.sampling.max_new_tokens * BYTES_PER_TOKEN
             + payload_bytes_per_sample
             + SAMPLE_OVERHEAD_BYTES
         )
-        return self.group_size * per_sample
+        prompt = 4 * prompt_tokens + metadata_bytes + GROUP_OVERHEAD_BYTES
+        return self.group_size * per_sample + prompt
 
     def check_fits(self, payload_bytes_per_sample: int) -> None:
         """Refuse a buffer smaller than one group can be."""
@@ -91,7 +103,8 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"max_buffer_bytes={self.max_buffer_bytes} is smaller than one group can be "
                 f"({self.group_size} samples x ({self.sampling.max_new_tokens} tokens x "
                 f"{BYTES_PER_TOKEN} B + {payload_bytes_per_sample} B payload + "
-                f"{SAMPLE_OVERHEAD_BYTES} B) = {need} B): raise max_buffer_bytes or lower "
+                f"{SAMPLE_OVERHEAD_BYTES} B + {GROUP_OVERHEAD_BYTES} B) = {need} B, before its "
+                "prompt): raise max_buffer_bytes or lower "
                 "group_size / max_new_tokens"
             )
 

@@ -1,59 +1,76 @@
 """`Producer`: keeps an engine busy generating groups and hands the trainer ready batches.
 
-Data flows one way: prompt -> engine -> reward -> filter -> buffer -> trainer. One scheduler
-task admits work (resumed partial groups first, then new prompts) while a slot, the staleness
-capacity and `max_inflight_groups` allow; one task per group runs an attempt and lands the
-result in the buffer. All of them live in one `asyncio.TaskGroup` owned by `async with
-producer:`, which on exit aborts what is in flight (partial samples are kept for resumption),
-cancels what does not stop in time, and waits for every task.
+Data flows one way: prompt -> engine -> reward -> filter -> buffer -> trainer. The producer only
+orchestrates; each job lives in its own module:
+
+* `lifecycle`: the explicit states (the producer's `Phase`, the admission `Gate` and its
+  `Hold`ers, each group's `Stage`) and their allowed transitions.
+* `attempt`: one attempt at a group (engine call, checks, reward, filter) -> a `Landing`.
+* `rewards`: the reward function's deadline and worker threads.
+* `buffer`: bounded storage, drop on arrival; `progress`: every counter, counted by outcome.
+
+Structure. `async with producer:` starts one background task that owns an anyio task group:
+the scheduler and one task per group in flight. Nothing runs in the caller's task, so nothing
+can cancel the trainer or raise an exception group into it: a failure of the producer itself
+(a dead engine, a failing prompt source, a bug) is recorded once and reaches every waiter as
+`ProducerError`. On exit the producer drains (aborting generation, letting groups being scored
+finish within their deadline), cancels what does not stop in time, and waits for every task.
 
 Every state change of a group (start, landing, hand-out, expiry) happens in one synchronous step
 together with its counters, so the ledger identity (`check_ledger`) holds at every await point.
-Failures of one group (engine error or deadline, malformed output, bad prompt, reward error or
-deadline) become a FAILED group; only a dead engine, a failing prompt source or a bug stops the
-producer, and then `produce_batch` raises `ProducerError` instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import inspect
+import enum
+import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 
-from asyncroll import filters, rollout
+from asyncroll import codec, filters, rollout
 from asyncroll._signal import Signal
+from asyncroll.attempt import Attempts, Flight, Landing
 from asyncroll.buffer import PutOutcome, RolloutBuffer
 from asyncroll.config import ProducerConfig, make_config
 from asyncroll.engines.base import Engine, EngineDeadError, Weights
+from asyncroll.lifecycle import Gate, Hold, Phase, Stage, move
+from asyncroll.outcomes import FailureReason
 from asyncroll.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
 from asyncroll.prompts import PromptSource, PromptStream, TaskMix
+from asyncroll.rewards import RewardFn, RewardRunner
 from asyncroll.state import STATE_FORMAT, CheckpointError, ProducerState, dumps, loads, write_atomic
-from asyncroll.types import (
-    EMPTY_INT32,
-    Prompt,
-    RolloutGroup,
-    RolloutState,
-    Status,
-    group_status,
-)
+from asyncroll.types import EMPTY_INT32, Prompt, RolloutGroup, Status
 
-RewardFn = Callable[[RolloutGroup], Sequence[float] | Awaitable[Sequence[float]]]
-"""Scores a completed group: one reward per sample, in order (sync or async)."""
+__all__ = [
+    "DropRecord",
+    "Ledger",
+    "LedgerError",
+    "Producer",
+    "ProducerError",
+    "ProducerExhausted",
+    "RewardFn",
+    "StalledError",
+    "UpdateWeightsError",
+]
+
+log = logging.getLogger(__name__)
 
 
 class ProducerError(RuntimeError):
-    """The producer stopped: dead engine, failing prompt source, or an internal error."""
+    """The producer stopped: dead engine, failing prompt source, hung reward workers, too many
+    dead groups in a row, or an internal error."""
 
 
 class ProducerExhausted(Exception):
@@ -61,7 +78,12 @@ class ProducerExhausted(Exception):
 
 
 class StalledError(RuntimeError):
-    """`produce_batch` would wait forever (e.g. the staleness capacity is used up)."""
+    """`produce_batch` would wait forever (paused, or the staleness capacity or the buffer's
+    bounds are used up); the message names what to change."""
+
+
+class UpdateWeightsError(RuntimeError):
+    """`update_weights` failed; the producer was rolled back to its previous version and runs."""
 
 
 class LedgerError(AssertionError):
@@ -118,20 +140,36 @@ class DropRecord(msgspec.Struct, frozen=True, kw_only=True):
     prompt_id: str
     task: str
     outcome: PutOutcome
+    reason: FailureReason | None  # why it failed (None unless outcome is DROPPED_FAILED)
     error: str | None
     samples: int
     tokens: int
     version: int
 
 
-class _Flight(msgspec.Struct, kw_only=True):
-    """A group in flight: what the ledger needs about it, and its task."""
+class _Scheduler(enum.Enum):
+    """What the scheduler is doing: a produce_batch must not call a stall while it draws."""
 
-    request_id: str
-    samples: int
-    tokens: int  # tokens it held when this attempt started
-    started_at: float
-    task: asyncio.Task[None] | None = None
+    WAITING = "waiting"
+    DRAWING = "drawing"  # awaiting the prompt source
+
+
+class _Step(enum.Enum):
+    """What the scheduler may do next."""
+
+    RESUME = "resume"  # restart the oldest partial group
+    START = "start"  # start the staged prompt's group
+    DRAW = "draw"  # draw the next prompt
+
+
+class _Staged(msgspec.Struct, frozen=True):
+    """A drawn prompt whose group waits for room: its reservation depends on its size."""
+
+    prompt: Prompt
+    reserve: int
+
+
+_UNSET: Any = object()
 
 
 class Producer:
@@ -140,7 +178,7 @@ class Producer:
     Options are `ProducerConfig` fields, given as `config=` or as keywords. `filter` is a
     `filters` name ("nonzero_std"), a callable returning True to keep a scored group, or None.
     `on_drop` is called with a `DropRecord` (no payload) for every failed, filtered or expired
-    group, e.g. to log which prompts failed and why.
+    group, after the counters include it, e.g. to log which prompts failed and why.
     """
 
     def __init__(
@@ -155,20 +193,24 @@ class Producer:
         **options: Any,
     ) -> None:
         self.config = cfg = make_config(config, options)
-        if not callable(reward_fn):
-            raise ValueError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
         if cfg.pause_mode == "keep" and not engine.supports_keep_pause:
             raise ValueError(
                 f"pause_mode='keep' but {type(engine).__name__} cannot pause requests in place: "
                 "use pause_mode='abort'"
             )
-        payload = engine.payload_bytes(cfg.sampling.max_new_tokens)
-        cfg.check_fits(payload)
+        self._payload = engine.payload_bytes(cfg.sampling.max_new_tokens)
+        cfg.check_fits(self._payload)
         self.engine = engine
         self.reward_fn = reward_fn
+        self._rewards = RewardRunner(
+            reward_fn,
+            timeout_s=cfg.reward_timeout_s,
+            workers=cfg.reward_workers,
+            in_thread=cfg.reward_in_thread,
+        )
         self.filter = filters.resolve(filter)
         self.on_drop = on_drop
-        self._group_bytes = cfg.group_bytes(payload)
+        self._group_bytes = cfg.group_bytes(self._payload)
         self.buffer = RolloutBuffer(
             max_groups=cfg.max_buffer_groups,
             max_bytes=cfg.max_buffer_bytes,
@@ -177,77 +219,83 @@ class Producer:
             order=cfg.order,
         )
         self.progress = ProduceProgress()
-        self._reward_is_async = inspect.iscoroutinefunction(reward_fn) or (
-            inspect.iscoroutinefunction(getattr(reward_fn, "__call__", None))  # noqa: B004
-        )
+        self._attempts = Attempts(engine, cfg, self._rewards, self.filter, lambda: self._version)
         self._prompts = PromptStream(prompts)
         self._version = 0
         self._next_uid = 0
-        self._inflight: dict[int, _Flight] = {}
+        self._run_id = uuid.uuid4().hex[:12]  # request ids stay unique on a shared engine
+        self._inflight: dict[int, Flight] = {}
         self._changed = Signal()
-        self._pauses = 0
-        self._pause_lock = asyncio.Lock()
+        self._phase = Phase.NEW
+        self._gate = Gate.OPEN
+        self._holds: Counter[Hold] = Counter()
+        self._gate_lock = asyncio.Lock()
         self._update_lock = asyncio.Lock()
-        self._phase: Literal["new", "running", "stopped"] = "new"
-        self._stopping = False
-        self._fatal: str | None = None
-        self._tg: asyncio.TaskGroup | None = None
-        self._scheduler: asyncio.Task[None] | None = None
+        self._scheduler = _Scheduler.WAITING
+        self._staged: _Staged | None = None
+        self._error: str | None = None
+        self._dropped_in_a_row: Counter[str] = Counter()
+        self._entry_weights: Weights | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
         self._idle_since: float | None = None  # when the last group in flight landed
-        self._executor: ThreadPoolExecutor | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Producer:
-        if self._phase != "new":
+        if self._phase is not Phase.NEW:
             raise RuntimeError("a Producer runs once: build a new one and load() its checkpoint")
-        self._phase = "running"
-        if not self._reward_is_async and self.config.reward_in_thread:
-            self._executor = ThreadPoolExecutor(
-                self.config.reward_workers, thread_name_prefix="asyncroll-reward"
-            )
-        tg = asyncio.TaskGroup()
-        await tg.__aenter__()
-        self._tg = tg
+        self._phase = move(self._phase, Phase.RUNNING)
+        weights, self._entry_weights = self._entry_weights, None
         self._idle_since = time.monotonic()
-        try:  # the engine stamps tokens with our version (0, or a checkpoint's), whatever it
-            # served before (an engine can outlive a producer)
-            await self._engine_call(
-                self.engine.update_weights(None, version=self._version),
+        try:  # the engine serves our version (0, or a checkpoint's with the trainer's weights)
+            await self._control(
+                self.engine.update_weights(weights, version=self._version),
                 self.config.update_timeout_s,
+                "update_weights",
             )
-            self._scheduler = tg.create_task(self._schedule(), name="asyncroll-scheduler")
         except BaseException:
-            await self._shutdown()
+            self._phase = move(move(self._phase, Phase.STOPPING), Phase.STOPPED)
             raise
+        del weights
+        self._runner = asyncio.create_task(self._run(), name="asyncroll-producer")
         return self
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
-        await self._shutdown()
-        if self._fatal is not None and exc is None:
-            raise ProducerError(self._fatal)
+        await self._stop()
+        if self._error is not None and exc is None:
+            raise ProducerError(self._error)
 
-    async def _shutdown(self) -> None:
-        """Stop admitting, abort what is in flight into resumable partials, wait for all tasks."""
-        self._stopping = True
+    async def _run(self) -> None:
+        """The producer's background task: owns the scheduler and every group's task."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._schedule, name="asyncroll-scheduler")
+        except Exception as exc:  # a bug escaped a task: every waiter hears of it
+            self._fail(f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            self._tg = None
+
+    async def _stop(self) -> None:
+        """Stop admitting, drain what is in flight into resumable partials (groups being scored
+        finish), then end every task."""
+        if self._phase is Phase.RUNNING:
+            self._phase = move(self._phase, Phase.STOPPING)
         self._changed.notify()
         try:
             await self._drain()
             self._count_idle()
         finally:
-            for flight in self._inflight.values():
-                if flight.task is not None:
-                    flight.task.cancel()
-            if self._scheduler is not None:
-                self._scheduler.cancel()
             if self._tg is not None:
-                await self._tg.__aexit__(None, None, None)
-            # Finished tasks hold their exception, whose traceback holds our frames: let go.
-            self._tg = self._scheduler = None
-            if self._executor is not None:
-                self._executor.shutdown(wait=False, cancel_futures=True)
-                self._executor = None
-            self._phase = "stopped"
+                self._tg.cancel_scope.cancel()
+            runner, self._runner = self._runner, None
+            if runner is not None:
+                await asyncio.wait([runner])
+                runner = None  # its exception (if any) was recorded by _run
+            self._unstage()
+            if self._phase is Phase.STOPPING:
+                self._phase = move(self._phase, Phase.STOPPED)
 
     @property
     def version(self) -> int:
@@ -256,11 +304,16 @@ class Producer:
 
     @property
     def running(self) -> bool:
-        return self._phase == "running"
+        return self._phase is Phase.RUNNING
 
     @property
     def paused(self) -> bool:
-        return self._pauses > 0
+        return bool(self._holds)
+
+    @property
+    def error(self) -> str | None:
+        """Why the producer stopped, once it has (also raised as `ProducerError`)."""
+        return self._error
 
     # -- the trainer's side ----------------------------------------------------------------------
 
@@ -270,8 +323,8 @@ class Producer:
         """Wait for `n` ready groups (default `batch_size`) and hand them out with the counters
         since the previous batch. Returns fewer only when the prompts are used up; raises
         `ProducerExhausted` when nothing is left, `ProducerError` if the producer stopped,
-        `StalledError` if the batch could never fill, `TimeoutError` after `timeout` seconds
-        (nothing is taken then)."""
+        `StalledError` if the batch could never fill (paused by `pause()`, or a bound is used
+        up), `TimeoutError` after `timeout` seconds (nothing is taken then)."""
         self._require_running()
         n = self._batch_n(n)
         start = time.monotonic()
@@ -279,27 +332,25 @@ class Producer:
             await self._changed.wait_until(
                 lambda: (
                     self.buffer.num_ready >= n
-                    or self._fatal is not None
+                    or self._error is not None
+                    or not self.running
                     or self._drained()
-                    or self._stalled()
+                    or self._stall() is not None
                 ),
                 timeout,
             )
         finally:
             self.progress.counters.wait_s += time.monotonic() - start
-        if self._fatal is not None:
-            raise ProducerError(self._fatal)
+        if self._error is not None:
+            raise ProducerError(self._error)
+        self._require_running()
         ready = self.buffer.num_ready
         if ready < n and not self._drained():
-            raise StalledError(self._stall_message(n))
+            raise StalledError(self._stall() or f"produce_batch({n}) cannot fill")
         if ready == 0:
             raise ProducerExhausted("every prompt was produced and every ready group handed out")
         groups = self.buffer.take(min(n, ready))
-        c = self.progress.counters
-        c.consumed_groups += len(groups)
-        for g in groups:
-            c.consumed_samples += g.num_samples
-            c.consumed_tokens += g.num_tokens
+        self.progress.count_consumed(groups)
         self._changed.notify()
         self._count_idle()
         delta, totals, latency, window_s = self.progress.consume()
@@ -323,41 +374,58 @@ class Producer:
 
     async def update_weights(self, weights: Weights | None = None) -> int:
         """Pause, load `weights` into the engine (None: loaded out of band), bump the version,
-        expire what became too stale, resume. Returns the new version."""
+        expire what became too stale, resume. Returns the new version.
+
+        All or nothing: if the engine fails or passes `update_timeout_s`, its version label is
+        set back, the producer resumes at the old version and `UpdateWeightsError` says so (the
+        engine may hold partly loaded weights until the next successful update). If the label
+        cannot be set back, the producer stops (`ProducerError`)."""
         self._require_running()
-        async with self._update_lock, self.pausing():
-            version = self._version + 1
-            await self._engine_call(
-                self.engine.update_weights(weights, version=version), self.config.update_timeout_s
-            )
-            self._set_version(version)
+        async with self._update_lock, self._holding(Hold.UPDATE):
+            old, new = self._version, self._version + 1
+            try:
+                await self._control(
+                    self.engine.update_weights(weights, version=new),
+                    self.config.update_timeout_s,
+                    "update_weights",
+                )
+            except ProducerError:
+                raise
+            except BaseException as exc:
+                await self._roll_back_label(old, new)
+                if not isinstance(exc, Exception):
+                    raise
+                raise UpdateWeightsError(
+                    f"update_weights to version {new} failed ({type(exc).__name__}: {exc}); the "
+                    f"producer stays at version {old} and runs on: call update_weights again"
+                ) from None
+            self._set_version(new)
         return self._version
+
+    async def _roll_back_label(self, old: int, new: int) -> None:
+        try:
+            await self._control(
+                self.engine.update_weights(None, version=old),
+                self.config.abort_timeout_s,
+                "update_weights",
+            )
+        except Exception as exc:
+            self._fail(
+                f"update_weights to version {new} failed and the engine's version label could "
+                f"not be set back to {old} ({type(exc).__name__}: {exc}): tokens could be "
+                "stamped with a version the producer never reached"
+            )
 
     async def pause(self) -> None:
         """Stop starting groups. In "abort" mode abort in-flight requests and wait until they
-        have landed (partial samples wait in the buffer to resume); in "keep" mode freeze them
-        in the engine. Pauses nest; each needs a `resume`."""
+        have landed (partial samples wait in the buffer to resume; groups being scored finish);
+        in "keep" mode freeze them in the engine. Pauses nest; each needs a `resume`. If the
+        pause fails, it is undone and the error raised: the producer is not left paused."""
         self._require_running()
-        async with self._pause_lock:
-            self._pauses += 1
-            self._changed.notify()
-            if self._pauses > 1:
-                return
-            if self.config.pause_mode == "keep":
-                await self._engine_call(self.engine.pause_generation(), self.config.abort_timeout_s)
-            else:
-                await self._drain()
+        await self._acquire(Hold.USER)
 
     async def resume(self) -> None:
-        async with self._pause_lock:
-            if self._pauses == 0:
-                raise RuntimeError("resume() without a matching pause()")
-            if self._pauses == 1 and self.config.pause_mode == "keep" and self.running:
-                await self._engine_call(
-                    self.engine.resume_generation(), self.config.abort_timeout_s
-                )
-            self._pauses -= 1
-            self._changed.notify()
+        await self._release(Hold.USER)
 
     @contextlib.asynccontextmanager
     async def pausing(self) -> AsyncIterator[None]:
@@ -417,6 +485,7 @@ class Producer:
                 f"state_dict() with {len(self._inflight)} groups in flight: pause first "
                 "(pause_mode='abort'), or use save()"
             )
+        self._unstage()
         ready, resume = self.buffer.snapshot()
         return ProducerState(
             format=STATE_FORMAT,
@@ -430,12 +499,23 @@ class Producer:
             resume=resume,
         )
 
-    def load_state_dict(self, state: ProducerState) -> None:
-        """Continue the run of `state`; only before `async with`. All or nothing."""
-        if self._phase != "new":
+    def load_state_dict(self, state: ProducerState, *, weights: Weights | None = _UNSET) -> None:
+        """Continue the run of `state`; only before `async with`. All or nothing.
+
+        A checkpoint past version 0 was trained on: `weights` are the trainer's weights at that
+        version (`model.named_parameters()`), loaded into the engine on entry. Pass
+        `weights=None` only when the engine already serves them; otherwise the base model's
+        tokens would be stamped as the checkpoint's version and look on-policy."""
+        if self._phase is not Phase.NEW:
             raise RuntimeError("load_state_dict() must come before `async with producer`")
         if state.format != STATE_FORMAT:
             raise CheckpointError(f"checkpoint format {state.format}, expected {STATE_FORMAT}")
+        if state.version > 0 and weights is _UNSET:
+            raise ValueError(
+                f"the checkpoint is at version {state.version}: pass weights=<the trainer's "
+                f"weights at version {state.version}> (e.g. model.named_parameters()) so the "
+                "engine serves them, or weights=None if it already does"
+            )
         if state.group_size != self.config.group_size:
             raise CheckpointError(
                 f"checkpoint has group_size={state.group_size}, this producer "
@@ -444,26 +524,31 @@ class Producer:
         self._prompts.check(state.cursor)
         if len(state.latency_counts) != LatencyHistogram.BUCKETS:
             raise CheckpointError("checkpoint latency histogram has another bucket layout")
-        self.buffer.restore(state.version, state.ready, state.resume)
+        try:
+            self.buffer.restore(state.version, state.ready, state.resume, self._reservation)
+        except codec.CodecError as exc:
+            raise CheckpointError(f"corrupt checkpoint: a stored group: {exc}") from None
         self._prompts.load(state.cursor)
         self.progress.restore(state.counters, state.latency_counts)
         self._version = state.version
         self._next_uid = state.next_uid
+        self._entry_weights = None if weights is _UNSET else weights
 
     async def save(self, path: str | os.PathLike[str]) -> None:
         """Write a checkpoint atomically. While running, pauses, aborts what is in flight into
         partial samples (kept in the checkpoint), writes, and resumes."""
         if self.running:
-            async with self.pausing():
+            async with self._holding(Hold.SAVE):
                 await self._drain()
                 data = dumps(self.state_dict())
         else:
             data = dumps(self.state_dict())
-        await asyncio.to_thread(write_atomic, path, data)
+        await anyio.to_thread.run_sync(write_atomic, path, data)
 
-    def load(self, path: str | os.PathLike[str]) -> None:
-        """Continue from a checkpoint file written by `save` (before `async with`)."""
-        self.load_state_dict(loads(Path(path).read_bytes()))
+    def load(self, path: str | os.PathLike[str], *, weights: Weights | None = _UNSET) -> None:
+        """Continue from a checkpoint file written by `save` (before `async with`); `weights`
+        as in `load_state_dict`."""
+        self.load_state_dict(loads(Path(path).read_bytes()), weights=weights)
 
     # -- scheduling ------------------------------------------------------------------------------
 
@@ -471,52 +556,79 @@ class Producer:
         """Admit work while there is room: resumed groups first, then new prompts."""
         try:
             while True:
-                await self._changed.wait_until(self._may_start)
-                resumed = self.buffer.take_resume()
-                if resumed is not None:
-                    self._start(resumed, resumed=True)
-                elif self.buffer.try_reserve():
-                    await self._start_new()
-        except asyncio.CancelledError:
-            raise
+                await self._changed.wait_until(lambda: self._next_step() is not None)
+                match self._next_step():
+                    case _Step.RESUME:
+                        taken = self.buffer.take_resume()
+                        if taken is not None:
+                            self._start(*taken, resumed=True)
+                    case _Step.START:
+                        staged = self._staged
+                        if staged is not None and self.buffer.try_reserve(staged.reserve):
+                            self._staged = None
+                            self._start(self._new_group(staged.prompt), staged.reserve)
+                    case _Step.DRAW:
+                        await self._draw()
         except Exception as exc:  # a bug: surface it rather than stall silently
-            self._set_fatal(f"scheduler failed: {type(exc).__name__}: {exc}")
+            self._fail(f"scheduler failed: {type(exc).__name__}: {exc}")
 
-    async def _start_new(self) -> None:
-        """Draw a prompt for the slot just reserved and start its group."""
-        try:
-            async with asyncio.timeout(self.config.prompt_timeout_s):
-                prompt = await self._prompts.next()
-        except TimeoutError:
-            self.buffer.release()
-            timeout = self.config.prompt_timeout_s
-            self._set_fatal(f"prompt source gave nothing within prompt_timeout_s={timeout}")
-            return
-        except Exception as exc:
-            self.buffer.release()
-            self._set_fatal(f"prompt source raised {type(exc).__name__}: {exc}")
-            return
-        except BaseException:  # cancelled: the slot was never used
-            self.buffer.release()
-            raise
-        if prompt is None:
-            self.buffer.release()
-            self._changed.notify()
-            return
-        if self._pauses or self._stopping:  # paused while drawing: start it after resume
-            self.buffer.release()
-            self._prompts.unread(prompt)
-            return
-        self._start(self._new_group(prompt), resumed=False)
-
-    def _may_start(self) -> bool:
-        if self._fatal is not None or self._pauses or self._stopping:
-            return False
-        if len(self._inflight) >= self.config.max_inflight_groups:
-            return False
+    def _next_step(self) -> _Step | None:
+        """What the scheduler may do now, or None: the one admission rule."""
+        if not self._admitting() or len(self._inflight) >= self.config.max_inflight_groups:
+            return None
         if self.buffer.num_resume:
-            return True
-        return not self._prompts.exhausted and self._within_capacity() and self.buffer.can_reserve()
+            return _Step.RESUME if self.buffer.can_resume() else None
+        if not self._within_capacity():
+            return None
+        if self._staged is not None:
+            return _Step.START if self.buffer.can_reserve(self._staged.reserve) else None
+        if self._prompts.exhausted or not self.buffer.can_reserve(0):
+            return None
+        return _Step.DRAW
+
+    def _admitting(self) -> bool:
+        return self._phase is Phase.RUNNING and self._gate is Gate.OPEN and self._error is None
+
+    async def _draw(self) -> None:
+        """Draw the next prompt within `prompt_timeout_s` and stage it."""
+        self._scheduler = _Scheduler.DRAWING
+        try:
+            with anyio.move_on_after(self.config.prompt_timeout_s) as scope:
+                prompt = await self._prompts.next()
+            if scope.cancelled_caught:
+                timeout = self.config.prompt_timeout_s
+                self._fail(f"prompt source gave nothing within prompt_timeout_s={timeout}")
+            elif prompt is not None:
+                self._staged = self._stage(prompt)
+        except Exception as exc:
+            self._fail(f"prompt source raised {type(exc).__name__}: {exc}")
+        finally:
+            self._scheduler = _Scheduler.WAITING
+            self._changed.notify()
+
+    def _stage(self, prompt: Prompt) -> _Staged:
+        """The prompt with the bytes its group can grow to. A prompt that will fail (bad ids,
+        no room, metadata that cannot be stored) reserves nothing: it never reaches the engine."""
+        try:
+            tokens = rollout.prompt_array(
+                prompt.tokens, self.engine.vocab_size, self.engine.max_model_len
+            )
+            metadata = len(codec.encode_value(prompt.metadata))
+        except (rollout.RolloutError, codec.CodecError):
+            return _Staged(prompt, 0)
+        return _Staged(prompt, self.config.group_bytes(self._payload, len(tokens), metadata))
+
+    def _unstage(self) -> None:
+        """Put a staged prompt back at the front of the stream (for a checkpoint, or on stop)."""
+        if self._staged is not None:
+            self._prompts.unread(self._staged.prompt)
+            self._staged = None
+            self._changed.notify()
+
+    def _reservation(self, group: RolloutGroup) -> int:
+        """The bytes a group reserves while in flight (used for restored partial groups)."""
+        metadata = len(codec.encode_value(group.metadata))
+        return self.config.group_bytes(self._payload, len(group.prompt_tokens), metadata)
 
     def _within_capacity(self) -> bool:
         """AReaL's rule: accepted + running <= (max_staleness + version + 1) x batch_size, so
@@ -529,28 +641,49 @@ class Producer:
         extra = math.ceil((cfg.oversample - 1.0) * cfg.batch_size)
         return accepted + running < (cfg.max_staleness + self._version + 1) * cfg.batch_size + extra
 
-    def _idle(self) -> bool:
-        """Nothing in flight, waiting to resume or about to start (each holds a slot)."""
-        return not self.buffer.num_reserved and not self.buffer.num_resume
-
     def _drained(self) -> bool:
         """Nothing more can become ready: prompts used up and nothing pending."""
-        return self._prompts.exhausted and self._idle()
-
-    def _stalled(self) -> bool:
-        """Nothing pending and nothing may start though prompts remain: no batch can fill
-        until the trainer changes something (bumps the version, resumes)."""
-        return self._idle() and not self._prompts.exhausted and not self._may_start()
-
-    def _stall_message(self, n: int) -> str:
-        cfg = self.config
-        if self._pauses:
-            return f"produce_batch({n}) while paused would wait forever: resume() first"
         return (
-            f"produce_batch({n}) would wait forever: {self.buffer.num_ready} groups ready and the "
-            f"staleness capacity at version {self._version} is used up "
-            f"((max_staleness={cfg.max_staleness} + version + 1) x batch_size={cfg.batch_size}); "
-            "call update_weights() after each batch, or raise max_staleness"
+            self._prompts.exhausted
+            and self._staged is None
+            and self._scheduler is _Scheduler.WAITING
+            and not self._inflight
+            and not self.buffer.num_resume
+        )
+
+    def _stall(self) -> str | None:
+        """Why no more groups can become ready until the caller acts, or None while they can.
+        Only a user's pause stalls; an update or a save in progress ends by itself."""
+        if self._holds[Hold.USER]:
+            return "produce_batch while paused would wait forever: resume() first"
+        if (
+            self._holds
+            or self._inflight
+            or self._scheduler is _Scheduler.DRAWING
+            or self._drained()
+            or not self.running
+        ):
+            return None
+        if len(self._inflight) < self.config.max_inflight_groups and self._next_step() is not None:
+            return None
+        return self._blocked_by()
+
+    def _blocked_by(self) -> str:
+        cfg, b = self.config, self.buffer
+        held = f"{b.num_ready} groups ready, {b.num_resume} waiting to resume"
+        if b.num_resume or self._within_capacity():
+            return (
+                f"produce_batch would wait forever: {held} use up the buffer "
+                f"(max_buffer_groups={cfg.max_buffer_groups}, max_buffer_bytes="
+                f"{cfg.max_buffer_bytes}, holding {b.held_bytes} B; the next group needs "
+                f"{self._staged.reserve if self._staged else self._group_bytes} B): raise "
+                "max_buffer_bytes / max_buffer_groups, or take batches that fit"
+            )
+        return (
+            f"produce_batch would wait forever: {held} and the staleness capacity at version "
+            f"{self._version} is used up ((max_staleness={cfg.max_staleness} + version + 1) x "
+            f"batch_size={cfg.batch_size}); call update_weights() after each batch, or raise "
+            "max_staleness"
         )
 
     def _batch_n(self, n: int | None) -> int:
@@ -562,212 +695,124 @@ class Producer:
             raise ValueError(
                 f"produce_batch({n}) can never fill: the buffer holds max_buffer_groups="
                 f"{cfg.max_buffer_groups} and max_buffer_bytes={cfg.max_buffer_bytes} "
-                f"(a group can take {self._group_bytes} B); raise them or ask for fewer groups"
+                f"(a group can take {self._group_bytes} B before its prompt); raise them or ask "
+                "for fewer groups"
             )
         return n
 
     def _new_group(self, prompt: Prompt) -> RolloutGroup:
         uid = self._next_uid
         self._next_uid += 1
+        error = None
         try:
             tokens = rollout.prompt_array(
                 prompt.tokens, self.engine.vocab_size, self.engine.max_model_len
             )
-            error = None
+            codec.encode_value(prompt.metadata)
         except rollout.RolloutError as exc:
             tokens, error = EMPTY_INT32, f"bad prompt: {exc}"
+        except codec.CodecError as exc:
+            tokens, error = EMPTY_INT32, f"bad prompt: its metadata cannot be stored: {exc}"
         return RolloutGroup(
             uid=uid,
             prompt_id=prompt.prompt_id or f"{prompt.task}/uid{uid}",
             task=prompt.task,
             prompt_tokens=tokens,
             samples=rollout.fresh_samples(self.config.group_size),
-            metadata=prompt.metadata,
+            metadata=prompt.metadata if error is None else {},
             start_version=self._version,
             error=error,
         )
 
-    def _start(self, group: RolloutGroup, *, resumed: bool) -> None:
+    def _start(self, group: RolloutGroup, reserved: int, *, resumed: bool = False) -> None:
         """Put `group` in flight (one synchronous step with its counters) and run its attempt."""
-        flight = _Flight(
-            request_id=f"{group.uid}-{group.attempts}",
-            samples=group.num_samples,
-            tokens=group.num_tokens,
-            started_at=time.monotonic(),
-        )
+        flight = Flight(group, f"{self._run_id}-{group.uid}-{group.attempts}", reserved)
         self._inflight[group.uid] = flight
+        self.progress.count_start(group, resumed=resumed)
         self._count_idle()
-        c = self.progress.counters
-        if resumed:
-            c.resumed_groups += 1
-        else:
-            c.started_groups += 1
-            c.started_samples += group.num_samples
         if group.error is not None:  # a bad prompt: fails without reaching the engine
             self._land(
-                self._finish(group, flight, group.samples, Status.FAILED, group.error), flight
+                self._attempts.failed(group, flight, FailureReason.BAD_PROMPT, group.error), flight
             )
             return
         assert self._tg is not None
-        flight.task = self._tg.create_task(
-            self._run_group(group, flight), name=f"asyncroll-group-{group.uid}"
-        )
+        self._tg.start_soon(self._run_group, group, flight, name=f"asyncroll-group-{group.uid}")
 
-    # -- one attempt -----------------------------------------------------------------------------
-
-    async def _run_group(self, group: RolloutGroup, flight: _Flight) -> None:
+    async def _run_group(self, group: RolloutGroup, flight: Flight) -> None:
+        """Run one attempt and land it exactly once, however the attempt ends."""
+        landing: Landing | None = None
         try:
-            final = await self._attempt(group, flight)
-        except asyncio.CancelledError:
-            samples = rollout.interrupted(group.samples)
-            self._land(self._finish(group, flight, samples, group_status(samples)), flight)
+            with flight.scope:  # cancelled by a drain when the engine ignores an abort
+                landing = await self._attempts.run(group, flight)
+        except anyio.get_cancelled_exc_class():
+            self._land(self._attempts.interrupted(group, flight), flight)
             raise
-        except Exception as exc:  # a bug in asyncroll: fail the group, stop the producer
+        except BaseException as exc:  # a bug in asyncroll, or KeyboardInterrupt / SystemExit
             message = f"internal error in group {group.uid}: {type(exc).__name__}: {exc}"
-            self._set_fatal(message)
-            final = self._finish(group, flight, group.samples, Status.FAILED, message)
-        self._land(final, flight)
-
-    async def _attempt(self, group: RolloutGroup, flight: _Flight) -> RolloutGroup:
-        """Generate, check, score and filter one attempt; return the group in its final state."""
-        cfg, engine = self.config, self.engine
-        budget = rollout.token_budget(group, cfg.sampling, engine.max_model_len)
-        request = rollout.build_request(group, flight.request_id, cfg.sampling, budget)
-        finish = functools.partial(self._finish, group, flight)
-        try:
-            async with asyncio.timeout(cfg.generate_timeout_s):
-                outputs = await engine.generate(request)
-        except TimeoutError:
-            await self._abort_request(flight.request_id)
-            return finish(
-                group.samples, Status.FAILED,
-                f"engine gave no answer within generate_timeout_s={cfg.generate_timeout_s}",
-            )  # fmt: skip
-        except EngineDeadError as exc:
-            self._set_fatal(f"engine died: {exc}")
-            return finish(group.samples, Status.FAILED, f"engine died: {exc}")
-        except Exception as exc:
-            error = f"engine error: {type(exc).__name__}: {exc}"
-            return finish(group.samples, Status.FAILED, error)
-        try:
-            samples = rollout.merge_outputs(
-                group, request, outputs, vocab_size=engine.vocab_size, version=self._version
+            self._land(
+                self._attempts.failed(group, flight, FailureReason.INTERNAL, message), flight
             )
-        except (ValueError, TypeError) as exc:  # RolloutError, or arrays that do not fit
-            return finish(group.samples, Status.FAILED, f"malformed engine output: {exc}")
-        status = group_status(samples)
-        if status is not Status.COMPLETED:
-            return finish(samples, status)
-        try:
-            rewards = rollout.check_rewards(await self._score(group, samples), len(samples))
-        except rollout.RolloutError as exc:
-            return finish(samples, Status.FAILED, str(exc))
-        except TimeoutError:
-            error = f"reward function took longer than reward_timeout_s={cfg.reward_timeout_s}"
-            return finish(samples, Status.FAILED, error)
-        except Exception as exc:
-            error = f"reward function raised {type(exc).__name__}: {exc}"
-            return finish(samples, Status.FAILED, error)
-        c = self.progress.counters
-        c.reward_sum += math.fsum(rewards)
-        c.reward_count += len(rewards)
-        samples = rollout.with_rewards(samples, rewards)
-        if self.filter is None:
-            return finish(samples, Status.COMPLETED)
-        scored = msgspec.structs.replace(group, samples=samples, status=Status.COMPLETED)
-        try:
-            keep = bool(self.filter(scored))
-        except Exception as exc:
-            error = f"filter raised {type(exc).__name__}: {exc}"
-            return finish(samples, Status.FAILED, error)
-        return finish(samples, Status.COMPLETED if keep else Status.FILTERED)
+            self._fail(message)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self._land(landing or self._attempts.interrupted(group, flight), flight)
 
-    async def _score(self, group: RolloutGroup, samples: tuple[RolloutState, ...]) -> Any:
-        """Call the reward function on the completed group, within `reward_timeout_s`."""
-        cfg = self.config
-        scored = msgspec.structs.replace(group, samples=samples, status=Status.COMPLETED)
-        pending: Any
-        if self._reward_is_async:
-            pending = self.reward_fn(scored)
-        elif self._executor is not None:
-            loop = asyncio.get_running_loop()
-            pending = loop.run_in_executor(self._executor, self.reward_fn, scored)
-        else:  # inline on the loop: it cannot be interrupted, only judged late
-            start = time.monotonic()
-            pending = self.reward_fn(scored)
-            if not inspect.isawaitable(pending):
-                if time.monotonic() - start > cfg.reward_timeout_s:
-                    raise TimeoutError
-                return pending
-        async with asyncio.timeout(cfg.reward_timeout_s):
-            result = await pending
-            while inspect.isawaitable(result):  # a sync function that returned a coroutine
-                result = await result
-        return result
+    # -- landing ---------------------------------------------------------------------------------
 
-    def _finish(
-        self,
-        group: RolloutGroup,
-        flight: _Flight,
-        samples: tuple[RolloutState, ...],
-        status: Status,
-        error: str | None = None,
-    ) -> RolloutGroup:
-        """The group after this attempt, built once with its final status."""
-        return msgspec.structs.replace(
-            group,
-            samples=samples,
-            status=status,
-            error=error,
-            attempts=group.attempts + 1,
-            latency_s=group.latency_s + (time.monotonic() - flight.started_at),
-        )
-
-    def _count_idle(self) -> None:
-        """Add the idle time since the last group landed (if none is in flight) to `idle_s`."""
-        now = time.monotonic()
-        if self._idle_since is not None:
-            self.progress.counters.idle_s += now - self._idle_since
-        self._idle_since = None if self._inflight else now
-
-    def _land(self, group: RolloutGroup, flight: _Flight) -> None:
-        """Hand a finished attempt to the buffer and count it: one synchronous step."""
+    def _land(self, landing: Landing, flight: Flight) -> None:
+        """Hand a finished attempt to the buffer and count it: one synchronous step that cannot
+        raise (a group that cannot be stored is counted as FAILED instead)."""
+        group, reason = landing.group, landing.reason
         del self._inflight[group.uid]
+        try:
+            outcome = self.buffer.put(group, flight.reserved)
+        except Exception as exc:  # put changed nothing: fail the group instead
+            if isinstance(exc, codec.CodecError):
+                reason = FailureReason.UNSTORABLE
+                error = f"the group could not be stored: {exc}"
+            else:
+                reason = FailureReason.INTERNAL
+                error = f"internal error storing group {group.uid}: {type(exc).__name__}: {exc}"
+                self._fail(error)
+            group = msgspec.structs.replace(group, status=Status.FAILED, error=error)
+            outcome = self.buffer.put(group, flight.reserved)  # dropped: nothing to encode
+        self.progress.count_landing(group, outcome, reason, flight.tokens)
         self._count_idle()
-        c = self.progress.counters
-        tokens = group.num_tokens
-        c.generated_tokens += tokens - flight.tokens
-        outcome = self.buffer.put(group)
-        match outcome:
-            case PutOutcome.STORED_READY:
-                c.completed_groups += 1
-                c.completed_samples += group.num_samples
-                self.progress.latency.record(group.latency_s)
-            case PutOutcome.STORED_RESUME:
-                c.aborted_groups += 1
-                c.aborted_samples += sum(s.status is Status.ABORTED for s in group.samples)
-            case PutOutcome.DROPPED_FAILED:
-                c.failed_groups += 1
-                c.failed_samples += group.num_samples
-                c.wasted_tokens_failed += tokens
-                self.progress.latency.record(group.latency_s)
-            case PutOutcome.DROPPED_FILTERED:
-                c.filtered_groups += 1
-                c.filtered_samples += group.num_samples
-                c.wasted_tokens_filtered += tokens
-                self.progress.latency.record(group.latency_s)
-            case PutOutcome.DROPPED_EXPIRED:
-                self._count_expired(group)
+        if outcome is PutOutcome.DROPPED_EXPIRED:
+            self._requeue(group)
+        if landing.fatal is not None:
+            self._fail(landing.fatal)
+        self._track_drops(outcome, reason)
         if outcome not in (PutOutcome.STORED_READY, PutOutcome.STORED_RESUME):
-            self._report_drop(group, outcome)
+            self._report_drop(group, outcome, reason)
         self._changed.notify()
 
-    def _count_expired(self, group: RolloutGroup) -> None:
-        """Count an expired group and queue its prompt again, so no prompt is silently lost."""
-        c = self.progress.counters
-        c.expired_groups += 1
-        c.expired_samples += group.num_samples
-        c.wasted_tokens_expired += group.num_tokens
+    def _track_drops(self, outcome: PutOutcome, reason: FailureReason | None) -> None:
+        """Stop the run when `max_dropped_in_a_row` groups in a row fail or are filtered: an
+        endless source would otherwise burn compute forever without a word."""
+        limit = self.config.max_dropped_in_a_row
+        match outcome:
+            case PutOutcome.STORED_READY:
+                self._dropped_in_a_row.clear()
+                return
+            case PutOutcome.DROPPED_FAILED:
+                self._dropped_in_a_row[f"failed ({reason.value if reason else 'unknown'})"] += 1
+            case PutOutcome.DROPPED_FILTERED:
+                self._dropped_in_a_row["filtered"] += 1
+            case _:
+                return
+        total = self._dropped_in_a_row.total()
+        if limit is not None and total >= limit:
+            counts = ", ".join(f"{k}: {v}" for k, v in self._dropped_in_a_row.most_common())
+            self._fail(
+                f"{total} groups in a row failed or were filtered ({counts}) and none completed: "
+                "check the reward function, the filter and the engine (max_dropped_in_a_row="
+                f"{limit}; raise it, or None, if this is expected)"
+            )
+
+    def _requeue(self, group: RolloutGroup) -> None:
+        """Queue an expired group's prompt again, so no prompt is silently lost."""
         self._prompts.requeue(
             Prompt(
                 tokens=group.prompt_tokens.tolist(),
@@ -777,7 +822,10 @@ class Producer:
             )
         )
 
-    def _report_drop(self, group: RolloutGroup, outcome: PutOutcome) -> None:
+    def _report_drop(
+        self, group: RolloutGroup, outcome: PutOutcome, reason: FailureReason | None
+    ) -> None:
+        log.debug("group %s (%s) %s: %s", group.uid, group.prompt_id, outcome.value, group.error)
         if self.on_drop is None:
             return
         record = DropRecord(
@@ -785,6 +833,7 @@ class Producer:
             prompt_id=group.prompt_id,
             task=group.task,
             outcome=outcome,
+            reason=reason,
             error=group.error,
             samples=group.num_samples,
             tokens=group.num_tokens,
@@ -793,56 +842,167 @@ class Producer:
         try:
             self.on_drop(record)
         except Exception as exc:  # the accounting is done; a broken callback stops the run
-            self._set_fatal(f"on_drop callback raised {type(exc).__name__}: {exc}")
+            self._fail(f"on_drop callback raised {type(exc).__name__}: {exc}")
 
     def _set_version(self, version: int) -> None:
+        """Move to `version`: count every group that expired and re-queue its prompt first,
+        then report them, so `on_drop` never sees a half-updated ledger."""
         self._version = version
-        for group in self.buffer.set_version(version):
-            self._count_expired(group)
-            self._report_drop(group, PutOutcome.DROPPED_EXPIRED)
+        expired = self.buffer.set_version(version)
+        for group in expired:
+            self.progress.count_expired(group)
+            self._requeue(group)
+        for group in expired:
+            self._report_drop(group, PutOutcome.DROPPED_EXPIRED, None)
         self._changed.notify()
 
-    # -- engine calls, pausing, errors -----------------------------------------------------------
+    def _count_idle(self) -> None:
+        """Add the idle time since the last group landed (if none is in flight) to `idle_s`."""
+        now = time.monotonic()
+        if self._idle_since is not None:
+            self.progress.counters.idle_s += now - self._idle_since
+        self._idle_since = None if self._inflight else now
 
-    async def _engine_call(self, call: Awaitable[None], timeout_s: float) -> None:
-        """Await an engine control call within a deadline; a dead engine stops the producer."""
+    # -- pausing ---------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, hold: Hold) -> AsyncIterator[None]:
+        await self._acquire(hold)
         try:
-            async with asyncio.timeout(timeout_s):
-                await call
-        except EngineDeadError as exc:
-            self._set_fatal(f"engine died: {exc}")
-            raise ProducerError(self._fatal) from None
+            yield
+        finally:
+            await self._release(hold)
 
-    async def _abort_request(self, request_id: str) -> None:
-        with contextlib.suppress(ProducerError, TimeoutError):
-            await self._engine_call(self.engine.abort(request_id), self.config.abort_timeout_s)
+    async def _acquire(self, hold: Hold) -> None:
+        """Add a holder of the gate; the first closes it (drain, or freeze in "keep" mode).
+        A close that fails is undone before the error is raised."""
+        async with self._gate_lock:
+            self._holds[hold] += 1
+            self._changed.notify()
+            if self._holds.total() > 1:
+                return
+            self._gate = move(self._gate, Gate.DRAINING)
+            try:
+                if self.config.pause_mode == "keep":
+                    await self._control(
+                        self.engine.pause_generation(), self.config.abort_timeout_s, "pause"
+                    )
+                else:
+                    await self._drain()
+            except BaseException:
+                self._holds[hold] -= 1
+                self._holds = +self._holds
+                self._gate = move(self._gate, Gate.OPEN)
+                self._changed.notify()
+                raise
+            self._gate = move(self._gate, Gate.CLOSED)
+
+    async def _release(self, hold: Hold) -> None:
+        """Remove a holder; the last opens the gate (resuming the engine in "keep" mode)."""
+        async with self._gate_lock:
+            if not self._holds[hold]:
+                raise RuntimeError("resume() without a matching pause()")
+            self._holds[hold] -= 1
+            self._holds = +self._holds
+            if self._holds:
+                self._changed.notify()
+                return
+            try:
+                if self.config.pause_mode == "keep" and self.running:
+                    await self._control(
+                        self.engine.resume_generation(), self.config.abort_timeout_s, "resume"
+                    )
+            finally:
+                self._gate = move(self._gate, Gate.OPEN)
+                self._changed.notify()
 
     async def _drain(self) -> None:
-        """Abort every in-flight request and wait until each group has landed (as a partial
-        waiting to resume, or finished); cancel what does not land within `abort_timeout_s`."""
+        """Abort every request in flight and wait until each group has landed: as a partial
+        waiting to resume, or finished. Groups being scored finish (their reward has its own
+        deadline); groups whose engine ignores the abort for `abort_timeout_s` are cancelled."""
         if not self._inflight:
             return
-        for flight in list(self._inflight.values()):
-            await self._abort_request(flight.request_id)
-        timeout = self.config.abort_timeout_s
+        ids = []
+        for flight in self._inflight.values():
+            match flight.stage:
+                case Stage.STARTING:
+                    flight.move(Stage.CANCELLED)
+                case Stage.GENERATING:
+                    flight.move(Stage.ABORTING)
+                    ids.append(flight.request_id)
+        await self._abort(ids)
+        generating = (Stage.STARTING, Stage.CANCELLED, Stage.GENERATING, Stage.ABORTING)
+        await self._land_within(
+            lambda f: f.stage in generating, self.config.abort_timeout_s, "generating"
+        )
+        scoring_s = self.config.reward_timeout_s + self.config.abort_timeout_s
+        await self._land_within(lambda f: True, scoring_s, "being scored")
+
+    async def _land_within(
+        self, which: Callable[[Flight], bool], timeout: float, what: str
+    ) -> None:
+        """Wait until no flight matches `which`; cancel those left after `timeout` (they land
+        as interrupted), and stop the producer if even that does not land them."""
+
+        def settled() -> bool:
+            return not any(which(f) for f in self._inflight.values())
+
         try:
-            await self._changed.wait_until(lambda: not self._inflight, timeout)
+            await self._changed.wait_until(settled, timeout)
+            return
         except TimeoutError:
             for flight in self._inflight.values():
-                if flight.task is not None:
-                    flight.task.cancel()
-            await self._changed.wait_until(lambda: not self._inflight, timeout)
+                if which(flight):
+                    flight.scope.cancel()
+        try:
+            await self._changed.wait_until(settled, self.config.abort_timeout_s)
+        except TimeoutError:
+            self._fail(f"groups {what} ignored both abort and cancellation")
+            raise ProducerError(self._error) from None
 
-    def _set_fatal(self, message: str) -> None:
-        if self._fatal is None:
-            self._fatal = message
+    async def _abort(self, request_ids: list[str]) -> None:
+        """Abort requests concurrently, all within one `abort_timeout_s`."""
+        if not request_ids:
+            return
+
+        async def abort(request_id: str) -> None:
+            try:
+                await self.engine.abort(request_id)
+            except EngineDeadError as exc:
+                self._fail(f"engine died: {exc}")
+            except Exception as exc:  # the wait that follows still bounds the request
+                log.debug("abort of %s raised %r", request_id, exc)
+
+        with anyio.move_on_after(self.config.abort_timeout_s):
+            async with anyio.create_task_group() as tg:
+                for request_id in request_ids:
+                    tg.start_soon(abort, request_id)
+
+    # -- engine calls, errors --------------------------------------------------------------------
+
+    async def _control(self, call: Awaitable[None], timeout_s: float, what: str) -> None:
+        """Await an engine control call within a deadline; a dead engine stops the producer."""
+        with anyio.move_on_after(timeout_s) as scope:
+            try:
+                await call
+            except EngineDeadError as exc:
+                self._fail(f"engine died: {exc}")
+                raise ProducerError(self._error) from None
+        if scope.cancelled_caught:
+            raise TimeoutError(f"the engine's {what} did not finish within {timeout_s} s")
+
+    def _fail(self, message: str) -> None:
+        """Record the producer's failure (the first one wins) and wake every waiter."""
+        if self._error is None:
+            self._error = message
+            log.error("producer stopped: %s", message)
         self._changed.notify()
 
     def _require_running(self) -> None:
-        if self._phase != "running":
+        if self._phase is not Phase.RUNNING:
             raise RuntimeError(
                 "the producer is not running: use `async with producer:`"
-                if self._phase == "new"
+                if self._phase is Phase.NEW
                 else "the producer has stopped"
             )
 

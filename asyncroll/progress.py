@@ -14,7 +14,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from asyncroll.types import RolloutGroup
+from asyncroll.buffer import PutOutcome
+from asyncroll.outcomes import FailureReason
+from asyncroll.types import RolloutGroup, Status
 
 
 class ProgressCounters(msgspec.Struct, kw_only=True):
@@ -45,15 +47,23 @@ class ProgressCounters(msgspec.Struct, kw_only=True):
     reward_count: int = 0
     wait_s: float = 0.0  # time the trainer spent waiting inside produce_batch
     idle_s: float = 0.0  # time the producer ran with no group in flight (generation idle)
+    failed_groups_by_reason: dict[str, int] = {}  # `FailureReason` value -> groups
 
     def minus(self, earlier: ProgressCounters) -> ProgressCounters:
         """The counts accumulated since `earlier` (a snapshot of the same counters)."""
-        return ProgressCounters(
-            **{f: getattr(self, f) - getattr(earlier, f) for f in self.__struct_fields__}
-        )
+        out = {}
+        for f in self.__struct_fields__:
+            now, then = getattr(self, f), getattr(earlier, f)
+            if isinstance(now, dict):
+                out[f] = {k: v - then.get(k, 0) for k, v in now.items() if v != then.get(k, 0)}
+            else:
+                out[f] = now - then
+        return ProgressCounters(**out)
 
     def copy(self) -> ProgressCounters:
-        return msgspec.structs.replace(self)
+        return msgspec.structs.replace(
+            self, failed_groups_by_reason=dict(self.failed_groups_by_reason)
+        )
 
 
 class LatencyHistogram:
@@ -111,9 +121,14 @@ class ProduceBatchResult(msgspec.Struct, kw_only=True):
     def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
         """A flat `{name: number}` dict for wandb/tensorboard: the deltas, a few ratios, totals."""
         d = self.delta
-        out: dict[str, float] = {f"{prefix}{f}": getattr(d, f) for f in d.__struct_fields__}
-        for f in self.totals.__struct_fields__:
-            out[f"{prefix}total/{f}"] = getattr(self.totals, f)
+        out: dict[str, float] = {}
+        for counters, where in ((d, prefix), (self.totals, f"{prefix}total/")):
+            for f in counters.__struct_fields__:
+                value = getattr(counters, f)
+                if isinstance(value, dict):  # one number per key: failed_groups_by_reason/...
+                    out |= {f"{where}{f}/{k}": v for k, v in value.items()}
+                else:
+                    out[f"{where}{f}"] = value
         staleness = self.staleness_tokens()
         finished = d.completed_groups + d.failed_groups + d.filtered_groups
         out |= {
@@ -150,6 +165,62 @@ class ProduceProgress:
         self._mark_counters = ProgressCounters()
         self._mark_latency = self.latency.snapshot()
         self._mark_time = time.monotonic()
+
+    def count_start(self, group: RolloutGroup, *, resumed: bool) -> None:
+        c = self.counters
+        if resumed:
+            c.resumed_groups += 1
+        else:
+            c.started_groups += 1
+            c.started_samples += group.num_samples
+
+    def count_landing(
+        self,
+        group: RolloutGroup,
+        outcome: PutOutcome,
+        reason: FailureReason | None,
+        tokens_before: int,
+    ) -> None:
+        """Count one finished attempt by where it went: the only place landings are counted.
+        `tokens_before` is what the group held when the attempt started."""
+        c = self.counters
+        tokens = group.num_tokens
+        c.generated_tokens += tokens - tokens_before
+        match outcome:
+            case PutOutcome.STORED_READY:
+                c.completed_groups += 1
+                c.completed_samples += group.num_samples
+                self.latency.record(group.latency_s)
+            case PutOutcome.STORED_RESUME:
+                c.aborted_groups += 1
+                c.aborted_samples += sum(s.status is Status.ABORTED for s in group.samples)
+            case PutOutcome.DROPPED_FAILED:
+                c.failed_groups += 1
+                c.failed_samples += group.num_samples
+                c.wasted_tokens_failed += tokens
+                key = (reason or FailureReason.INTERNAL).value
+                c.failed_groups_by_reason[key] = c.failed_groups_by_reason.get(key, 0) + 1
+                self.latency.record(group.latency_s)
+            case PutOutcome.DROPPED_FILTERED:
+                c.filtered_groups += 1
+                c.filtered_samples += group.num_samples
+                c.wasted_tokens_filtered += tokens
+                self.latency.record(group.latency_s)
+            case PutOutcome.DROPPED_EXPIRED:
+                self.count_expired(group)
+
+    def count_expired(self, group: RolloutGroup) -> None:
+        c = self.counters
+        c.expired_groups += 1
+        c.expired_samples += group.num_samples
+        c.wasted_tokens_expired += group.num_tokens
+
+    def count_consumed(self, groups: list[RolloutGroup]) -> None:
+        c = self.counters
+        c.consumed_groups += len(groups)
+        for g in groups:
+            c.consumed_samples += g.num_samples
+            c.consumed_tokens += g.num_tokens
 
     def consume(self) -> tuple[ProgressCounters, ProgressCounters, npt.NDArray[np.int64], float]:
         """(delta, totals, latency counts of the window, window seconds); starts a new window."""

@@ -1,0 +1,247 @@
+"""One attempt at a group: the engine call, the checks of its output, the reward and the filter.
+
+`Attempts.run` returns a `Landing`: the group in its final state for this attempt (built once,
+with its status) and, when it failed, the `FailureReason`. It never raises for anything a group
+can absorb. Engine errors (its own `TimeoutError` included), a deadline, malformed output, a
+reward or filter that raises, hangs or returns nonsense: each ends this group as FAILED with a
+readable error. Only what no group can absorb also sets `Landing.fatal` (a dead engine, a
+`BaseException` from user code, every reward worker hung): the producer then stops.
+
+Deadlines are anyio cancel scopes, so a deadline is told apart from an engine that raises
+`TimeoutError` itself, and a `CancelledError` the engine raised while nobody cancelled it (a
+torn-down client session does that) is an engine error rather than a cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import anyio
+import msgspec
+
+from asyncroll import rollout
+from asyncroll.config import ProducerConfig
+from asyncroll.engines.base import Engine, EngineDeadError, GenerateRequest, SampleOutput
+from asyncroll.filters import GroupFilter
+from asyncroll.lifecycle import Stage, move
+from asyncroll.outcomes import FailureReason
+from asyncroll.rewards import RewardDeadline, RewardRunner
+from asyncroll.types import RolloutGroup, RolloutState, Status, group_status
+
+Samples = tuple[RolloutState, ...]
+
+
+class Flight:
+    """A group in flight: what the ledger needs about it, its stage, its request id, the bytes
+    it reserved, and a cancel scope a drain can use when its engine ignores an abort."""
+
+    __slots__ = (
+        "generated",
+        "request_id",
+        "reserved",
+        "samples",
+        "scope",
+        "stage",
+        "started_at",
+        "tokens",
+    )
+
+    def __init__(self, group: RolloutGroup, request_id: str, reserved: int) -> None:
+        self.request_id = request_id
+        self.reserved = reserved
+        self.samples = group.num_samples
+        self.tokens = group.num_tokens  # held when this attempt started
+        self.started_at = time.monotonic()
+        self.stage = Stage.STARTING
+        self.scope = anyio.CancelScope()
+        self.generated: Samples | None = None  # the samples once generation finished
+
+    def move(self, to: Stage) -> None:
+        self.stage = move(self.stage, to)
+
+
+class Landing(NamedTuple):
+    group: RolloutGroup
+    reason: FailureReason | None = None
+    fatal: str | None = None
+
+
+class _SpuriousCancel(Exception):
+    """The engine raised `CancelledError` though nothing cancelled its caller."""
+
+
+class _Deadline(Exception):
+    """`generate_timeout_s` passed (not a `TimeoutError` the engine raised itself)."""
+
+
+_NOT_ABSORBED = (KeyboardInterrupt, SystemExit, asyncio.CancelledError)
+
+
+class Attempts:
+    def __init__(
+        self,
+        engine: Engine,
+        config: ProducerConfig,
+        rewards: RewardRunner,
+        group_filter: GroupFilter | None,
+        version: Callable[[], int],
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.rewards = rewards
+        self.filter = group_filter
+        self._version = version
+
+    async def run(self, group: RolloutGroup, flight: Flight) -> Landing:
+        cfg, engine = self.config, self.engine
+        if flight.stage is Stage.CANCELLED:  # drained before it could call the engine
+            return self.interrupted(group, flight)
+        flight.move(Stage.GENERATING)
+        budget = rollout.token_budget(group, cfg.sampling, engine.max_model_len)
+        request = rollout.build_request(group, flight.request_id, cfg.sampling, budget)
+        try:
+            outputs = await self._generate(request)
+        except EngineDeadError as exc:
+            message = f"engine died: {exc}"
+            return self.failed(group, flight, FailureReason.ENGINE_DEAD, message, fatal=message)
+        except _SpuriousCancel:
+            error = "engine error: it raised CancelledError though nothing cancelled the request"
+            return self.failed(group, flight, FailureReason.ENGINE_ERROR, error)
+        except _Deadline:
+            await self._abort(request.request_id)
+            error = f"engine gave no answer within generate_timeout_s={cfg.generate_timeout_s}"
+            return self.failed(group, flight, FailureReason.ENGINE_DEADLINE, error)
+        except Exception as exc:
+            return self.failed(group, flight, FailureReason.ENGINE_ERROR, _engine_error(exc))
+        except _NOT_ABSORBED:
+            raise
+        except BaseException as exc:
+            error = _engine_error(exc)
+            fatal = f"the engine raised {type(exc).__name__} (a BaseException): {error}"
+            return self.failed(group, flight, FailureReason.ENGINE_ERROR, error, fatal=fatal)
+        try:
+            samples = rollout.merge_outputs(
+                group, request, outputs, vocab_size=engine.vocab_size, version=self._version()
+            )
+        except (ValueError, TypeError) as exc:  # RolloutError, or arrays that do not fit
+            error = f"malformed engine output: {exc}"
+            return self.failed(group, flight, FailureReason.MALFORMED_OUTPUT, error)
+        del outputs
+        status = group_status(samples)
+        if status is not Status.COMPLETED:
+            return Landing(self._finish(group, flight, samples, status))
+        flight.move(Stage.SCORING)
+        flight.generated = samples
+        return await self._score(group, flight, samples)
+
+    async def _generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        with anyio.move_on_after(self.config.generate_timeout_s) as scope:
+            try:
+                return await self.engine.generate(request)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if scope.cancel_called or (task is not None and task.cancelling()):
+                    raise
+                raise _SpuriousCancel from None
+        raise _Deadline  # only the scope's own deadline gets here
+
+    async def _abort(self, request_id: str) -> None:
+        """Abort a request whose deadline passed, within `abort_timeout_s` (best effort: its
+        group fails either way, and a dead engine shows on the next call)."""
+        with anyio.move_on_after(self.config.abort_timeout_s), contextlib.suppress(Exception):
+            await self.engine.abort(request_id)
+
+    async def _score(self, group: RolloutGroup, flight: Flight, samples: Samples) -> Landing:
+        cfg = self.config
+        scored = msgspec.structs.replace(group, samples=samples, status=Status.COMPLETED)
+        try:
+            values = await self.rewards.score(scored)
+            rewards = rollout.check_rewards(values, len(samples))
+        except RewardDeadline:
+            error = f"reward function took longer than reward_timeout_s={cfg.reward_timeout_s}"
+            return self.failed(
+                group, flight, FailureReason.REWARD_DEADLINE, error, samples,
+                fatal=self.rewards.stuck_error(),
+            )  # fmt: skip
+        except rollout.RolloutError as exc:
+            return self.failed(group, flight, FailureReason.REWARD_ERROR, str(exc), samples)
+        except Exception as exc:
+            error = f"reward function raised {type(exc).__name__}: {exc}"
+            return self.failed(group, flight, FailureReason.REWARD_ERROR, error, samples)
+        except _NOT_ABSORBED:
+            raise
+        except BaseException as exc:
+            error = f"reward function raised {type(exc).__name__}: {exc}"
+            return self.failed(
+                group, flight, FailureReason.REWARD_ERROR, error, samples, fatal=error
+            )
+        del values, scored
+        samples = rollout.with_rewards(samples, rewards)
+        if self.filter is None:
+            return Landing(self._finish(group, flight, samples, Status.COMPLETED))
+        scored = msgspec.structs.replace(group, samples=samples, status=Status.COMPLETED)
+        try:
+            keep = bool(self.filter(scored))
+        except Exception as exc:
+            error = f"filter raised {type(exc).__name__}: {exc}"
+            return self.failed(group, flight, FailureReason.FILTER_ERROR, error, samples)
+        except _NOT_ABSORBED:
+            raise
+        except BaseException as exc:
+            error = f"filter raised {type(exc).__name__}: {exc}"
+            return self.failed(
+                group, flight, FailureReason.FILTER_ERROR, error, samples, fatal=error
+            )
+        status = Status.COMPLETED if keep else Status.FILTERED
+        return Landing(self._finish(group, flight, samples, status))
+
+    def failed(
+        self,
+        group: RolloutGroup,
+        flight: Flight,
+        reason: FailureReason,
+        error: str,
+        samples: Samples | None = None,
+        *,
+        fatal: str | None = None,
+    ) -> Landing:
+        """The group FAILED with `error`, keeping `samples` (default: those it started with)
+        so the tokens it generated are counted as wasted, not lost."""
+        chosen = group.samples if samples is None else samples
+        return Landing(self._finish(group, flight, chosen, Status.FAILED, error), reason, fatal)
+
+    def interrupted(self, group: RolloutGroup, flight: Flight) -> Landing:
+        """The group after an attempt cut off: during generation, what had not finished is
+        ABORTED with the tokens it had before, so it resumes later; during scoring, its
+        finished generation FAILED, so its tokens count as wasted instead of vanishing."""
+        if flight.generated is not None:
+            error = "the run stopped while the group was being scored"
+            return self.failed(group, flight, FailureReason.INTERRUPTED, error, flight.generated)
+        samples = rollout.interrupted(group.samples)
+        return Landing(self._finish(group, flight, samples, group_status(samples)))
+
+    @staticmethod
+    def _finish(
+        group: RolloutGroup,
+        flight: Flight,
+        samples: Samples,
+        status: Status,
+        error: str | None = None,
+    ) -> RolloutGroup:
+        """The group after this attempt, built once with its final status."""
+        return msgspec.structs.replace(
+            group,
+            samples=samples,
+            status=status,
+            error=error,
+            attempts=group.attempts + 1,
+            latency_s=group.latency_s + (time.monotonic() - flight.started_at),
+        )
+
+
+def _engine_error(exc: BaseException) -> str:
+    return f"engine error: {type(exc).__name__}: {exc}"

@@ -1,0 +1,25 @@
+"""Why a group failed, as a closed set of reasons.
+
+The readable `error` string says what happened to one group; the reason says which *kind* of
+problem it was, because they call for different fixes (a reward deadline is not a broken engine,
+and neither is a bad prompt). Counters, `on_drop` records, the failure-streak error and metrics
+are keyed by it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class FailureReason(enum.StrEnum):
+    BAD_PROMPT = "bad_prompt"  # invalid token ids, no room to generate, unencodable metadata
+    ENGINE_ERROR = "engine_error"  # the engine raised (its own timeouts included)
+    ENGINE_DEADLINE = "engine_deadline"  # no answer within generate_timeout_s
+    ENGINE_DEAD = "engine_dead"
+    MALFORMED_OUTPUT = "malformed_output"
+    REWARD_ERROR = "reward_error"  # raised, or returned something that is not n finite numbers
+    REWARD_DEADLINE = "reward_deadline"
+    FILTER_ERROR = "filter_error"
+    INTERRUPTED = "interrupted"  # the run was cancelled while the group was being scored
+    UNSTORABLE = "unstorable"  # the finished group could not be encoded
+    INTERNAL = "internal"  # a bug in asyncroll (the producer stops too)

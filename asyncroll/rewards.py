@@ -1,0 +1,168 @@
+"""`RewardRunner`: calls the user's reward function with a deadline that measures running time.
+
+Three ways to call it, fixed when the producer is built:
+
+* ASYNC: awaited on the loop inside a cancel scope with the deadline.
+* THREAD (sync functions, the default): at most `workers` calls run at once, each in a thread of
+  its own. A call first waits for a worker (queue time, not timed, cancellable, holding nothing
+  but its place), then runs with the deadline. A call that passes its deadline is abandoned: its
+  group fails, but the call keeps its worker until the function really returns, so the number of
+  hung calls, and the payloads they pin, is bounded by `workers`. When every worker is held by a
+  hung call, no later group could ever be scored: `stuck_error()` then names the function, and
+  the producer stops with it instead of failing every group that queues behind.
+* INLINE (`reward_in_thread=False`): called on the loop; it cannot be interrupted, only judged
+  late.
+
+Threads are daemon threads started per call, not a `ThreadPoolExecutor` or anyio's worker
+threads: both are joined when the interpreter exits, so one reward function that never returns
+would keep the trainer's process alive forever after its run ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import inspect
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+
+from asyncroll.types import RolloutGroup
+
+RewardFn = Callable[[RolloutGroup], Sequence[float] | Awaitable[Sequence[float]]]
+"""Scores a completed group: one reward per sample, in order (sync or async)."""
+
+
+class RewardDeadline(Exception):
+    """The reward function ran longer than its deadline (queue time not included)."""
+
+
+class _Mode(enum.Enum):
+    ASYNC = "async"
+    THREAD = "thread"
+    INLINE = "inline"
+
+
+class RewardRunner:
+    def __init__(self, fn: RewardFn, *, timeout_s: float, workers: int, in_thread: bool) -> None:
+        if not callable(fn):
+            raise ValueError(f"reward_fn must be callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        self.timeout_s = timeout_s
+        self.workers = workers
+        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004
+        )
+        self._mode = _Mode.ASYNC if is_async else _Mode.THREAD if in_thread else _Mode.INLINE
+        self._limiter: anyio.CapacityLimiter | None = None  # made on the loop that uses it
+        self._hung = 0  # abandoned calls still running in their thread
+
+    @property
+    def hung_calls(self) -> int:
+        """Calls that passed their deadline and have not returned yet (each holds a worker)."""
+        return self._hung
+
+    def stuck_error(self) -> str | None:
+        """Why no group can be scored any more, or None while one can."""
+        if self._mode is not _Mode.THREAD or self._hung < self.workers:
+            return None
+        return (
+            f"every reward worker ({self.workers}) is stuck in reward function {self.name!r}: "
+            f"each call ran past reward_timeout_s={self.timeout_s} and never returned, so no "
+            "group can be scored; fix the function (or give it a deadline of its own)"
+        )
+
+    async def score(self, group: RolloutGroup) -> Any:
+        """The function's result for `group` (unchecked); `RewardDeadline` past the deadline,
+        whatever the function raised otherwise."""
+        match self._mode:
+            case _Mode.ASYNC:
+                return await self._deadline(self._awaited(self.fn(group)))
+            case _Mode.THREAD:
+                return await self._in_thread(group)
+            case _Mode.INLINE:
+                start = time.monotonic()
+                result = self.fn(group)
+                if inspect.isawaitable(result):  # a sync function that returned a coroutine
+                    return await self._deadline(self._awaited(result))
+                if time.monotonic() - start > self.timeout_s:
+                    raise RewardDeadline
+                return result
+
+    async def _deadline(self, call: Awaitable[Any]) -> Any:
+        with anyio.move_on_after(self.timeout_s) as scope:
+            return await call
+        if scope.cancelled_caught:
+            raise RewardDeadline
+        raise AssertionError("unreachable: the call neither returned nor timed out")
+
+    @staticmethod
+    async def _awaited(result: Any) -> Any:
+        while inspect.isawaitable(result):  # a sync function that returned a coroutine
+            result = await result
+        return result
+
+    async def _in_thread(self, group: RolloutGroup) -> Any:
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.workers)
+        limiter, borrower = self._limiter, object()
+        await limiter.acquire_on_behalf_of(borrower)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        call = _ThreadCall(self, limiter, borrower, done)
+        threading.Thread(
+            target=call.run, args=(self.fn, group), name="asyncroll-reward", daemon=True
+        ).start()
+        del group  # the thread holds it while the function runs, nobody else
+        try:
+            return await self._deadline(asyncio.shield(done))
+        except BaseException:
+            if not done.done():  # timed out or cancelled: the thread keeps its worker
+                call.abandon()
+            raise
+
+
+class _ThreadCall:
+    """One call in its thread, and how its worker goes back when the function returns."""
+
+    def __init__(
+        self,
+        runner: RewardRunner,
+        limiter: anyio.CapacityLimiter,
+        borrower: object,
+        done: asyncio.Future[Any],
+    ) -> None:
+        self._runner = runner
+        self._limiter = limiter
+        self._borrower = borrower
+        self._done = done
+        self._loop = done.get_loop()
+        self._abandoned = False
+
+    def abandon(self) -> None:
+        self._abandoned = True
+        self._runner._hung += 1
+
+    def run(self, fn: RewardFn, group: RolloutGroup) -> None:
+        try:
+            result, error = fn(group), None
+        except BaseException as exc:
+            result, error = None, exc
+        del group
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+            self._loop.call_soon_threadsafe(self._settle, result, error)
+
+    def _settle(self, result: Any, error: BaseException | None) -> None:
+        self._limiter.release_on_behalf_of(self._borrower)
+        if self._abandoned:  # its group has failed already; the result goes nowhere
+            self._runner._hung -= 1
+        elif not self._done.done():
+            if error is None:
+                self._done.set_result(result)
+            else:
+                self._done.set_exception(error)
