@@ -17,8 +17,16 @@ and for groups of 8 samples that per-array cost, not the copy, dominated. Decodi
 back into per-sample views.
 
 Corrupt or truncated input raises `CodecError` after checking the frame, every extension's
-bounds and the typed schema; array *contents* are not checksummed (checkpoints add a checksum
-of their own, in-memory buffer entries are immutable `bytes`).
+bounds and alignment and the typed schema; array *contents* are not checksummed (checkpoints add
+a checksum of their own, in-memory buffer entries are immutable `bytes`).
+
+Metadata and `extra` take what msgpack does plus numpy arrays, torch tensors and numpy scalars
+(which pandas and HF datasets hand out; they are stored as the Python scalar). Anything else,
+and containers nested deeper than `MAX_DEPTH`, raise `CodecError` on encode.
+
+`encode_value` / `decode_value` carry one such value on its own (a prompt's metadata in a
+checkpoint). Their arrays travel inside the msgpack as extension values (code 2) and decode to
+writable copies: that data is small and long-lived, so it must not pin the buffer it came in.
 """
 
 from __future__ import annotations
@@ -35,16 +43,28 @@ import numpy.typing as npt
 
 from asyncroll.types import RolloutGroup, RolloutState
 
-__all__ = ["CodecError", "decode", "encode"]
+__all__ = ["MAX_DEPTH", "CodecError", "decode", "decode_value", "encode", "encode_value"]
 
 MAGIC = b"ARGR"
 FORMAT_VERSION = 2
 ALIGN = 64
 _PREFIX = struct.Struct("<4sHHIQ")
-_EXT_ARRAY = 1
+_EXT_ARRAY = 1  # in a group: the array's bytes lie in the data region
+_EXT_INLINE_ARRAY = 2  # in a value: the array's bytes follow its header in the payload
 _MAX_NDIM = 32
 # Extension payload per ndim: dtype code, ndim, offset into the data region, then the shape.
 _EXT_LAYOUT = [struct.Struct(f"<BBQ{n}q") for n in range(_MAX_NDIM + 1)]
+# Inline payload per ndim: dtype code, ndim, the shape; then the array's bytes.
+_INLINE_LAYOUT = [struct.Struct(f"<BB{n}q") for n in range(_MAX_NDIM + 1)]
+MAX_DEPTH = 100
+"""How deep containers may nest in metadata, `extra` and `encode_value`. A fixed limit rather
+than msgspec's, which is Python's recursion limit minus the caller's stack depth: what encodes
+in one place must decode in every other (a checkpoint written at the top of a stack is loaded
+deep inside another)."""
+_SUPPORTED = (
+    "None, bool, int, float, str, bytes, lists, tuples, dicts, numpy arrays and scalars "
+    "and torch tensors"
+)
 _ZEROS = memoryview(bytes(ALIGN))
 
 _DTYPES: tuple[np.dtype[Any], ...] = tuple(
@@ -58,7 +78,8 @@ _DTYPE_CODE = {dt: code for code, dt in enumerate(_DTYPES)}
 
 
 class CodecError(ValueError):
-    """The bytes are not a valid encoded group (corrupt, truncated or of another format)."""
+    """The bytes are not a valid encoded group or value (corrupt, truncated or of another
+    format), or a value cannot be encoded (its type, or its nesting depth)."""
 
 
 # -- wire structs --------------------------------------------------------------------------------
@@ -115,22 +136,61 @@ class _Packed:
 
 def _to_numpy(obj: Any) -> npt.NDArray[Any]:
     """A C-contiguous little-endian numpy array (view or copy) of an array or torch tensor,
-    of a dtype the format carries."""
-    if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.dtype in _DTYPE_CODE:
+    of a dtype and rank the format carries."""
+    if (
+        type(obj) is np.ndarray
+        and obj.flags.c_contiguous
+        and obj.dtype in _DTYPE_CODE
+        and obj.ndim <= _MAX_NDIM
+    ):
         return obj
     if not isinstance(obj, np.ndarray):
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(obj, torch.Tensor):
-            raise TypeError(f"cannot encode object of type {type(obj).__name__}")
+            raise CodecError(
+                f"cannot encode a value of type {type(obj).__name__}: use {_SUPPORTED}"
+            )
         if obj.dtype == torch.bfloat16:
-            raise TypeError("cannot encode a bfloat16 tensor: numpy has no bfloat16; cast it first")
+            raise CodecError(
+                "cannot encode a bfloat16 tensor: numpy has no bfloat16; cast it first"
+            )
         obj = obj.detach().cpu().numpy()
-    arr: npt.NDArray[Any] = np.ascontiguousarray(obj)
+    arr: npt.NDArray[Any] = np.asarray(obj, order="C")  # keeps 0-d arrays 0-d
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     if arr.dtype not in _DTYPE_CODE:
-        raise TypeError(f"cannot encode arrays of dtype {arr.dtype}")
+        raise CodecError(
+            f"cannot encode arrays of dtype {arr.dtype}: use a bool, int or float dtype"
+        )
+    if arr.ndim > _MAX_NDIM:
+        raise CodecError(f"cannot encode an array of {arr.ndim} dimensions (at most {_MAX_NDIM})")
     return arr
+
+
+def _check_depth(value: Any, what: str) -> None:
+    """`CodecError` if containers in `value` nest more than `MAX_DEPTH` deep. Walks level by
+    level rather than recursing: the check must not hit the recursion limit it guards against.
+    (Dict keys are not walked: a key is a scalar or a tuple, and a deep tuple key is still
+    caught by msgspec's own recursion check.)"""
+    level = [value]
+    for _ in range(MAX_DEPTH + 1):
+        inner: list[Any] = []
+        for obj in level:
+            if isinstance(obj, dict):
+                inner.extend(obj.values())
+            elif isinstance(obj, (list, tuple, set, frozenset)):
+                inner.extend(obj)
+        if not inner:
+            return
+        level = inner
+    raise CodecError(f"{what} is nested more than MAX_DEPTH={MAX_DEPTH} containers deep")
+
+
+def _encode_failed(exc: TypeError | OverflowError | RecursionError, what: str) -> CodecError:
+    """msgspec's own refusals, as `CodecError`."""
+    if isinstance(exc, RecursionError):
+        return CodecError(f"cannot encode {what}: it is nested too deep")
+    return CodecError(f"cannot encode {what}: {exc}")
 
 
 def encode(group: RolloutGroup) -> bytes:
@@ -150,14 +210,16 @@ def encode(group: RolloutGroup) -> bytes:
         offset = start + sum(a.nbytes for a in arrays)
         return start
 
-    def hook(obj: Any) -> msgspec.msgpack.Ext:
+    def hook(obj: Any) -> Any:
         if type(obj) is _Packed:
             arrays = [_to_numpy(a) for a in obj.arrays]
             dtype = arrays[0].dtype
             if any(a.dtype != dtype for a in arrays):
-                raise TypeError(f"samples hold {dtype} and other dtypes in one field")
+                raise CodecError(f"samples hold {dtype} and other dtypes in one field")
             count = sum(len(a) for a in arrays)
             head = _EXT_LAYOUT[1].pack(_DTYPE_CODE[dtype], 1, place(arrays), count)
+        elif isinstance(obj, np.generic):
+            return obj.item()  # a numpy scalar, stored as the Python scalar
         else:
             arr = _to_numpy(obj)
             head = _EXT_LAYOUT[arr.ndim].pack(
@@ -165,13 +227,20 @@ def encode(group: RolloutGroup) -> bytes:
             )
         return msgspec.msgpack.Ext(_EXT_ARRAY, head)
 
+    _check_depth(group.metadata, f"group {group.uid}'s metadata")
+    for s in group.samples:
+        if s.extra:
+            _check_depth(s.extra, f"group {group.uid}'s sample extra")
     fields = list(msgspec.structs.astuple(group))
     samples = fields[_SAMPLES_AT]
     fields[_SAMPLES_AT] = tuple(
         _WireSample(len(s.tokens), *msgspec.structs.astuple(s)[_SAMPLE_REST:]) for s in samples
     )
     packed = (_Packed([getattr(s, name) for s in samples]) for name in _PACKED)
-    header = msgspec.msgpack.Encoder(enc_hook=hook).encode(_WireGroup(*packed, *fields))
+    try:
+        header = msgspec.msgpack.Encoder(enc_hook=hook).encode(_WireGroup(*packed, *fields))
+    except (TypeError, OverflowError, RecursionError) as exc:
+        raise _encode_failed(exc, f"group {group.uid}") from None
     start = _PREFIX.size + len(header)
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), offset)
     return b"".join([prefix, header, _ZEROS[: -start % ALIGN], *parts])
@@ -212,6 +281,8 @@ def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
         count = math.prod(shape)
         if min(shape, default=0) < 0 or offset + count * dtype.itemsize > data_len:
             raise CodecError(f"array of shape {shape} at {offset} lies outside the data region")
+        if offset % ALIGN:
+            raise CodecError(f"array at offset {offset} is not aligned to {ALIGN} bytes")
         arr = np.frombuffer(buf, dtype=dtype, count=count, offset=data_start + offset)
         return arr if ndim == 1 else arr.reshape(shape)
 
@@ -221,6 +292,8 @@ def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
         return _unpack(msgspec.structs.astuple(wire))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CodecError(f"corrupt group header: {exc}") from None
+    except RecursionError:
+        raise CodecError("corrupt group header: nested too deep") from None
     except (TypeError, ValueError) as exc:
         if isinstance(exc, CodecError):
             raise
@@ -250,3 +323,68 @@ def _unpack(wire: tuple[Any, ...]) -> RolloutGroup:
         for ws, n, end in zip(wire_samples, lengths, ends, strict=True)
     )
     return RolloutGroup(*fields)
+
+
+# -- single values -------------------------------------------------------------------------------
+
+
+def _value_hook(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()  # a numpy scalar, stored as the Python scalar
+    arr = _to_numpy(obj)
+    head = _INLINE_LAYOUT[arr.ndim].pack(_DTYPE_CODE[arr.dtype], arr.ndim, *arr.shape)
+    return msgspec.msgpack.Ext(_EXT_INLINE_ARRAY, head + arr.tobytes())
+
+
+def _value_ext_hook(code: int, payload: memoryview) -> npt.NDArray[Any]:
+    if code != _EXT_INLINE_ARRAY or len(payload) < _INLINE_LAYOUT[0].size:
+        raise CodecError(f"unknown extension value (code {code}, {len(payload)} bytes)")
+    dtype_code, ndim = payload[0], payload[1]
+    if ndim > _MAX_NDIM or len(payload) < _INLINE_LAYOUT[ndim].size:
+        raise CodecError(f"bad array header (ndim {ndim}, {len(payload)} bytes)")
+    if dtype_code >= len(_DTYPES):
+        raise CodecError(f"bad array header (dtype code {dtype_code})")
+    layout = _INLINE_LAYOUT[ndim]
+    shape = layout.unpack_from(payload)[2:]
+    if min(shape, default=0) < 0:
+        raise CodecError(f"bad array header (shape {shape})")
+    dtype, count = _DTYPES[dtype_code], math.prod(shape)
+    if len(payload) - layout.size != count * dtype.itemsize:
+        raise CodecError(
+            f"array of shape {shape} and dtype {dtype} needs {count * dtype.itemsize} bytes, "
+            f"the value holds {len(payload) - layout.size}"
+        )
+    arr = np.frombuffer(payload, dtype=dtype, count=count, offset=layout.size)
+    return arr.reshape(shape).copy()  # owns its memory: does not pin `payload`'s buffer
+
+
+_VALUE_ENCODER = msgspec.msgpack.Encoder(enc_hook=_value_hook)
+_VALUE_DECODER = msgspec.msgpack.Decoder(ext_hook=_value_ext_hook)
+
+
+def encode_value(obj: Any) -> bytes:
+    """Encode one metadata-like value: msgpack types, numpy arrays and torch tensors (as
+    arrays), numpy scalars (as Python scalars). Tuples and sets come back as lists.
+
+    Raises `CodecError` naming what it cannot carry; cheap enough to call on every prompt's
+    metadata to refuse it before any work is spent on the prompt.
+    """
+    _check_depth(obj, "the value")
+    try:
+        return _VALUE_ENCODER.encode(obj)
+    except (TypeError, OverflowError, RecursionError) as exc:
+        raise _encode_failed(exc, "the value") from None
+
+
+def decode_value(data: bytes | bytearray | memoryview) -> Any:
+    """Decode bytes from `encode_value`; arrays are writable copies that own their memory."""
+    try:
+        value = _VALUE_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise CodecError(f"corrupt value: {exc}") from None
+    except RecursionError:
+        raise CodecError("corrupt value: nested too deep") from None
+    except TypeError as exc:  # e.g. an array decoded as a dict key
+        raise CodecError(f"corrupt value: {exc}") from None
+    _check_depth(value, "the decoded value")
+    return value

@@ -8,10 +8,11 @@ time it is iterated (a list, a file, a seeded generator factory).
 
 from __future__ import annotations
 
+import enum
 import random
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -22,6 +23,13 @@ PromptLike = Prompt | Mapping[str, Any] | Iterable[int]
 PromptSource = Iterable[PromptLike] | AsyncIterable[PromptLike]
 
 
+class _End(enum.Enum):
+    """The end of a source. Not None: a source may yield None (a hole in a dataset), which is a
+    bad prompt to fail and count, not a reason to drop every prompt after it."""
+
+    END = enum.auto()
+
+
 class CursorState(msgspec.Struct, frozen=True, kw_only=True):
     """The resumable position of a `PromptStream` (part of a producer checkpoint)."""
 
@@ -30,8 +38,10 @@ class CursorState(msgspec.Struct, frozen=True, kw_only=True):
     requeued: list[Prompt]  # prompts to draw again before any new one
 
 
-def as_prompt(item: PromptLike, task: str, index: int) -> Prompt:
-    """Normalize a source item; the prompt id defaults to "<task>/<index in its source>"."""
+def as_prompt(item: PromptLike | None, task: str, index: int) -> Prompt:
+    """Normalize a source item; the prompt id defaults to "<task>/<index in its source>".
+    Anything that is not a `Prompt` or a mapping (None included) is taken as its tokens, checked
+    when its group starts."""
     if isinstance(item, Prompt):
         prompt = item
     elif isinstance(item, Mapping):
@@ -64,7 +74,7 @@ class _TaskSource:
     async def next(self) -> Prompt | None:
         while not self.exhausted:
             item = await self._next_raw()
-            if item is None:
+            if item is _End.END:
                 self.exhausted = True
                 break
             if self._skip:
@@ -80,7 +90,8 @@ class _TaskSource:
             )
         return None
 
-    async def _next_raw(self) -> PromptLike | None:
+    async def _next_raw(self) -> PromptLike | Literal[_End.END] | None:
+        """The source's next item as is (None included), or `_End.END`."""
         if self._sync is None and self._async is None:
             if isinstance(self.source, AsyncIterable):
                 self._async = aiter(self.source)
@@ -90,9 +101,9 @@ class _TaskSource:
             try:
                 return await anext(self._async)
             except StopAsyncIteration:
-                return None
+                return _End.END
         assert self._sync is not None
-        return next(self._sync, None)
+        return next(self._sync, _End.END)
 
 
 class TaskMix:

@@ -1,7 +1,10 @@
 import pickle
+import struct
 import weakref
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -9,9 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from asyncroll.codec import ALIGN, CodecError, decode, encode
+from asyncroll.codec import (
+    ALIGN,
+    MAGIC,
+    MAX_DEPTH,
+    CodecError,
+    decode,
+    decode_value,
+    encode,
+    encode_value,
+)
 from asyncroll.types import RolloutGroup, RolloutState, Status
-from tests.factories import make_group
+from tests.factories import make_group, make_sample
 
 DTYPES = [
     np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
@@ -86,12 +98,18 @@ def test_encode_copies_so_later_mutation_does_not_leak_in() -> None:
 
 
 def test_views_keep_the_message_alive_and_nothing_else() -> None:
-    data = encode(make_group(tokens=64))
+    group = make_group(tokens=64)
+    data = encode(group)
+    message_id = id(data)
     ref = weakref.ref(out := decode(data))
     tokens = out.samples[0].tokens
     del out, data
     assert ref() is None  # the struct is gone...
-    assert tokens.sum() >= 0  # ...while the view still reads valid memory
+    owner: Any = tokens
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    assert type(owner) is bytes and id(owner) == message_id  # ...the view holds the message
+    assert tokens.tolist() == group.samples[0].tokens.tolist()  # and reads its tokens
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -130,13 +148,77 @@ def test_torch_tensors_are_accepted_on_encode() -> None:
     assert out.extra["hidden"].dtype == np.float32 and out.extra["hidden"].shape == (2, 3)
 
 
-def test_unsupported_values_are_refused_clearly() -> None:
-    with pytest.raises(TypeError, match="bfloat16"):
-        encode(make_group(metadata={"x": torch.zeros(2, dtype=torch.bfloat16)}))
-    with pytest.raises(TypeError, match="complex128"):
-        encode(make_group(metadata={"x": np.zeros(2, dtype=np.complex128)}))
-    with pytest.raises(TypeError, match="object"):
-        encode(make_group(metadata={"x": object()}))
+def test_numpy_scalars_in_metadata_and_extra_become_python_scalars() -> None:
+    """What pandas and HF datasets hand out: numpy scalars, at any depth; arrays stay arrays."""
+    metadata = {
+        "label": np.int64(7),
+        "score": np.float32(0.5),
+        "ok": np.bool_(True),
+        "name": np.str_("x"),
+        "nested": [{"k": np.uint8(3)}, (np.float64(1.5),)],
+        "arr": np.arange(3),
+    }
+    sample = make_sample()
+    sample = RolloutState(
+        sample.tokens, sample.logprobs, sample.versions, extra={"len": np.int32(4)}
+    )
+    group = make_group(metadata=metadata)
+    group = RolloutGroup(
+        uid=0, prompt_id="p", task="t", prompt_tokens=group.prompt_tokens, samples=(sample,),
+        metadata=metadata,
+    )  # fmt: skip
+    out = decode(encode(group))
+    assert out.metadata["label"] == 7 and type(out.metadata["label"]) is int
+    assert out.metadata["score"] == 0.5 and type(out.metadata["score"]) is float
+    assert out.metadata["ok"] is True and out.metadata["name"] == "x"
+    assert out.metadata["nested"] == [{"k": 3}, [1.5]]
+    assert out.metadata["arr"].tolist() == [0, 1, 2]
+    assert out.samples[0].extra == {"len": 4}
+
+
+def test_zero_d_arrays_keep_their_shape_when_normalized() -> None:
+    big = np.array(5, dtype=">i8")  # not native-endian: goes through the copying path
+    out = decode(encode(make_group(metadata={"x": big}))).metadata["x"]
+    assert out.shape == () and out.dtype == np.int64 and int(out) == 5
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (torch.zeros(2, dtype=torch.bfloat16), "bfloat16"),
+        (np.zeros(2, dtype=np.complex128), "complex128"),
+        (object(), "type object"),
+        (1j, "type complex"),
+        (np.complex64(1j), "type complex"),
+        (2**70, "ints"),
+    ],
+)
+def test_unsupported_values_are_refused_with_codec_error(value: Any, message: str) -> None:
+    with pytest.raises(CodecError, match=message):
+        encode(make_group(metadata={"x": value}))
+    with pytest.raises(CodecError, match=message):
+        encode_value({"x": [value]})
+
+
+def deep(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 5000])
+def test_absurdly_deep_metadata_is_refused_on_encode(depth: int) -> None:
+    with pytest.raises(CodecError, match="nested"):
+        encode(make_group(metadata={"x": deep(depth)}))
+    with pytest.raises(CodecError, match="nested"):
+        encode_value({"x": deep(depth)})
+
+
+def test_metadata_at_the_depth_limit_round_trips() -> None:
+    value = {"x": deep(MAX_DEPTH - 1)}  # the dict is one level
+    assert decode(encode(make_group(metadata=value))).metadata == value
+    assert decode_value(encode_value(value)) == value
 
 
 def test_encoded_size_is_close_to_the_array_bytes() -> None:
@@ -164,6 +246,127 @@ def test_corrupt_frames_raise_codec_error(mutate: Any, message: str, group: Roll
 
 def test_codec_error_is_a_value_error() -> None:
     assert issubclass(CodecError, ValueError)
+
+
+# -- hostile messages: a valid frame around a crafted header -------------------------------------
+
+_FRAME = struct.Struct("<4sHHIQ")  # the documented frame prefix
+
+
+def reframe(data: bytes, rewrite: Callable[[bytes], bytes]) -> bytes:
+    """`data` with its msgpack header replaced by `rewrite(header)`, the frame made consistent."""
+    _, fmt, _, header_len, data_len = _FRAME.unpack_from(data)
+    header_end = _FRAME.size + header_len
+    header = rewrite(data[_FRAME.size : header_end])
+    start = _FRAME.size + len(header)
+    body = data[header_end + (-header_end % ALIGN) :]
+    return _FRAME.pack(MAGIC, fmt, 0, len(header), data_len) + header + bytes(-start % ALIGN) + body
+
+
+def test_reframe_without_changes_decodes() -> None:
+    group = make_group(tokens=10)
+    assert_groups_equal(group, decode(reframe(encode(group), lambda h: h)))
+
+
+@pytest.mark.parametrize("depth", [5000, 100_000])
+def test_deeply_nested_metadata_in_a_message_is_a_codec_error(depth: int) -> None:
+    marker = msgspec.msgpack.encode("MARKER")
+    data = encode(make_group(metadata={"x": "MARKER"}))
+    hostile = reframe(data, lambda h: h.replace(marker, b"\x91" * depth + b"\xc0"))
+    with pytest.raises(CodecError, match="nested"):
+        decode(hostile)
+
+
+def test_misaligned_array_offset_is_a_codec_error() -> None:
+    def shift_first_array(header: bytes) -> bytes:
+        wire = msgspec.msgpack.decode(header)  # extension values stay raw `Ext` objects
+        ext = wire[0]  # the packed tokens: dtype code, ndim, offset, length
+        code, ndim, offset, count = struct.unpack("<BBQq", ext.data)
+        wire[0] = msgspec.msgpack.Ext(ext.code, struct.pack("<BBQq", code, ndim, offset + 1, count))
+        return msgspec.msgpack.encode(wire)
+
+    hostile = reframe(encode(make_group(samples=2, tokens=40)), shift_first_array)
+    with pytest.raises(CodecError, match="aligned"):
+        decode(hostile)
+
+
+# -- encode_value / decode_value -----------------------------------------------------------------
+
+
+def test_value_round_trip_with_arrays_and_scalars() -> None:
+    value = {
+        "label": np.int64(7),
+        "arr": np.arange(3),
+        "grid": np.ones((2, 3), dtype=np.float16),
+        "scalar_array": np.array(2.5),
+        "empty": np.zeros((0, 4), dtype=np.uint8),
+        "tensor": torch.arange(4, dtype=torch.int32),
+        "plain": [1, "a", None, 2.5, True, b"raw", {"k": [np.float32(0.25)]}],
+    }
+    out = decode_value(encode_value(value))
+    assert out["label"] == 7 and type(out["label"]) is int
+    for key, expected in [
+        ("arr", np.arange(3)),
+        ("grid", value["grid"]),
+        ("scalar_array", value["scalar_array"]),
+        ("empty", value["empty"]),
+        ("tensor", np.arange(4, dtype=np.int32)),
+    ]:
+        assert_values_equal(expected, out[key], key)
+    assert out["plain"] == [1, "a", None, 2.5, True, b"raw", {"k": [0.25]}]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_value_every_dtype_round_trips(dtype: type) -> None:
+    arr = (np.arange(24) % 2).astype(dtype).reshape(2, 3, 4)
+    assert_values_equal(arr, decode_value(encode_value({"a": arr}))["a"], "a")
+
+
+def test_decoded_value_arrays_are_writable_copies() -> None:
+    data = bytearray(encode_value({"a": np.arange(1000)}))
+    arr = decode_value(data)["a"]
+    assert arr.flags.writeable and arr.flags.owndata  # owns its memory: pins no buffer
+    arr[0] = 42
+    data[:] = bytes(len(data))  # neither side sees the other's writes
+    assert arr[0] == 42 and arr[1] == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"", "truncated|corrupt"),
+        (b"\x91", "truncated|corrupt"),
+        (b"\xc1", "corrupt"),
+        (msgspec.msgpack.encode(msgspec.msgpack.Ext(9, b"xx")), "extension"),
+        (msgspec.msgpack.encode(msgspec.msgpack.Ext(1, bytes(18))), "extension"),
+        (b"\x91" * 5000 + b"\xc0", "nested"),
+        (b"\x91" * (MAX_DEPTH + 1) + b"\xc0", "nested"),
+    ],
+)
+def test_value_corrupt_bytes_raise_codec_error(data: bytes, message: str) -> None:
+    with pytest.raises(CodecError, match=message):
+        decode_value(data)
+
+
+def test_value_bad_array_headers_raise_codec_error() -> None:
+    good = encode_value(np.arange(4, dtype=np.int32))
+    ext = msgspec.msgpack.decode(good)
+    assert isinstance(ext, msgspec.msgpack.Ext)
+
+    def with_payload(payload: bytes) -> bytes:
+        return msgspec.msgpack.encode(msgspec.msgpack.Ext(ext.code, payload))
+
+    head, body = ext.data[:10], ext.data[10:]  # dtype code, ndim, one dimension; the bytes
+    cases = [
+        (with_payload(head + body[:-1]), "bytes"),  # one byte short of its shape
+        (with_payload(head + body + b"\0"), "bytes"),  # one byte too many
+        (with_payload(bytes([99]) + head[1:] + body), "dtype"),
+        (with_payload(head[:1] + bytes([40]) + head[2:] + body), "ndim"),
+        (with_payload(head[:2] + struct.pack("<q", -1) + body), "shape"),
+    ]
+    for data, message in cases:
+        with pytest.raises(CodecError, match=message):
+            decode_value(data)
 
 
 # -- property tests ------------------------------------------------------------------------------

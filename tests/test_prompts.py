@@ -103,3 +103,31 @@ async def test_resuming_past_the_end_of_a_shorter_source_is_an_error() -> None:
 def test_task_mix_validation(tasks: dict, weights: dict | None, message: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=message):
         TaskMix(tasks, weights)
+
+
+async def test_a_none_item_is_a_prompt_and_the_stream_goes_on() -> None:
+    """None is a bad prompt (its group fails, counted), not the end of the source."""
+    stream = PromptStream([[1], None, [3]])
+    got = await draw_all(stream)
+    assert [p.prompt_id for p in got] == ["default/0", "default/1", "default/2"]
+    assert got[1].tokens is None and got[2].tokens == [3]
+    assert stream.state().drawn == {"default": 3}
+
+
+async def test_a_none_item_in_an_async_source_is_a_prompt_too() -> None:
+    async def gen():  # type: ignore[no-untyped-def]
+        yield [1]
+        yield None
+        yield [3]
+
+    got = await draw_all(PromptStream(gen()))
+    assert [p.tokens for p in got] == [[1], None, [3]]
+
+
+async def test_resuming_skips_none_items_like_any_other() -> None:
+    stream = PromptStream([None, None, [3], [4]])
+    for _ in range(3):
+        await stream.next()
+    resumed = PromptStream([None, None, [3], [4]])
+    resumed.load(stream.state())
+    assert [p.tokens for p in await draw_all(resumed)] == [[4]]
