@@ -68,6 +68,7 @@ class Landing(NamedTuple):
     group: RolloutGroup
     reason: FailureReason | None = None
     fatal: str | None = None
+    rewards: list[float] | None = None  # the valid rewards it was scored with, if any
 
 
 class _SpuriousCancel(Exception):
@@ -88,15 +89,14 @@ class Attempts:
         config: ProducerConfig,
         rewards: RewardRunner,
         group_filter: GroupFilter | None,
-        version: Callable[[], int],
     ) -> None:
         self.engine = engine
         self.config = config
         self.rewards = rewards
         self.filter = group_filter
-        self._version = version
 
-    async def run(self, group: RolloutGroup, flight: Flight) -> Landing:
+    async def run(self, group: RolloutGroup, flight: Flight, version: Callable[[], int]) -> Landing:
+        """The attempt's landing; `version()` is the policy version when the outputs arrive."""
         cfg, engine = self.config, self.engine
         if flight.stage is Stage.CANCELLED:  # drained before it could call the engine
             return self.interrupted(group, flight)
@@ -125,7 +125,7 @@ class Attempts:
             return self.failed(group, flight, FailureReason.ENGINE_ERROR, error, fatal=fatal)
         try:
             samples = rollout.merge_outputs(
-                group, request, outputs, vocab_size=engine.vocab_size, version=self._version()
+                group, request, outputs, vocab_size=engine.vocab_size, version=version()
             )
         except (ValueError, TypeError) as exc:  # RolloutError, or arrays that do not fit
             error = f"malformed engine output: {exc}"
@@ -182,22 +182,24 @@ class Attempts:
         del values, scored
         samples = rollout.with_rewards(samples, rewards)
         if self.filter is None:
-            return Landing(self._finish(group, flight, samples, Status.COMPLETED))
+            return Landing(self._finish(group, flight, samples, Status.COMPLETED), rewards=rewards)
         scored = msgspec.structs.replace(group, samples=samples, status=Status.COMPLETED)
         try:
             keep = bool(self.filter(scored))
         except Exception as exc:
             error = f"filter raised {type(exc).__name__}: {exc}"
-            return self.failed(group, flight, FailureReason.FILTER_ERROR, error, samples)
+            failed = self.failed(group, flight, FailureReason.FILTER_ERROR, error, samples)
+            return failed._replace(rewards=rewards)
         except _NOT_ABSORBED:
             raise
         except BaseException as exc:
             error = f"filter raised {type(exc).__name__}: {exc}"
-            return self.failed(
+            failed = self.failed(
                 group, flight, FailureReason.FILTER_ERROR, error, samples, fatal=error
             )
+            return failed._replace(rewards=rewards)
         status = Status.COMPLETED if keep else Status.FILTERED
-        return Landing(self._finish(group, flight, samples, status))
+        return Landing(self._finish(group, flight, samples, status), rewards=rewards)
 
     def failed(
         self,

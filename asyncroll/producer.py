@@ -219,7 +219,7 @@ class Producer:
             order=cfg.order,
         )
         self.progress = ProduceProgress()
-        self._attempts = Attempts(engine, cfg, self._rewards, self.filter, lambda: self._version)
+        self._attempts = Attempts(engine, cfg, self._rewards, self.filter)
         self._prompts = PromptStream(prompts)
         self._version = 0
         self._next_uid = 0
@@ -232,6 +232,7 @@ class Producer:
         self._gate_lock = asyncio.Lock()
         self._update_lock = asyncio.Lock()
         self._scheduler = _Scheduler.WAITING
+        self._draw_scope: anyio.CancelScope | None = None
         self._staged: _Staged | None = None
         self._error: str | None = None
         self._dropped_in_a_row: Counter[str] = Counter()
@@ -282,17 +283,20 @@ class Producer:
         finish), then end every task."""
         if self._phase is Phase.RUNNING:
             self._phase = move(self._phase, Phase.STOPPING)
+        if self._draw_scope is not None:
+            self._draw_scope.cancel()
         self._changed.notify()
         try:
             await self._drain()
             self._count_idle()
         finally:
-            if self._tg is not None:
-                self._tg.cancel_scope.cancel()
             runner, self._runner = self._runner, None
-            if runner is not None:
-                await asyncio.wait([runner])
-                runner = None  # its exception (if any) was recorded by _run
+            if runner is not None:  # the scheduler returns once it sees the stop
+                await asyncio.wait([runner], timeout=self.config.abort_timeout_s)
+                if not runner.done():  # cancel what is left (groups land as interrupted)
+                    runner.cancel()
+                    await asyncio.wait([runner])
+                runner = None
             self._unstage()
             if self._phase is Phase.STOPPING:
                 self._phase = move(self._phase, Phase.STOPPED)
@@ -300,6 +304,9 @@ class Producer:
     @property
     def version(self) -> int:
         """Policy version: bumped by every `update_weights`."""
+        return self._version
+
+    def _current_version(self) -> int:
         return self._version
 
     @property
@@ -553,10 +560,14 @@ class Producer:
     # -- scheduling ------------------------------------------------------------------------------
 
     async def _schedule(self) -> None:
-        """Admit work while there is room: resumed groups first, then new prompts."""
+        """Admit work while there is room: resumed groups first, then new prompts. Returns
+        once the producer stops (ending normally, so no cancellation traceback keeps a
+        reference to the producer alive)."""
         try:
             while True:
-                await self._changed.wait_until(lambda: self._next_step() is not None)
+                await self._changed.wait_until(
+                    lambda: self._next_step() is not None or self._phase is not Phase.RUNNING
+                )
                 match self._next_step():
                     case _Step.RESUME:
                         taken = self.buffer.take_resume()
@@ -569,6 +580,8 @@ class Producer:
                             self._start(self._new_group(staged.prompt), staged.reserve)
                     case _Step.DRAW:
                         await self._draw()
+                    case None:
+                        return
         except Exception as exc:  # a bug: surface it rather than stall silently
             self._fail(f"scheduler failed: {type(exc).__name__}: {exc}")
 
@@ -594,8 +607,11 @@ class Producer:
         self._scheduler = _Scheduler.DRAWING
         try:
             with anyio.move_on_after(self.config.prompt_timeout_s) as scope:
+                self._draw_scope = scope  # a stop cancels the draw
                 prompt = await self._prompts.next()
-            if scope.cancelled_caught:
+            if scope.cancelled_caught and self._phase is not Phase.RUNNING:
+                pass  # stopped while drawing: the cursor still counts the prompt as not drawn
+            elif scope.cancelled_caught:
                 timeout = self.config.prompt_timeout_s
                 self._fail(f"prompt source gave nothing within prompt_timeout_s={timeout}")
             elif prompt is not None:
@@ -604,6 +620,7 @@ class Producer:
             self._fail(f"prompt source raised {type(exc).__name__}: {exc}")
         finally:
             self._scheduler = _Scheduler.WAITING
+            self._draw_scope = None
             self._changed.notify()
 
     def _stage(self, prompt: Prompt) -> _Staged:
@@ -743,7 +760,7 @@ class Producer:
         landing: Landing | None = None
         try:
             with flight.scope:  # cancelled by a drain when the engine ignores an abort
-                landing = await self._attempts.run(group, flight)
+                landing = await self._attempts.run(group, flight, self._current_version)
         except anyio.get_cancelled_exc_class():
             self._land(self._attempts.interrupted(group, flight), flight)
             raise
@@ -777,7 +794,7 @@ class Producer:
                 self._fail(error)
             group = msgspec.structs.replace(group, status=Status.FAILED, error=error)
             outcome = self.buffer.put(group, flight.reserved)  # dropped: nothing to encode
-        self.progress.count_landing(group, outcome, reason, flight.tokens)
+        self.progress.count_landing(group, outcome, reason, flight.tokens, landing.rewards)
         self._count_idle()
         if outcome is PutOutcome.DROPPED_EXPIRED:
             self._requeue(group)

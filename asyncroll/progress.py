@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -51,7 +52,7 @@ class ProgressCounters(msgspec.Struct, kw_only=True):
 
     def minus(self, earlier: ProgressCounters) -> ProgressCounters:
         """The counts accumulated since `earlier` (a snapshot of the same counters)."""
-        out = {}
+        out: dict[str, Any] = {}
         for f in self.__struct_fields__:
             now, then = getattr(self, f), getattr(earlier, f)
             if isinstance(now, dict):
@@ -180,10 +181,15 @@ class ProduceProgress:
         outcome: PutOutcome,
         reason: FailureReason | None,
         tokens_before: int,
+        rewards: list[float] | None = None,
     ) -> None:
         """Count one finished attempt by where it went: the only place landings are counted.
-        `tokens_before` is what the group held when the attempt started."""
+        `tokens_before` is what the group held when the attempt started; `rewards` are the
+        rewards it was scored with (counted whether it was kept or not)."""
         c = self.counters
+        if rewards:
+            c.reward_sum += math.fsum(rewards)
+            c.reward_count += len(rewards)
         tokens = group.num_tokens
         c.generated_tokens += tokens - tokens_before
         match outcome:

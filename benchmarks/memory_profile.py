@@ -173,8 +173,8 @@ class HoardingBuffer(RolloutBuffer):
         )
         self.hoard: list[RolloutGroup] = []
 
-    def put(self, group: RolloutGroup) -> PutOutcome:
-        outcome = super().put(group)
+    def put(self, group: RolloutGroup, reserved: int | None = None) -> PutOutcome:
+        outcome = super().put(group, reserved)
         if outcome in (PutOutcome.DROPPED_FAILED, PutOutcome.DROPPED_FILTERED):
             self.hoard.append(group)
         return outcome

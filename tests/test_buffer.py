@@ -2,6 +2,7 @@ import asyncio
 import gc
 import weakref
 
+import msgspec
 import pytest
 
 from asyncroll.buffer import PutOutcome, RolloutBuffer
@@ -181,10 +182,73 @@ def test_take_resume_turns_a_partial_back_into_a_reservation() -> None:
     buf = buffer()
     put(buf, make_group(5, status=S.ABORTED))
     assert buf.num_reserved == 0
-    group = buf.take_resume()
-    assert group is not None and group.uid == 5 and group.status is S.ABORTED
+    taken = buf.take_resume()
+    assert taken is not None
+    group, reserved = taken
+    assert group.uid == 5 and group.status is S.ABORTED and reserved == 1024
     assert buf.num_resume == 0 and buf.num_reserved == 1 and buf.held_bytes == 0
+    assert buf.stats().reserved_bytes == 1024  # its reservation again, not its stored size
     assert buf.take_resume() is None
+
+
+def test_a_partial_resumes_only_when_its_reservation_fits() -> None:
+    """A resumed group grows back to its full size: its stored bytes must become its whole
+    reservation again, or the byte bound breaks while it finishes."""
+    size = len(encode(make_group(0)))
+    buf = buffer(max_bytes=3 * size, reserve_bytes=size)
+    assert buf.try_reserve(2 * size)
+    buf.put(make_group(1, status=S.ABORTED), 2 * size)
+    assert buf.try_reserve(size) and buf.try_reserve(size // 2)  # 2.5 x size in flight
+    assert not buf.can_resume() and buf.take_resume() is None
+    buf.put(make_group(2, status=S.FAILED), size)
+    assert buf.can_resume()
+    taken = buf.take_resume()
+    assert taken is not None and taken[1] == 2 * size
+
+
+def test_reservations_count_their_own_bytes() -> None:
+    """A long prompt reserves more: the bound covers prompt + samples, not a fixed estimate."""
+    buf = buffer(max_bytes=10_000, reserve_bytes=1_000)
+    assert buf.try_reserve(6_000)
+    assert not buf.can_reserve(5_000) and buf.can_reserve(4_000)
+    assert buf.stats().reserved_bytes == 6_000
+    buf.release(6_000)
+    assert buf.stats().reserved_bytes == 0 and buf.can_reserve(10_000)
+
+
+@pytest.mark.parametrize(
+    ("status", "samples"),
+    [
+        (S.COMPLETED, (S.COMPLETED, S.PENDING)),
+        (S.COMPLETED, (S.COMPLETED, S.FAILED)),
+        (S.COMPLETED, (S.COMPLETED, S.ABORTED)),
+        (S.ABORTED, (S.COMPLETED, S.FAILED)),
+        (S.ABORTED, (S.COMPLETED, S.COMPLETED)),
+    ],
+)
+def test_put_does_not_trust_the_label(status: Status, samples: tuple[Status, ...]) -> None:
+    """A group labelled COMPLETED would be handed out as trainable: its samples must agree."""
+    group = make_group(0, status=status)
+    mixed = tuple(
+        msgspec.structs.replace(s, status=st) for s, st in zip(group.samples, samples, strict=True)
+    )
+    buf = buffer()
+    assert buf.try_reserve()
+    with pytest.raises(ValueError, match="labelled"):
+        buf.put(msgspec.structs.replace(group, samples=mixed))
+    assert buf.num_reserved == 1 and buf.num_ready == buf.num_resume == 0  # nothing changed
+
+
+def test_a_group_that_cannot_be_encoded_changes_nothing() -> None:
+    """put is all or nothing: the reservation survives, so the caller can fail the group."""
+    group = make_group(0, metadata={"x": object()})
+    buf = buffer()
+    assert buf.try_reserve()
+    with pytest.raises(CodecError):
+        buf.put(group)
+    assert buf.num_reserved == 1 and buf.num_ready == 0 and buf.held_bytes == 0
+    assert buf.put(msgspec.structs.replace(group, status=S.FAILED)) is PutOutcome.DROPPED_FAILED
+    assert buf.num_reserved == 0
 
 
 def test_duplicate_uid_is_refused() -> None:
