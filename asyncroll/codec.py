@@ -364,7 +364,9 @@ _VALUE_DECODER = msgspec.msgpack.Decoder(ext_hook=_value_ext_hook)
 
 def encode_value(obj: Any) -> bytes:
     """Encode one metadata-like value: msgpack types, numpy arrays and torch tensors (as
-    arrays), numpy scalars (as Python scalars). Tuples and sets come back as lists.
+    arrays), numpy scalars (as Python scalars). What comes back is msgpack's plain form, as for
+    a group's metadata: tuples and sets as lists, and the other types msgspec encodes on its
+    own (dataclasses, enums, ...) as what they encode to.
 
     Raises `CodecError` naming what it cannot carry; cheap enough to call on every prompt's
     metadata to refuse it before any work is spent on the prompt.

@@ -4,6 +4,10 @@ A checkpoint stores how many prompts each task has given (its cursor), the mix's
 and the prompts waiting to be drawn again; on resume the same sources are skipped forward by
 the cursor. That is exact as long as a source yields the same prompts in the same order each
 time it is iterated (a list, a file, a seeded generator factory).
+
+The prompts waiting to be drawn again are stored encoded (`encode_prompt`, through
+`codec.encode_value`), so that their metadata may hold what a group's may: numpy arrays and
+scalars, torch tensors. They come back with arrays as numpy arrays and tuples as lists.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
+from asyncroll.codec import CodecError, decode_value, encode_value
 from asyncroll.types import Prompt
 
 PromptLike = Prompt | Mapping[str, Any] | Iterable[int]
@@ -35,7 +40,42 @@ class CursorState(msgspec.Struct, frozen=True, kw_only=True):
 
     drawn: dict[str, int]  # prompts drawn so far, per task
     rng_state: list[Any] | None  # the task mix's random state
-    requeued: list[Prompt]  # prompts to draw again before any new one
+    requeued: list[bytes]  # prompts to draw again before any new one, as `encode_prompt` bytes
+
+
+_PROMPT_FIELDS = frozenset(Prompt.__struct_fields__)
+
+
+def encode_prompt(prompt: Prompt) -> bytes:
+    """A prompt as bytes for a checkpoint; `CodecError` naming the prompt if a field cannot be
+    carried (see `codec.encode_value`)."""
+    try:
+        return encode_value({f: getattr(prompt, f) for f in Prompt.__struct_fields__})
+    except CodecError as exc:
+        raise CodecError(f"prompt {prompt.prompt_id!r} cannot be checkpointed: {exc}") from None
+
+
+def decode_prompt(data: bytes) -> Prompt:
+    """The prompt of `encode_prompt` bytes; `CodecError` if they are not one."""
+    fields = decode_value(data)
+    if not isinstance(fields, dict) or fields.keys() != _PROMPT_FIELDS:
+        raise CodecError(f"not an encoded prompt: expected the fields {sorted(_PROMPT_FIELDS)}")
+    if not isinstance(fields["task"], str) or not isinstance(fields["metadata"], dict):
+        raise CodecError("not an encoded prompt: task must be a str and metadata a dict")
+    if not isinstance(fields["prompt_id"], str | None):
+        raise CodecError("not an encoded prompt: prompt_id must be a str or None")
+    return Prompt(**fields)
+
+
+def _requeued_prompts(state: CursorState) -> list[Prompt]:
+    """The re-queued prompts of a cursor; `ValueError` naming the first that does not decode."""
+    prompts = []
+    for i, data in enumerate(state.requeued):
+        try:
+            prompts.append(decode_prompt(data))
+        except CodecError as exc:
+            raise ValueError(f"the checkpoint's re-queued prompt {i} is corrupt: {exc}") from None
+    return prompts
 
 
 def as_prompt(item: PromptLike | None, task: str, index: int) -> Prompt:
@@ -176,11 +216,15 @@ class PromptStream:
         return CursorState(
             drawn={t: s.drawn for t, s in self._sources.items()},
             rng_state=_to_list(self._mix.rng.getstate()) if self._mix else None,
-            requeued=list(self._requeued),
+            requeued=[encode_prompt(p) for p in self._requeued],
         )
 
     def check(self, state: CursorState) -> None:
         """Raise `ValueError` if `state` cannot be loaded into this stream."""
+        self._checked(state)
+
+    def _checked(self, state: CursorState) -> list[Prompt]:
+        """`check`, returning the decoded re-queued prompts for `load`."""
         if set(state.drawn) != set(self._sources):
             raise ValueError(
                 f"the checkpoint's tasks {sorted(state.drawn)} differ from this producer's "
@@ -188,15 +232,16 @@ class PromptStream:
             )
         if (state.rng_state is None) != (self._mix is None):
             raise ValueError("the checkpoint and this producer differ in using a TaskMix")
+        return _requeued_prompts(state)
 
     def load(self, state: CursorState) -> None:
-        """Continue from `state`; call before the first draw."""
-        self.check(state)
+        """Continue from `state`; call before the first draw. All or nothing."""
+        requeued = self._checked(state)
         for task, drawn in state.drawn.items():
             self._sources[task].seek(drawn)
         if self._mix is not None and state.rng_state is not None:
             self._mix.rng.setstate(_to_tuple(state.rng_state))
-        self._requeued = deque(state.requeued)
+        self._requeued = deque(requeued)
 
 
 def _to_list(value: Any) -> Any:

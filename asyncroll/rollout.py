@@ -97,7 +97,7 @@ def merge_outputs(
 
     Checks what a buggy engine could get wrong: the number of outputs, array types and lengths,
     token ids outside the vocabulary, logprobs that are NaN, infinite or positive, versions that
-    go backwards or run ahead of `version`, more tokens than the budget, unknown finish reasons.
+    decrease or run ahead of `version`, more tokens than the budget, unknown finish reasons.
     """
     todo = unfinished(group)
     if len(outputs) != len(todo):
@@ -129,6 +129,10 @@ def _extend(
             )
         if not math.isfinite(float(logprobs.sum())) or logprobs.max() > _LOGPROB_TOLERANCE:
             raise RolloutError("engine returned a logprob that is NaN, infinite or positive")
+        # Non-decreasing first, so that the ends bound every entry: a version that dips or
+        # jumps mid-chunk would make the sample look fresher (or staler) than it is.
+        if n > 1 and bool((versions[1:] < versions[:-1]).any()):
+            raise RolloutError("engine stamped versions that decrease within a sample")
         previous = int(sample.versions[-1]) if len(sample.versions) else 0
         if int(versions[0]) < previous or int(versions[-1]) > version:
             raise RolloutError(
@@ -190,23 +194,52 @@ def _as(arr: Any, dtype: type[np.generic], kind: str) -> Any:
 
 
 def check_rewards(values: Any, n: int) -> list[float]:
-    """Rewards as n finite floats, or `RolloutError` saying what the reward function got wrong."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise RolloutError(f"reward function returned {type(values).__name__}, not {n} numbers")
+    """Rewards as n finite floats, or `RolloutError` saying what the reward function got wrong.
+
+    Takes a sequence of numbers (Python numbers, numpy scalars, 0-d arrays or tensors) or a 1-D
+    numpy array or torch tensor. Bools are refused: a reward of True is more often a returned
+    comparison than a meant 1.0.
+    """
+    if type(values) is not list:  # a list is the common case: skip the probing
+        values = _reward_sequence(values, n)
     if len(values) != n:
         raise RolloutError(f"reward function returned {len(values)} rewards for {n} samples")
     out: list[float] = []
     for v in values:
-        # exact float first: the common case, and 20x cheaper than the numbers.Real check
-        if type(v) is not float and (
-            isinstance(v, bool) or not isinstance(v, (numbers.Real, np.floating, np.integer))
-        ):
-            raise RolloutError(f"reward {v!r} is not a number")
-        f = float(v)
+        f = v if type(v) is float else _reward_float(v)  # exact float: no ABC check
         if not math.isfinite(f):
             raise RolloutError(f"reward {f} is not finite")
         out.append(f)
     return out
+
+
+def _reward_sequence(values: Any, n: int) -> Any:
+    """`values` as something of a length to iterate: 1-D arrays and tensors as Python lists."""
+    ndim = getattr(values, "ndim", None)
+    if isinstance(ndim, int):  # a numpy array or scalar, or a torch tensor
+        if ndim != 1:
+            raise RolloutError(
+                f"reward function returned a {ndim}-d {type(values).__name__}, not a 1-D array "
+                f"of {n} rewards"
+            )
+        return values.tolist()  # Python scalars, checked below like any others
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise RolloutError(f"reward function returned {type(values).__name__}, not {n} numbers")
+    return values
+
+
+def _reward_float(v: Any) -> float:
+    """One reward that is not an exact float, as a float."""
+    if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):
+        v = v.item()  # a numpy scalar, 0-d array or 0-d tensor: its Python scalar
+    if isinstance(v, bool):
+        raise RolloutError(f"reward {v!r} is a bool, not a number: return float(...) if meant")
+    if not isinstance(v, numbers.Real):
+        raise RolloutError(f"reward {v!r} ({type(v).__name__}) is not a number")
+    try:
+        return float(v)
+    except OverflowError:
+        raise RolloutError(f"reward {v} is too large for a float") from None
 
 
 def with_rewards(

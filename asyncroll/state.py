@@ -4,6 +4,11 @@ File layout: ``"ARCK" | format u32 | crc32 u32 | length u64 | msgpack(ProducerSt
 checksum covers the payload, so a torn or bit-flipped file is refused before anything loads;
 writing goes to a temporary file in the same folder, fsynced, then renamed over the target, so
 a crash leaves either the old checkpoint or the new one, never half of one.
+
+`loads` also decodes every stored group and re-queued prompt: the checksum proves the file is
+the one written, not that what was written is whole (a bug, or a file built by hand), and a
+damaged group found later, half-way through `Producer.load_state_dict`, would be a `CodecError`
+from deep inside the buffer instead of a `CheckpointError` before anything loads.
 """
 
 from __future__ import annotations
@@ -12,14 +17,16 @@ import os
 import struct
 import tempfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 
+from asyncroll import codec
 from asyncroll.progress import ProgressCounters
-from asyncroll.prompts import CursorState
+from asyncroll.prompts import CursorState, decode_prompt
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: the cursor's re-queued prompts are `encode_prompt` bytes
 _MAGIC = b"ARCK"
 _HEAD = struct.Struct("<4sIIQ")
 
@@ -69,7 +76,24 @@ def loads(data: bytes) -> ProducerState:
         raise CheckpointError(f"corrupt checkpoint: {exc}") from None
     if state.format != STATE_FORMAT:
         raise CheckpointError(f"checkpoint body says format {state.format}, header {fmt}")
+    check_contents(state)
     return state
+
+
+def check_contents(state: ProducerState) -> None:
+    """Raise `CheckpointError` unless every group and re-queued prompt in `state` decodes.
+    (`loads` calls it; call it yourself on a `ProducerState` that did not come from `loads`.)"""
+    stored: list[tuple[str, Callable[[bytes], object], list[bytes]]] = [
+        ("ready group", codec.decode, state.ready),
+        ("resume group", codec.decode, state.resume),
+        ("re-queued prompt", decode_prompt, state.cursor.requeued),
+    ]
+    for what, decode, blobs in stored:
+        for i, data in enumerate(blobs):
+            try:
+                decode(data)
+            except codec.CodecError as exc:
+                raise CheckpointError(f"corrupt checkpoint: {what} {i}: {exc}") from None
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:

@@ -1,8 +1,11 @@
 from collections import Counter
+from typing import Any
 
+import numpy as np
 import pytest
 
-from asyncroll.prompts import PromptStream, TaskMix
+from asyncroll.codec import CodecError, encode_value
+from asyncroll.prompts import CursorState, PromptStream, TaskMix, encode_prompt
 from asyncroll.types import Prompt
 
 
@@ -131,3 +134,57 @@ async def test_resuming_skips_none_items_like_any_other() -> None:
     resumed = PromptStream([None, None, [3], [4]])
     resumed.load(stream.state())
     assert [p.tokens for p in await draw_all(resumed)] == [[4]]
+
+
+def metadata_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k] for k in a
+    )
+
+
+async def test_requeued_and_unread_prompts_keep_arrays_through_the_cursor() -> None:
+    stream = PromptStream([np.arange(4), [5]])
+    first = await stream.next()
+    assert first is not None
+    again = Prompt(
+        tokens=[1, 2], prompt_id="x", metadata={"arr": np.arange(3), "label": np.int64(7)}
+    )
+    stream.requeue(again)
+    stream.unread(first)
+    resumed = PromptStream([np.arange(4), [5]])
+    resumed.load(stream.state())
+    got = await draw_all(resumed)
+    assert [p.prompt_id for p in got] == ["default/0", "x", "default/1"]
+    assert got[0].tokens.tolist() == [0, 1, 2, 3]
+    assert got[1].tokens == [1, 2] and metadata_equal(got[1].metadata, again.metadata)
+
+
+async def test_a_prompt_that_cannot_be_checkpointed_is_named() -> None:
+    stream = PromptStream([[1]])
+    stream.requeue(Prompt(tokens=[1], prompt_id="odd", metadata={"x": object()}))
+    with pytest.raises(CodecError, match=r"'odd'.*object"):
+        stream.state()
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"\xc1",  # not msgpack
+        encode_value(["not", "a", "prompt"]),
+        encode_value({"tokens": [1], "task": 3, "prompt_id": None, "metadata": {}}),
+        encode_value({"tokens": [1], "task": "t", "prompt_id": None, "metadata": []}),
+        encode_value({"tokens": [1], "task": "t", "prompt_id": 5, "metadata": {}}),
+        encode_value({"tokens": [1], "task": "t", "prompt_id": None, "metadata": {}, "x": 1}),
+    ],
+)
+def test_a_corrupt_requeued_prompt_is_refused_before_loading(blob: bytes) -> None:
+    good = PromptStream([[1]]).state()
+    bad = CursorState(
+        drawn=good.drawn, rng_state=None, requeued=[encode_prompt(Prompt(tokens=[1])), blob]
+    )
+    stream = PromptStream([[1], [2]])
+    with pytest.raises(ValueError, match="re-queued prompt 1"):
+        stream.check(bad)
+    with pytest.raises(ValueError, match="re-queued prompt 1"):
+        stream.load(bad)
+    assert stream.state().requeued == []  # nothing loaded

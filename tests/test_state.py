@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from asyncroll import CheckpointError, DropRecord, Producer, PutOutcome, RolloutGroup, TaskMix
-from asyncroll.state import dumps, loads
+from asyncroll.state import STATE_FORMAT, dumps, loads
 from tests.test_producer import VOCAB, SimEngine, consume_all, make_producer, parity_reward, prompts
 
 
@@ -133,8 +133,8 @@ async def test_checkpoint_of_another_shape_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="tasks"):
         mixed.load_state_dict(state)
-    wrong_version = msgspec.structs.replace(state, format=2)
-    with pytest.raises(CheckpointError, match="format 2"):
+    wrong_version = msgspec.structs.replace(state, format=STATE_FORMAT + 1)
+    with pytest.raises(CheckpointError, match=f"format {STATE_FORMAT + 1}"):
         make_producer(30).load_state_dict(wrong_version)
     running = make_producer(30)
     async with running:

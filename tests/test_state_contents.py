@@ -1,0 +1,77 @@
+"""What a checkpoint file holds beyond its frame: re-queued prompts and encoded groups, checked
+on load (no producer needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asyncroll.codec import encode
+from asyncroll.progress import LatencyHistogram, ProgressCounters
+from asyncroll.prompts import CursorState, PromptStream
+from asyncroll.state import STATE_FORMAT, CheckpointError, ProducerState, dumps, loads
+from asyncroll.types import Prompt
+from tests.factories import make_group
+
+
+def producer_state(cursor: CursorState, ready: list[bytes], resume: list[bytes]) -> ProducerState:
+    return ProducerState(
+        format=STATE_FORMAT,
+        version=3,
+        next_uid=10,
+        group_size=2,
+        counters=ProgressCounters(),
+        latency_counts=[0] * LatencyHistogram.BUCKETS,
+        cursor=cursor,
+        ready=ready,
+        resume=resume,
+    )
+
+
+async def test_requeued_prompt_with_array_metadata_survives_a_checkpoint_file() -> None:
+    """Defect 6: an expired group's prompt, re-queued with array metadata, broke save()."""
+    stream = PromptStream([[1], [2]])
+    await stream.next()
+    metadata = {"arr": np.arange(3), "label": np.int64(7), "tags": ["a", {"n": 1}]}
+    stream.requeue(Prompt(tokens=[1], prompt_id="default/0", metadata=metadata))
+    state = loads(dumps(producer_state(stream.state(), [], [])))
+    resumed = PromptStream([[1], [2]])
+    resumed.load(state.cursor)
+    prompt = await resumed.next()
+    assert prompt is not None and prompt.prompt_id == "default/0" and prompt.tokens == [1]
+    assert prompt.metadata.keys() == metadata.keys()
+    assert prompt.metadata["arr"].tolist() == [0, 1, 2]
+    assert prompt.metadata["label"] == 7 and prompt.metadata["tags"] == ["a", {"n": 1}]
+    nxt = await resumed.next()
+    assert nxt is not None and nxt.prompt_id == "default/1"
+
+
+def test_good_checkpoint_loads_equal() -> None:
+    cursor = PromptStream([[1]]).state()
+    state = producer_state(cursor, [encode(make_group(1))], [encode(make_group(2))])
+    assert loads(dumps(state)) == state
+
+
+@pytest.mark.parametrize("where", ["ready", "resume"])
+def test_damaged_group_bytes_under_a_good_checksum_are_a_checkpoint_error(where: str) -> None:
+    good = encode(make_group(1, tokens=50))
+    damaged = good[:-20]  # truncated, then checksummed as if whole
+    groups = {"ready": [good, good], "resume": [good]}
+    groups[where] = [good, damaged]
+    data = dumps(producer_state(PromptStream([[1]]).state(), groups["ready"], groups["resume"]))
+    with pytest.raises(CheckpointError, match=f"corrupt checkpoint: {where} group 1: truncated"):
+        loads(data)
+
+
+def test_damaged_requeued_prompt_under_a_good_checksum_is_a_checkpoint_error() -> None:
+    cursor = CursorState(drawn={"default": 0}, rng_state=None, requeued=[b"\xc1"])
+    with pytest.raises(CheckpointError, match="corrupt checkpoint: re-queued prompt 0"):
+        loads(dumps(producer_state(cursor, [], [])))
+
+
+def test_a_checkpoint_of_the_previous_format_is_refused_clearly() -> None:
+    """Format 1 held re-queued prompts as plain structs; this one holds them encoded."""
+    data = bytearray(dumps(producer_state(PromptStream([[1]]).state(), [], [])))
+    data[4:8] = (1).to_bytes(4, "little")
+    with pytest.raises(CheckpointError, match="format 1 cannot be read"):
+        loads(bytes(data))
