@@ -71,7 +71,7 @@ class Fault(enum.StrEnum):
     TIMEOUT = "own_timeout_error"  # the engine's own TimeoutError: an engine error, no deadline
     BASE = "base_exception"
     CANCEL = "spontaneous_cancel"  # CancelledError although nobody cancelled the caller
-    HANG = "hang"  # past generate_timeout_s, ignoring abort
+    HANG = "engine_hang"  # past generate_timeout_s, ignoring abort
     SPIKE = "latency_spike"
     WRONG_COUNT = "malformed_count"
     NAN_LOGPROBS = "malformed_nan_logprobs"
