@@ -306,8 +306,8 @@ class VLLMEngine:
     async def close(self) -> None:
         """End what runs, shut vLLM's processes down. Running and later calls raise
         `EngineDeadError`. Running requests are ended by cancelling their streams, which makes
-        vLLM abort them, while vLLM still runs: an abort alone would miss a request still
-        being added, whose stream would then wait forever on a shut-down engine."""
+        vLLM abort them, while vLLM still runs: an abort alone misses a request still being
+        added, whose stream would then wait out `generate_timeout_s` on a shut-down engine."""
         if self._closed:
             return
         self._closed = True
