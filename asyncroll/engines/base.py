@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
+import numpy as np
 import numpy.typing as npt
 
 from asyncroll.types import Float32Array, Int32Array
@@ -78,13 +79,51 @@ class SampleOutput(msgspec.Struct, frozen=True, kw_only=True):
     routed_experts: npt.NDArray[Any] | None = None
 
 
+def check_token_ids(tokens: npt.ArrayLike, vocab_size: int, what: str) -> None:
+    """Raise `ValueError` for a token id outside `[0, vocab_size)`. Engines check before
+    generating: an out-of-vocabulary id would fail late, or (vLLM without a tokenizer) kill
+    its worker."""
+    arr = np.asarray(tokens)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+        raise ValueError(f"{what} has token id {bad} outside the vocabulary [0, {vocab_size})")
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A generation backend driven from the producer's event loop.
 
-    Implementations must answer `abort` promptly: the aborted `generate` call returns the
-    partial samples with finish reason "abort". `generate` raises `EngineDeadError` when the
-    engine can no longer serve; any other exception fails only that group.
+    The contract every engine keeps (`tests/test_engine_conformance.py` checks it):
+
+    * **Request ids name one request for the engine's lifetime.** `generate` with an id that
+      is running raises `ValueError`. The caller gives every attempt a fresh id: an abort
+      cannot tell two uses of one id apart.
+    * **An abort reaches a request in every state, promptly.** Aborted *before* its `generate`
+      started, the later `generate` with that id returns at once, every sample finished
+      "abort" with no new tokens (the producer may abort a request whose task has not run
+      yet). Aborted *while running*, `generate` returns the tokens so far, every unfinished
+      sample with finish reason "abort" (it can be continued later). Aborted *after* it
+      returned, nothing happens, to it or to any other request. Telling "not yet started"
+      from "already ended" takes memory: engines remember a bounded number of recent ids,
+      so an early abort older than that bound may be forgotten (never a problem with fresh
+      ids, which is why ids must be fresh).
+    * **`generate` returns one `SampleOutput` per requested sample, in request order**, with
+      1-D int32 tokens, float32 logprobs and int32 versions of equal length, only the *new*
+      tokens (never the prefix), never more than the sample's `max_new_tokens`, and finish
+      reason "stop", "length" or "abort".
+    * **Bad input fails only its request:** a token id outside `[0, vocab_size)` in the prompt
+      or a prefix raises `ValueError` before anything is generated, and the engine keeps
+      serving. Any other exception from `generate` fails only that request as well, except
+      `EngineDeadError`: the engine can no longer serve.
+    * **Cancelling `generate` (a caller's deadline) ends the request in the engine**: the
+      call raises `CancelledError` promptly and nothing of it stays running there, so a
+      deadline never leaks work that a later pause or close would wait on.
+    * **Versions:** every returned token carries the version of the weights that sampled it;
+      tokens sampled after `update_weights(..., version=k)` returned carry `k`.
+    * **Closed is dead:** after `close` (or the engine's death) `generate`,
+      `pause_generation`, `resume_generation` and `update_weights` raise `EngineDeadError`,
+      and so does a `generate` that was running when the engine closed. `abort` and `close`
+      stay harmless no-ops, so cleanup paths need no special case.
     """
 
     @property
@@ -105,19 +144,30 @@ class Engine(Protocol):
         """Whether `pause_generation` can freeze requests in place (instead of aborting them)."""
         ...
 
-    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]: ...
-
-    async def abort(self, request_id: str) -> None: ...
-
-    async def pause_generation(self) -> None:
-        """Freeze all running requests in place (only if `supports_keep_pause`)."""
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        """Generate the samples of `request` (see the class docstring for the contract)."""
         ...
 
-    async def resume_generation(self) -> None: ...
+    async def abort(self, request_id: str) -> None:
+        """Abort `request_id` in whatever state it is: not started, running, or ended."""
+        ...
+
+    async def pause_generation(self) -> None:
+        """Freeze all requests in place (only if `supports_keep_pause`): running and newly
+        started requests make no progress, keep what they have, and can still be aborted,
+        until `resume_generation`, after which they run to completion as if never paused."""
+        ...
+
+    async def resume_generation(self) -> None:
+        """Undo `pause_generation` (a no-op when not paused)."""
+        ...
 
     async def update_weights(self, weights: Weights | None, *, version: int) -> None:
         """Load `weights` (None: they were loaded out of band) and stamp later tokens `version`.
-        Returns once the new weights serve every new token."""
+        Returns once the new weights serve every new token. Across a keep-in-place pause,
+        tokens sampled before the pause keep the old version, tokens after it the new one."""
         ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Stop serving for good (see "Closed is dead"); calling it again does nothing."""
+        ...

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
 
@@ -22,9 +23,11 @@ from asyncroll.engines.base import (
     SampleOutput,
     SampleRequest,
     Weights,
+    check_token_ids,
 )
 
 _POOL = 1 << 20  # random tokens/logprobs drawn once and sliced, so zero latency costs ~nothing
+_RECENT_IDS = 4096  # ended or early-aborted request ids remembered (see `Engine.abort`)
 
 
 class SimEngineError(RuntimeError):
@@ -42,7 +45,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
     per_token_latency_s: float = 0.0
     update_latency_s: float = 0.0
     fail_rate: float = 0.0  # generate raises SimEngineError
-    hang_rate: float = 0.0  # generate never returns and ignores abort
+    # generate never returns and ignores abort, pause and close: an engine breaking the
+    # `Engine` contract, on purpose, so the producer's own deadlines can be tested
+    hang_rate: float = 0.0
     malformed_rate: float = 0.0  # generate returns inconsistent arrays or impossible values
     payload_bytes_per_sample: int = 0  # a routed-experts-like uint8 array on every sample
     seed: int = 0
@@ -66,14 +71,57 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Live:
-    """A running simulated request. `wake` is set by an abort or a pause, either of which
-    ends the current stretch of simulated generation."""
+    """A running simulated request and its simulated clock.
 
-    __slots__ = ("aborted", "wake")
+    Time only counts while the request runs (`since` is set): a pause, an abort or a version
+    change closes the current stretch at once, recording `(tokens by then, version)`, so what
+    `generated_tokens` reports and the versions stamped on the output agree to the token.
+    `wake` ends the coroutine's current wait (abort, pause, resume).
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("aborted", "active", "first_s", "per_token_s", "segments", "since",
+                 "targets", "version", "wake")  # fmt: skip
+
+    def __init__(self, targets: list[int], first_s: float, per_token_s: float) -> None:
+        self.targets = targets
+        self.first_s = first_s
+        self.per_token_s = per_token_s
         self.aborted = False
         self.wake = asyncio.Event()
+        self.active = 0.0  # seconds run so far, not counting the stretch in progress
+        self.since: float | None = None  # start of the stretch in progress
+        self.version = 0  # the version the stretch in progress samples under
+        self.segments: list[tuple[int, int]] = []
+
+    @property
+    def longest(self) -> int:
+        return max(self.targets, default=0)
+
+    @property
+    def duration(self) -> float:
+        return self.first_s + self.longest * self.per_token_s
+
+    def run(self, version: int) -> None:
+        self.since, self.version = time.monotonic(), version
+
+    def stop(self) -> None:
+        """Close the stretch in progress (if any)."""
+        if self.since is not None:
+            self.active += time.monotonic() - self.since
+            self.since = None
+            self.segments.append((self.tokens_at(self.active), self.version))
+
+    def tokens_at(self, active_s: float) -> int:
+        if self.per_token_s == 0:
+            return self.longest if active_s >= self.first_s else 0
+        done = (active_s - self.first_s) / self.per_token_s
+        return max(0, min(self.longest, int(done)))
+
+    def generated(self) -> int:
+        """Tokens of all samples generated so far."""
+        now = self.active + (time.monotonic() - self.since if self.since is not None else 0.0)
+        done = self.tokens_at(now)
+        return sum(min(t, done) for t in self.targets)
 
 
 class SimEngine:
@@ -88,6 +136,8 @@ class SimEngine:
         self._logprob_pool = -self._rng.exponential(2.0, _POOL).astype(np.float32) - 1e-3
         self._version = 0
         self._live: dict[str, _Live] = {}
+        self._recent: OrderedDict[str, bool] = OrderedDict()  # id -> aborted before it started
+        self._generated = 0
         self._running = asyncio.Event()  # cleared while paused in place
         self._running.set()
         self._closed = False
@@ -115,66 +165,111 @@ class SimEngine:
         return self.config.payload_bytes_per_sample
 
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
-        if self._closed:
-            raise EngineDeadError("SimEngine is closed")
-        if request.request_id in self._live:
-            raise ValueError(f"request id {request.request_id!r} is already running")
+        self._check_alive()
+        rid = request.request_id
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} is already running")
+        check_token_ids(request.prompt_tokens, self.config.vocab_size, "prompt")
+        for i, sample in enumerate(request.samples):
+            check_token_ids(sample.prefix, self.config.vocab_size, f"sample {i} prefix")
         self.calls += 1
+        if self._recent.pop(rid, False):  # aborted before it started
+            return [_aborted_before_start() for _ in request.samples]
         cfg = self.config
         draw = self._rng.random()
-        if draw < cfg.hang_rate:
-            await asyncio.Event().wait()  # never set: only the caller's deadline ends this
-        if draw < cfg.hang_rate + cfg.fail_rate:
-            raise SimEngineError(f"simulated failure of request {request.request_id}")
         malformed = draw < cfg.hang_rate + cfg.fail_rate + cfg.malformed_rate
-        targets = [self._target_length(s) for s in request.samples]
-        live = _Live()
-        self._live[request.request_id] = live
+        live = _Live([], cfg.first_token_latency_s, cfg.per_token_latency_s)
+        self._live[rid] = live
         try:
-            segments = await self._run(live, max(targets, default=0))
+            if draw < cfg.hang_rate:
+                await asyncio.Event().wait()  # never set: only the caller's cancellation ends it
+            if draw < cfg.hang_rate + cfg.fail_rate:
+                raise SimEngineError(f"simulated failure of request {rid}")
+            live.targets = [self._target_length(s) for s in request.samples]
+            await self._run(live)
         finally:
-            del self._live[request.request_id]
+            live.stop()
+            del self._live[rid]
+            self._remember(rid, aborted_early=False)
         if self._closed:
             raise EngineDeadError("SimEngine was closed during the request")
         width = -(-cfg.payload_bytes_per_sample // request.sampling.max_new_tokens)
         outputs = [
-            self._output(target, s.max_new_tokens, segments, width)
-            for target, s in zip(targets, request.samples, strict=True)
+            self._output(target, s.max_new_tokens, live.segments, width)
+            for target, s in zip(live.targets, request.samples, strict=True)
         ]
+        self._generated += sum(len(out.tokens) for out in outputs)
         return self._corrupt(outputs) if malformed else outputs
 
     async def abort(self, request_id: str) -> None:
+        """Abort in any state (see `Engine`): a running request stops at once; an id not seen
+        yet is remembered for its coming `generate`; an ended one is left alone."""
+        if self._closed:
+            return
         live = self._live.get(request_id)
         if live is not None:
             live.aborted = True
+            live.stop()
             live.wake.set()
+        elif request_id not in self._recent:
+            self._remember(request_id, aborted_early=True)
 
     async def pause_generation(self) -> None:
+        self._check_alive()
         self._running.clear()
         for live in self._live.values():
+            live.stop()
             live.wake.set()
 
     async def resume_generation(self) -> None:
+        self._check_alive()
         self._running.set()
         for live in self._live.values():
             live.wake.set()
 
     async def update_weights(self, weights: Weights | None, *, version: int) -> None:
-        if self._closed:
-            raise EngineDeadError("SimEngine is closed")
+        """Consume `weights`, wait `update_latency_s`, then stamp `version` on every token
+        from now on, including the rest of requests running right now."""
+        self._check_alive()
         if weights is not None:
             for _name, _tensor in weights:
                 pass
         if self.config.update_latency_s:
             await asyncio.sleep(self.config.update_latency_s)
+            self._check_alive()
         self._version = version
+        for live in self._live.values():
+            if live.since is not None:  # split its running stretch at the version change
+                live.stop()
+                live.run(version)
 
     async def close(self) -> None:
         """Stop serving: running and later requests raise `EngineDeadError` (a dead engine)."""
         self._closed = True
         for live in self._live.values():
             live.aborted = True
+            live.stop()
             live.wake.set()
+
+    # -- observables, for tests and benchmarks ---------------------------------------------------
+
+    @property
+    def running_requests(self) -> int:
+        """Requests inside `generate` (hung ones included)."""
+        return len(self._live)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens generated since the engine started, counting running requests' progress."""
+        return self._generated + sum(live.generated() for live in self._live.values())
+
+    async def wait_generated(self, tokens: int, timeout: float) -> None:
+        """Return once `generated_tokens >= tokens`; `TimeoutError` after `timeout` s.
+        Progress is simulated time, so this polls it once per simulated token."""
+        async with asyncio.timeout(timeout):
+            while self.generated_tokens < tokens:
+                self._check_alive()
+                await asyncio.sleep(self.config.per_token_latency_s or 1e-3)
 
     async def __aenter__(self) -> SimEngine:
         return self
@@ -191,39 +286,36 @@ class SimEngine:
         low = min(cfg.min_new_tokens, sample.max_new_tokens)
         return int(self._rng.integers(low, sample.max_new_tokens + 1))
 
-    async def _run(self, live: _Live, longest: int) -> list[tuple[int, int]]:
-        """Advance simulated time until the longest sample is done or the request is aborted.
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineDeadError("SimEngine is closed")
 
-        Returns segments `(tokens generated by then, version)`: time only runs while the engine
-        is not paused, and each stretch of running time is sampled under one weight version.
-        """
-        cfg = self.config
-        if cfg.per_token_latency_s == 0 and cfg.first_token_latency_s == 0:
-            return [(longest, self._version)]
-        duration = cfg.first_token_latency_s + longest * cfg.per_token_latency_s
-        active = 0.0
-        segments: list[tuple[int, int]] = []
-        while active < duration and not live.aborted:
+    def _remember(self, request_id: str, *, aborted_early: bool) -> None:
+        """Note how `request_id` ended, or that it was aborted before it started; only the most
+        recent `_RECENT_IDS` ids are kept, so memory stays bounded however many ids pass."""
+        self._recent[request_id] = aborted_early
+        self._recent.move_to_end(request_id)
+        if len(self._recent) > _RECENT_IDS:
+            self._recent.popitem(last=False)
+
+    async def _run(self, live: _Live) -> None:
+        """Advance simulated time until the longest sample is done or the request is aborted.
+        Time only runs while the engine is not paused (see `_Live`)."""
+        if live.duration == 0:
+            live.segments.append((live.longest, self._version))
+            return
+        while not live.aborted and live.active < live.duration:
             live.wake.clear()
             if not self._running.is_set():
                 await live.wake.wait()  # set again by resume_generation or abort
                 continue
-            start, version = time.monotonic(), self._version
+            live.run(self._version)
             try:
-                async with asyncio.timeout(duration - active):
+                async with asyncio.timeout(live.duration - live.active):
                     await live.wake.wait()
             except TimeoutError:
                 pass
-            active += time.monotonic() - start
-            segments.append((self._tokens_at(active, longest), version))
-        return segments
-
-    def _tokens_at(self, active_s: float, longest: int) -> int:
-        cfg = self.config
-        if cfg.per_token_latency_s == 0:
-            return longest if active_s >= cfg.first_token_latency_s else 0
-        done = (active_s - cfg.first_token_latency_s) / cfg.per_token_latency_s
-        return max(0, min(longest, int(done)))
+            live.stop()
 
     def _output(
         self, target: int, budget: int, segments: list[tuple[int, int]], width: int
@@ -278,3 +370,10 @@ class SimEngine:
             if n == 0:
                 broken = msgspec.structs.replace(first, finish_reason="exploded")
         return [broken, *outputs[1:]]
+
+
+def _aborted_before_start() -> SampleOutput:
+    empty = np.zeros(0, dtype=np.int32)
+    return SampleOutput(
+        tokens=empty, logprobs=np.zeros(0, dtype=np.float32), versions=empty, finish_reason="abort"
+    )

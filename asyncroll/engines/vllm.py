@@ -55,12 +55,13 @@ from asyncroll.engines.base import (
     SampleOutput,
     SamplingConfig,
     Weights,
+    check_token_ids,
 )
 
 _EXTENSION = "asyncroll.engines.vllm_worker.WeightLoaderExtension"
 _FINISH_REASONS = frozenset({"stop", "length", "abort"})
 _INITIAL_LABEL = "default"  # vLLM's weight version label before any update: our version 0
-_EARLY_ABORTS = 4096  # ids aborted before their generate() started, remembered this many
+_RECENT_IDS = 4096  # ended or early-aborted request ids remembered (see `Engine.abort`)
 _WEIGHTS_DIR = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
 
 Transfer = Literal["auto", "file", "cuda_ipc"]
@@ -92,11 +93,15 @@ class _Part:
 
 
 class _Live:
-    __slots__ = ("aborted", "parts")
+    """A running group: its vLLM requests and the tasks streaming them (which `close`
+    cancels, so that no `generate` outlives the engine)."""
+
+    __slots__ = ("aborted", "parts", "tasks")
 
     def __init__(self, parts: list[_Part]) -> None:
         self.parts = parts
         self.aborted = False
+        self.tasks: list[asyncio.Task[None]] = []
 
 
 class VLLMEngine:
@@ -191,7 +196,7 @@ class VLLMEngine:
         self._keep_pause = "keep" in typing.get_args(PauseMode)
         self._version = 0
         self._live: dict[str, _Live] = {}
-        self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._recent: OrderedDict[str, bool] = OrderedDict()  # id -> aborted before it started
         self._generated = 0
         self._progress = Signal()
         self._paused = False
@@ -227,9 +232,7 @@ class VLLMEngine:
             raise ValueError(f"request id {rid!r} is already running")
         parts = self._split(request)
         live = self._live[rid] = _Live(parts)
-        if rid in self._early_aborts:  # aborted before it got here
-            del self._early_aborts[rid]
-            live.aborted = True
+        live.aborted = self._recent.pop(rid, False)  # aborted before it got here
         samples = [_Sample() for _ in request.samples]
         try:
             async with asyncio.timeout(self.generate_timeout_s):
@@ -242,17 +245,20 @@ class VLLMEngine:
             ) from None
         finally:
             del self._live[rid]
+            self._remember(rid, aborted_early=False)
         return [self._output(s, rid) for s in samples]
 
     async def abort(self, request_id: str) -> None:
         """Abort every vLLM request of the group. Its `generate` then returns the partial
         samples with finish reason "abort". A vLLM request still being added is aborted when
-        its first token arrives; a `generate` that has not started yet returns at once."""
+        its first token arrives; an id not seen yet is remembered, so its `generate` returns
+        at once; an ended one is left alone (see `Engine`)."""
+        if self._closed:
+            return
         live = self._live.get(request_id)
         if live is None:
-            self._early_aborts[request_id] = None
-            if len(self._early_aborts) > _EARLY_ABORTS:
-                self._early_aborts.popitem(last=False)
+            if request_id not in self._recent:
+                self._remember(request_id, aborted_early=True)
             return
         if live.aborted:
             return
@@ -263,11 +269,13 @@ class VLLMEngine:
         """Freeze running requests inside vLLM (they keep their KV cache until a weight update
         preempts them)."""
         async with self._control:
+            self._check_alive()
             await self._call(self._llm.pause_generation(mode="keep", clear_cache=False))
             self._paused = True
 
     async def resume_generation(self) -> None:
         async with self._control:
+            self._check_alive()
             await self._call(self._llm.resume_generation())
             self._paused = False
 
@@ -280,6 +288,7 @@ class VLLMEngine:
         if weights is None and version == self._version:
             return
         async with self._control:
+            self._check_alive()
             pause_here = not self._paused
             if pause_here:
                 await self._call(self._llm.pause_generation(mode="keep", clear_cache=False))
@@ -295,13 +304,18 @@ class VLLMEngine:
                     await self._call(self._llm.resume_generation())
 
     async def close(self) -> None:
-        """Abort what runs, shut vLLM's processes down. Later calls raise `EngineDeadError`."""
+        """End what runs, shut vLLM's processes down. Running and later calls raise
+        `EngineDeadError`. Running requests are ended by cancelling their streams, which makes
+        vLLM abort them, while vLLM still runs: an abort alone misses a request still being
+        added, whose stream would then wait out `generate_timeout_s` on a shut-down engine."""
         if self._closed:
             return
-        for rid in list(self._live):
-            with contextlib.suppress(Exception):
-                await self.abort(rid)
         self._closed = True
+        streams = [task for live in self._live.values() for task in live.tasks]
+        for task in streams:
+            task.cancel()
+        if streams:
+            await asyncio.wait(streams, timeout=self.control_timeout_s)
         # Let go of vLLM now: AsyncLLM.__del__ at interpreter exit would shut it down again.
         llm, self._llm = self._llm, None
         # Stop reading its outputs first, or vLLM logs the shutdown as an engine failure.
@@ -361,7 +375,7 @@ class VLLMEngine:
         self, live: _Live, samples: list[_Sample], sampling: SamplingConfig
     ) -> None:
         """Stream every part; on the first error abort the others and raise it."""
-        tasks = [
+        tasks = live.tasks = [
             asyncio.ensure_future(self._stream(live, part, samples, sampling))
             for part in live.parts
         ]
@@ -502,6 +516,14 @@ class VLLMEngine:
         except Exception as exc:
             raise self._translate(exc) from None
 
+    def _remember(self, request_id: str, *, aborted_early: bool) -> None:
+        """Note how `request_id` ended, or that it was aborted before it started; only the most
+        recent `_RECENT_IDS` ids are kept, so memory stays bounded however many ids pass."""
+        self._recent[request_id] = aborted_early
+        self._recent.move_to_end(request_id)
+        if len(self._recent) > _RECENT_IDS:
+            self._recent.popitem(last=False)
+
     def _dead(self) -> bool:
         return self._closed or bool(self._llm.errored)  # `_llm` is None only once closed
 
@@ -543,11 +565,8 @@ def _append(sample: _Sample, completion: Any) -> None:
 
 
 def _token_list(tokens: Any, vocab_size: int, what: str) -> list[int]:
-    arr = np.asarray(tokens)
-    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
-        raise ValueError(f"{what} has token id {bad} outside the vocabulary [0, {vocab_size})")
-    return [int(t) for t in arr.tolist()]
+    check_token_ids(tokens, vocab_size, what)
+    return [int(t) for t in np.asarray(tokens).tolist()]
 
 
 def _write_safetensors(named: list[tuple[str, Any]], path: Path) -> None:

@@ -1,13 +1,13 @@
 """One real vLLM engine (the tiny local model on CPU, or a GPU) shared by every test here.
 
-Starting vLLM takes 15-20 s on 2 cores, so the engine is session-scoped; the `engine` fixture
+Starting vLLM takes 15-20 s on 2 cores, so the engine is session-scoped (`vllm_engine`, in
+`tests/conftest.py`, shared with the engine conformance suite); the `engine` fixture
 hands it to each test with the original weights and version 0 restored afterwards, so tests do
 not depend on each other's order. Tests that kill the engine use `engine_to_kill` and run last.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from asyncroll.engines.vllm import VLLMEngine
-from asyncroll.models import build_tiny_model
+from tests.conftest import VLLM_DEADLINE_S, VLLM_MAX_MODEL_LEN
 
 try:
     import vllm  # noqa: F401
@@ -25,8 +25,8 @@ except Exception as exc:  # missing, or broken (e.g. a CUDA torchvision next to 
 else:
     VLLM_MISSING = None
 
-MAX_MODEL_LEN = 256
-DEADLINE_S = 60.0  # for any single wait in these tests; generation here takes well under 5 s
+MAX_MODEL_LEN = VLLM_MAX_MODEL_LEN
+DEADLINE_S = VLLM_DEADLINE_S
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -45,20 +45,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             if "gpu" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
     items.sort(key=lambda item: "engine_to_kill" in getattr(item, "fixturenames", ()))
-
-
-@pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    return build_tiny_model()
-
-
-@pytest_asyncio.fixture(scope="session")
-async def vllm_engine(tiny_model: Path) -> AsyncIterator[VLLMEngine]:
-    engine = VLLMEngine(tiny_model, max_model_len=MAX_MODEL_LEN, dtype="float32", seed=0)
-    try:
-        yield engine
-    finally:
-        await asyncio.wait_for(engine.close(), DEADLINE_S)
 
 
 @pytest_asyncio.fixture

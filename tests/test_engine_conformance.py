@@ -1,0 +1,392 @@
+"""The `Engine` contract (`asyncroll/engines/base.py`), checked the same way on every engine.
+
+Each test runs once per engine: `SimEngine` (a simulation, slowed down per token so a long
+request is certainly still running when an abort or a cancellation lands) and `VLLMEngine`
+(the tiny local model on the session's shared engine; marked `vllm`, skipped without vllm).
+A new engine joins by adding a `Subject` to `make_subject`.
+
+Progress is observed, never slept for: engines under test expose `generated_tokens`,
+`wait_generated` and `running_requests`. Every wait has a deadline, so a broken engine fails
+its test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from asyncroll.engines import (
+    Engine,
+    EngineDeadError,
+    GenerateRequest,
+    SampleOutput,
+    SampleRequest,
+    SamplingConfig,
+    SimEngine,
+)
+from asyncroll.types import Int32Array
+from tests.conftest import VLLM_MAX_MODEL_LEN
+
+DEADLINE_S = 60.0  # for any single wait; every operation here takes well under a second
+SIM_TOKEN_S = 0.02  # SimEngine's per-token latency: a long request runs for hours
+PROMPT = np.array([0, 5, 6, 7], dtype=np.int32)
+
+
+class ObservableEngine(Engine, Protocol):
+    """What the suite needs beyond the protocol, to wait on progress instead of time."""
+
+    @property
+    def generated_tokens(self) -> int: ...
+
+    @property
+    def running_requests(self) -> int: ...
+
+    async def wait_generated(self, tokens: int, timeout: float) -> None: ...
+
+
+@dataclass
+class Subject:
+    engine: ObservableEngine
+    long_budget: int  # tokens per sample that take far longer than an abort to land
+    observe_each_token: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
+    """Within it, `generated_tokens` counts every token as it is sampled (engines that report
+    progress in chunks switch to one token per chunk)."""
+
+    async def start(self, request: GenerateRequest) -> asyncio.Task[Sequence[SampleOutput]]:
+        """Start `request` and return once each of its samples has its first token."""
+        before = self.engine.generated_tokens
+        task = asyncio.create_task(self.engine.generate(request))
+        waiting = asyncio.create_task(
+            self.engine.wait_generated(before + len(request.samples), DEADLINE_S)
+        )
+        await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():  # generate ended first: let its error (or result) show
+            waiting.cancel()
+            raise AssertionError(f"{request.request_id} ended before it got going: {await task}")
+        await waiting
+        return task
+
+
+def make_request(
+    request_id: str,
+    budgets: Sequence[int],
+    *,
+    prefixes: Sequence[Int32Array] | None = None,
+    prompt: Int32Array = PROMPT,
+) -> GenerateRequest:
+    """One sample per budget (eos ignored, so each runs to its budget unless aborted)."""
+    prefixes = prefixes if prefixes is not None else [np.zeros(0, np.int32)] * len(budgets)
+    return GenerateRequest(
+        request_id=request_id,
+        prompt_tokens=prompt,
+        samples=tuple(SampleRequest(p, b) for p, b in zip(prefixes, budgets, strict=True)),
+        sampling=SamplingConfig(max_new_tokens=max(budgets), ignore_eos=True),
+    )
+
+
+async def within_deadline(request: GenerateRequest, engine: Engine) -> Sequence[SampleOutput]:
+    async with asyncio.timeout(DEADLINE_S):
+        return await engine.generate(request)
+
+
+async def finished(task: asyncio.Task[Sequence[SampleOutput]]) -> Sequence[SampleOutput]:
+    async with asyncio.timeout(DEADLINE_S):
+        return await task
+
+
+def check_outputs(outputs: Sequence[SampleOutput], request: GenerateRequest) -> None:
+    """The shape every `generate` result has, whatever happened to the request."""
+    assert len(outputs) == len(request.samples)
+    for out, sample in zip(outputs, request.samples, strict=True):
+        assert out.tokens.dtype == np.int32 and out.tokens.ndim == 1
+        assert out.logprobs.dtype == np.float32 and out.logprobs.ndim == 1
+        assert out.versions.dtype == np.int32 and out.versions.ndim == 1
+        assert len(out.tokens) == len(out.logprobs) == len(out.versions)
+        assert len(out.tokens) <= sample.max_new_tokens
+        assert out.finish_reason in {"stop", "length", "abort"}
+
+
+def make_subject(kind: str, vllm_engine: object = None) -> Subject:
+    if kind == "sim":
+        return Subject(SimEngine(vocab_size=512, per_token_latency_s=SIM_TOKEN_S), 1 << 20)
+    from asyncroll.engines.vllm import VLLMEngine
+
+    assert isinstance(vllm_engine, VLLMEngine)
+    engine = vllm_engine
+
+    @contextlib.contextmanager
+    def each_token() -> Iterator[None]:
+        saved, engine.stream_interval = engine.stream_interval, 1
+        try:
+            yield
+        finally:
+            engine.stream_interval = saved
+
+    return Subject(engine, VLLM_MAX_MODEL_LEN - len(PROMPT) - 8, each_token)
+
+
+def skip_without_vllm() -> None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # missing, or broken (a CUDA torchvision next to the CPU torch)
+        pytest.skip(f"vllm is not importable: {type(exc).__name__}: {exc}")
+
+
+ENGINES = ["sim", pytest.param("vllm", marks=pytest.mark.vllm)]
+
+
+@pytest.fixture(params=ENGINES)
+def engine_kind(request: pytest.FixtureRequest) -> str:
+    if request.param == "vllm":
+        skip_without_vllm()
+    return str(request.param)
+
+
+@pytest.fixture
+def new_subject(request: pytest.FixtureRequest, engine_kind: str) -> Subject:
+    """Synchronous, so that it may set up the session's vLLM engine only when it is needed."""
+    if engine_kind == "sim":
+        return make_subject("sim")
+    return make_subject("vllm", request.getfixturevalue("vllm_engine"))
+
+
+@pytest_asyncio.fixture
+async def subject(new_subject: Subject, engine_kind: str) -> AsyncIterator[Subject]:
+    """An engine at version 0, not paused; left that way for the next test."""
+    yield new_subject
+    assert new_subject.engine.running_requests == 0, "a test left requests running"
+    if engine_kind == "sim":
+        await new_subject.engine.close()
+    else:
+        await new_subject.engine.update_weights(None, version=0)
+
+
+@pytest_asyncio.fixture
+async def own_subject(request: pytest.FixtureRequest, engine_kind: str) -> AsyncIterator[Subject]:
+    """An engine of the test's own, for tests that close it (vLLM: a second engine start)."""
+    if engine_kind == "sim":
+        yield make_subject("sim")
+        return
+    from asyncroll.engines.vllm import VLLMEngine
+
+    model = request.getfixturevalue("tiny_model")
+    assert isinstance(model, Path)
+    engine = VLLMEngine(model, max_model_len=VLLM_MAX_MODEL_LEN, dtype="float32", seed=0)
+    try:
+        yield make_subject("vllm", engine)
+    finally:
+        await asyncio.wait_for(engine.close(), DEADLINE_S)
+
+
+# -- outputs -------------------------------------------------------------------------------------
+
+
+async def test_one_output_per_sample_in_order_with_only_new_tokens(subject: Subject) -> None:
+    """Distinct budgets show the order; the continued sample (a 6-token prefix) gets only its
+    3 new tokens back, not prefix + new."""
+    prefix = np.array([8, 9, 10, 11, 12, 13], dtype=np.int32)
+    empty = np.zeros(0, np.int32)
+    request = make_request("shape", [2, 3, 5], prefixes=[empty, prefix, empty])
+    outputs = await within_deadline(request, subject.engine)
+    check_outputs(outputs, request)
+    assert [(len(o.tokens), o.finish_reason) for o in outputs] == [
+        (2, "length"),
+        (3, "length"),
+        (5, "length"),
+    ]
+    for out in outputs:
+        assert out.tokens.min() >= 0 and out.tokens.max() < subject.engine.vocab_size
+        assert (out.logprobs <= 0).all() and (out.versions == 0).all()
+
+
+# -- aborts --------------------------------------------------------------------------------------
+
+
+async def test_abort_before_generate_starts(subject: Subject) -> None:
+    """The abort comes first; the `generate` that follows returns at once, empty, "abort"."""
+    engine = subject.engine
+    await engine.abort("early")
+    request = make_request("early", [subject.long_budget] * 2)
+    outputs = await within_deadline(request, engine)
+    check_outputs(outputs, request)
+    assert [(o.finish_reason, len(o.tokens)) for o in outputs] == [("abort", 0)] * 2
+    assert engine.running_requests == 0
+
+
+async def test_abort_while_running_returns_the_partial_samples(subject: Subject) -> None:
+    engine = subject.engine
+    request = make_request("running", [subject.long_budget] * 2)
+    task = await subject.start(request)
+    await engine.abort("running")
+    outputs = await finished(task)
+    check_outputs(outputs, request)
+    for out in outputs:
+        assert out.finish_reason == "abort"
+        assert 0 < len(out.tokens) < subject.long_budget
+    assert engine.running_requests == 0
+    (after,) = await within_deadline(make_request("after-running", [4]), engine)
+    assert (after.finish_reason, len(after.tokens)) == ("length", 4)
+
+
+async def test_abort_after_finish_affects_nothing(subject: Subject) -> None:
+    """A late abort is a no-op: a request running beside it and later ones are untouched, and
+    the late abort is not kept for a `generate` that reuses the ended id."""
+    engine = subject.engine
+    (done,) = await within_deadline(make_request("ended", [3]), engine)
+    assert done.finish_reason == "length"
+    beside = make_request("beside", [6])
+    beside_task = asyncio.create_task(engine.generate(beside))
+    await engine.abort("ended")
+    (beside_out,) = await finished(beside_task)
+    assert (beside_out.finish_reason, len(beside_out.tokens)) == ("length", 6)
+    (again,) = await within_deadline(make_request("ended", [5]), engine)
+    assert (again.finish_reason, len(again.tokens)) == ("length", 5)
+
+
+# -- request ids ---------------------------------------------------------------------------------
+
+
+async def test_a_running_id_is_refused_and_the_running_request_is_unaffected(
+    subject: Subject,
+) -> None:
+    engine = subject.engine
+    request = make_request("twice", [subject.long_budget])
+    task = await subject.start(request)
+    with pytest.raises(ValueError, match="twice"):
+        await within_deadline(make_request("twice", [4]), engine)
+    assert not task.done()
+    await engine.abort("twice")
+    (out,) = await finished(task)
+    assert out.finish_reason == "abort" and len(out.tokens) > 0
+
+
+async def test_a_fresh_id_after_many_aborted_ones_is_unaffected(subject: Subject) -> None:
+    """More early aborts than any engine remembers: they neither grow memory without bound
+    (the engine forgets the oldest) nor reach a request with a new id."""
+    engine = subject.engine
+    for i in range(10_000):
+        await engine.abort(f"never-started-{i}")
+    (out,) = await within_deadline(make_request("fresh", [4]), engine)
+    assert (out.finish_reason, len(out.tokens)) == ("length", 4)
+    assert engine.running_requests == 0
+
+
+# -- pause, versions -----------------------------------------------------------------------------
+
+
+async def test_keep_pause_freezes_requests_and_an_update_in_between_restamps(
+    subject: Subject,
+) -> None:
+    """Paused in place with an update to version 1 in between: frozen requests make no
+    progress (control calls round-trip through the engine while the token count stays put),
+    one aborted while frozen returns its partial, and the other completes after resume with
+    its first tokens at version 0 and its last at version 1."""
+    engine = subject.engine
+    if not engine.supports_keep_pause:
+        pytest.skip("engine cannot pause in place")
+    budget = 40 if isinstance(engine, SimEngine) else subject.long_budget
+    keep_req = make_request("frozen", [budget])
+    with subject.observe_each_token():
+        keep = await subject.start(keep_req)
+        cut = await subject.start(make_request("frozen-cut", [subject.long_budget]))
+        await engine.pause_generation()
+        try:
+            await engine.update_weights(None, version=1)
+            frozen_at = engine.generated_tokens
+            await engine.pause_generation()  # one more round trip: still nothing new
+            assert engine.generated_tokens == frozen_at and not keep.done()
+            await engine.abort("frozen-cut")
+            (partial,) = await finished(cut)
+            assert partial.finish_reason == "abort"
+            assert 0 < len(partial.tokens) < subject.long_budget
+            assert (partial.versions == 0).all()
+            assert not keep.done()
+        finally:
+            await engine.resume_generation()
+        outputs = await finished(keep)
+    check_outputs(outputs, keep_req)
+    (out,) = outputs
+    assert (out.finish_reason, len(out.tokens)) == ("length", budget)
+    assert out.versions[0] == 0 and out.versions[-1] == 1
+    assert (np.diff(out.versions) >= 0).all()
+
+
+async def test_update_weights_stamps_later_tokens(subject: Subject) -> None:
+    engine = subject.engine
+    await engine.update_weights(None, version=3)
+    (out,) = await within_deadline(make_request("stamped", [5]), engine)
+    assert len(out.tokens) == 5 and (out.versions == 3).all()
+
+
+# -- bad input, deadlines ------------------------------------------------------------------------
+
+
+async def test_out_of_vocab_ids_raise_at_once_and_the_engine_serves_on(subject: Subject) -> None:
+    """Checked before generating: with a long budget a late check would blow the deadline."""
+    engine = subject.engine
+    vocab = engine.vocab_size
+    long = subject.long_budget
+    bad_prompt = make_request("oov-prompt", [long], prompt=np.array([0, vocab], np.int32))
+    bad_prefix = make_request("oov-prefix", [long], prefixes=[np.array([5, -1], np.int32)])
+    for request in (bad_prompt, bad_prefix):
+        with pytest.raises(ValueError, match="vocab"):
+            await within_deadline(request, engine)
+    assert engine.running_requests == 0
+    (out,) = await within_deadline(make_request("after-oov", [4]), engine)
+    assert (out.finish_reason, len(out.tokens)) == ("length", 4)
+
+
+async def test_a_cancelled_generate_leaves_nothing_running(subject: Subject) -> None:
+    """A caller's deadline cancels `generate`: it raises at once and its request is gone from
+    the engine, so a pause right after does not wait on it."""
+    engine = subject.engine
+    task = await subject.start(make_request("cancelled", [subject.long_budget] * 2))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await finished(task)
+    assert engine.running_requests == 0
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.01):  # lands before a long request could end
+            await engine.generate(make_request("timed-out", [subject.long_budget]))
+    assert engine.running_requests == 0
+    async with asyncio.timeout(DEADLINE_S):
+        await engine.pause_generation()
+        await engine.resume_generation()
+
+
+# -- closing -------------------------------------------------------------------------------------
+
+
+async def test_a_closed_engine_is_dead(own_subject: Subject) -> None:
+    """A request running at close raises `EngineDeadError`, and so does every later call but
+    `abort` and `close`, which stay harmless for cleanup paths."""
+    engine = own_subject.engine
+    task = await own_subject.start(make_request("at-close", [own_subject.long_budget]))
+    async with asyncio.timeout(DEADLINE_S):
+        await engine.close()
+    with pytest.raises(EngineDeadError):
+        await finished(task)
+    with pytest.raises(EngineDeadError):
+        await within_deadline(make_request("after-close", [4]), engine)
+    for control in (
+        engine.pause_generation(),
+        engine.resume_generation(),
+        engine.update_weights(None, version=5),
+    ):
+        with pytest.raises(EngineDeadError):
+            async with asyncio.timeout(DEADLINE_S):
+                await control
+    async with asyncio.timeout(DEADLINE_S):
+        await engine.abort("at-close")
+        await engine.abort("never-seen")
+        await engine.close()
+    assert engine.running_requests == 0
