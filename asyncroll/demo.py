@@ -334,6 +334,7 @@ def _summarise(
          f"{sum(r.wait_s for r in records) / sum(r.wall_s for r in records):.0%}"),
         ("peak RSS of process tree", f"{max(r.rss_mib for r in records) / 1024:.2f} GiB"),
         ("trained tokens by staleness", _shares(staleness)),
+        ("KL(behaviour || trainer) by staleness", _mean_kl(records)),
     ]  # fmt: skip
     width = max(len(str(r[0])) for r in rows)
     text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
@@ -345,6 +346,18 @@ def _summarise(
 def _shares(counts: Counter[int]) -> str:
     total = sum(counts.values()) or 1
     return ", ".join(f"{k}: {v / total:.0%}" for k, v in sorted(counts.items()))
+
+
+def _mean_kl(records: list[StepRecord]) -> str:
+    """Mean over steps of each staleness' KL estimate: how far the tokens' sampler was from the
+    trainer's policy, which the correction has to make up for."""
+    per: dict[int, list[float]] = {}
+    for r in records:
+        for key, value in r.offpolicy.items():
+            name, _, stat = key.removeprefix("offpolicy/staleness_").partition("/")
+            if stat == "kl" and name.isdigit():
+                per.setdefault(int(name), []).append(value)
+    return ", ".join(f"{k}: {np.mean(v):.2g}" for k, v in sorted(per.items()))
 
 
 def _plot(path: Path, records: list[StepRecord]) -> None:

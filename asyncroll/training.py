@@ -420,17 +420,13 @@ def mismatch_metrics(
     `version` is the policy version of the weights that computed `proximal_logprobs`.
     """
     mask = batch.loss_mask
-    if correction is not None:
-        weights = behaviour_weights(proximal_logprobs, batch, correction)
-        ratio = weights.ratio
-    else:
-        ratio = (proximal_logprobs.detach() - batch.old_logprobs).masked_fill(~mask, 0.0).exp()
+    weights = behaviour_weights(proximal_logprobs, batch, correction or Correction())
     staleness = (version - batch.versions.long())[mask]
     out: dict[str, float] = {}
     groups = [("", torch.ones_like(staleness, dtype=torch.bool))]
     groups += [(f"staleness_{s}/", staleness == s) for s in sorted(set(staleness.tolist()))]
     for name, rows in groups:
-        rho = ratio[mask][rows].double()
+        rho = weights.ratio[mask][rows].double()
         if not rho.numel():
             continue
         p05, p50, p95 = np.percentile(rho.cpu().numpy(), [5, 50, 95]).tolist()
