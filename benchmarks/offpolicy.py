@@ -12,7 +12,7 @@ over seeds:
 - vs s0 none: both as a ratio to max_staleness 0 without correction (the synchronous run);
 - KL, stale tokens: mean over steps of KL(behaviour || trainer) on tokens of staleness >= 1.
 
-    python benchmarks/offpolicy.py            # 3 x 2 x 2 runs of 30 steps, ~7 min on 2 cores
+    python benchmarks/offpolicy.py            # 3 x 2 x 2 runs of 30 steps, ~7.5 min on 2 cores
     python benchmarks/offpolicy.py --quick    # CI smoke run: staleness 1, one seed, 3 steps
 """
 
