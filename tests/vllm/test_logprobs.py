@@ -38,5 +38,5 @@ async def test_logprobs_are_the_sampling_distribution_s_and_the_trainer_s(
     raw = token_logprobs(logits, seqs)[:, len(prompt) :]
     vllm = torch.tensor(np.stack([o.logprobs for o in outputs]))
     assert torch.isfinite(ours).all()  # every sampled token lies in the trainer's nucleus
-    assert (ours - vllm).abs().max() < 1e-3, (ours - vllm).abs().max()
+    assert (ours - vllm).abs().max() < 1e-4, (ours - vllm).abs().max()
     assert (raw - vllm).abs().mean() > 0.05, (raw - vllm).abs().mean()
