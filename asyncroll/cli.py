@@ -36,6 +36,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     demo.add_argument("--out", default=defaults.out, help="folder for metrics, plot, checkpoints")
     demo.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: never)")
     demo.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    demo.add_argument(
+        "--correction",
+        default=defaults.correction,
+        help="off-policy correction of stale tokens: none, decoupled, tis, mask, seq-mask "
+        "(asyncroll.training.CORRECTIONS; the README says which to pick when)",
+    )
     sim = sub.add_parser(
         "simulate",
         help="run the producer against SimEngine: a simulation (random tokens, no model) that "

@@ -8,7 +8,9 @@ trainer's update, and the weight sync back into vLLM (a broken sync keeps sampli
 random policy, so the reward stays flat). That makes the short version an end-to-end test.
 
 Generation overlaps training: the trainer's step runs in a worker thread while the event loop
-keeps vLLM busy, within `max_staleness` policy versions.
+keeps vLLM busy, within `max_staleness` policy versions. Tokens sampled by older weights are
+corrected for with `--correction` (a preset of `asyncroll.training.CORRECTIONS`), and every step
+logs how far the behaviour policy was from the trainer's (`offpolicy/...` in metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     resume: bool = False
     solved_reward: float = 0.98  # stop once the last 3 steps average this (0: never)
     batch_timeout_s: float = 120.0  # a batch that cannot fill (everything filtered) ends the run
+    correction: str = "tis"  # off-policy correction, a key of asyncroll.training.CORRECTIONS
 
     def __post_init__(self) -> None:
         for name in ("steps", "group_size", "batch_groups", "max_new_tokens"):
@@ -57,6 +60,10 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--group-size must be >= 2: GRPO compares samples within a group")
         if self.max_staleness < 0 or not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError("--max-staleness must be >= 0 and --lr a positive number")
+        from asyncroll.training import CORRECTIONS
+
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"--correction must be one of {', '.join(CORRECTIONS)}")
 
 
 class StepRecord(msgspec.Struct, kw_only=True):
@@ -76,6 +83,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     loss: float
     staleness_mean: float
     idle_s: float  # time with no group in flight since the previous step
+    offpolicy: dict[str, float]  # asyncroll.training.mismatch_metrics of the step's batch
 
 
 def echo_prompts(tokenizer: Any, seed: int) -> Iterator[Prompt]:
@@ -114,29 +122,50 @@ def tree_rss_mib() -> float:
 class Trainer:
     """A plain torch GRPO trainer of the HF model, in this process."""
 
-    def __init__(self, model_dir: Path, lr: float, seed: int) -> None:
+    def __init__(
+        self, model_dir: Path, lr: float, seed: int, sampling: SamplingConfig, correction: str
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
+
+        from asyncroll.training import CORRECTIONS
 
         torch.manual_seed(seed)
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.sampling = sampling
+        self.correction = CORRECTIONS[correction]
 
-    def step(self, groups: list[RolloutGroup]) -> float:
-        from asyncroll.training import policy_loss, to_batch, token_logprobs
+    def step(self, groups: list[RolloutGroup], version: int) -> tuple[float, dict[str, float]]:
+        """One optimizer step on the batch; `version` is the policy version of the current
+        weights. Returns the loss and the batch's mismatch metrics."""
+        from asyncroll.training import mismatch_metrics, policy_loss, to_batch, token_logprobs
 
         batch = to_batch(groups, advantage="grpo", pad_id=2)
         logits = self.model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()
         ).logits
-        loss, _ = policy_loss(token_logprobs(logits, batch.input_ids), batch)
+        s = self.sampling  # the trainer's policy must be the distribution vLLM sampled from
+        logprobs = token_logprobs(
+            logits, batch.input_ids, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k
+        )
+        # One optimizer step per batch: the weights before it (the proximal policy) are the
+        # current ones, so their logprobs are these, detached; no second forward pass.
+        proximal = logprobs.detach()
+        loss, _ = policy_loss(
+            logprobs,
+            batch,
+            correction=self.correction,
+            proximal_logprobs=proximal if self.correction is not None else None,
+        )
+        metrics = mismatch_metrics(proximal, batch, version=version, correction=self.correction)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
-        return float(loss.detach())
+        return float(loss.detach()), metrics
 
     def weights(self) -> list[tuple[str, Any]]:
         return [(n, p.detach()) for n, p in self.model.named_parameters()]
@@ -169,7 +198,8 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before anything runs
     model_dir = build_tiny_model(seed=cfg.seed)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    trainer = Trainer(model_dir, cfg.lr, cfg.seed)
+    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens)
+    trainer = Trainer(model_dir, cfg.lr, cfg.seed, sampling, cfg.correction)
     step = 0
     async with VLLMEngine(model_dir, seed=cfg.seed) as engine:
         producer = Producer(
@@ -179,7 +209,7 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
             group_size=cfg.group_size,
             batch_size=cfg.batch_groups,
             max_staleness=cfg.max_staleness,
-            sampling=SamplingConfig(max_new_tokens=cfg.max_new_tokens),
+            sampling=sampling,
             filter="nonzero_std",
             reward_in_thread=False,  # a few numpy ops: cheaper inline than a thread hop
         )
@@ -204,11 +234,11 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
                 waited = time.perf_counter() - start
                 staleness.update(batch.staleness_tokens())
                 train_start = time.perf_counter()
-                loss = await asyncio.to_thread(trainer.step, batch.groups)
+                loss, offpolicy = await asyncio.to_thread(trainer.step, batch.groups, batch.version)
                 train_s = time.perf_counter() - train_start
                 await producer.update_weights(trainer.weights())
                 step += 1
-                records.append(_record(step, batch, loss, train_s, waited, start))
+                records.append(_record(step, batch, loss, offpolicy, train_s, waited, start))
                 _log(out, records[-1])
                 bar.update(1)
                 bar.set_postfix(_postfix(records[-1]))
@@ -228,7 +258,13 @@ def _solved(records: list[StepRecord], threshold: float) -> bool:
 
 
 def _record(
-    step: int, batch: ProduceBatchResult, loss: float, train_s: float, waited: float, start: float
+    step: int,
+    batch: ProduceBatchResult,
+    loss: float,
+    offpolicy: dict[str, float],
+    train_s: float,
+    waited: float,
+    start: float,
 ) -> StepRecord:
     m = batch.metrics()
     return StepRecord(
@@ -246,6 +282,7 @@ def _record(
         loss=loss,
         staleness_mean=m["rollout/staleness_mean"],
         idle_s=batch.delta.idle_s,
+        offpolicy=offpolicy,
     )
 
 
@@ -267,6 +304,7 @@ def _postfix(r: StepRecord) -> dict[str, Any]:
         "failed": r.failed_groups,
         "expired": r.expired_groups,
         "rss": f"{r.rss_mib / 1024:.2f}G",
+        "kl": f"{r.offpolicy.get('offpolicy/kl', 0.0):.2g}",
     }
 
 
@@ -296,6 +334,7 @@ def _summarise(
          f"{sum(r.wait_s for r in records) / sum(r.wall_s for r in records):.0%}"),
         ("peak RSS of process tree", f"{max(r.rss_mib for r in records) / 1024:.2f} GiB"),
         ("trained tokens by staleness", _shares(staleness)),
+        ("KL(behaviour || trainer) by staleness", _mean_kl(records)),
     ]  # fmt: skip
     width = max(len(str(r[0])) for r in rows)
     text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
@@ -307,6 +346,18 @@ def _summarise(
 def _shares(counts: Counter[int]) -> str:
     total = sum(counts.values()) or 1
     return ", ".join(f"{k}: {v / total:.0%}" for k, v in sorted(counts.items()))
+
+
+def _mean_kl(records: list[StepRecord]) -> str:
+    """Mean over steps of each staleness' KL estimate: how far the tokens' sampler was from the
+    trainer's policy, which the correction has to make up for."""
+    per: dict[int, list[float]] = {}
+    for r in records:
+        for key, value in r.offpolicy.items():
+            name, _, stat = key.removeprefix("offpolicy/staleness_").partition("/")
+            if stat == "kl" and name.isdigit():
+                per.setdefault(int(name), []).append(value)
+    return ", ".join(f"{k}: {np.mean(v):.2g}" for k, v in sorted(per.items()))
 
 
 def _plot(path: Path, records: list[StepRecord]) -> None:

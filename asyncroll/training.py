@@ -7,11 +7,24 @@ policy's logprobs in the same alignment, so the loss needs no off-by-one bookkee
 
 Each decoded array is copied exactly once, straight into the padded numpy buffer that the
 tensors then share (`torch.from_numpy`): no Python lists per token, no second copy.
+
+Off-policy correction. An async producer hands the trainer tokens sampled by older weights (the
+*behaviour* policy mu, whose logprobs `old_logprobs` holds), so the PPO ratio against mu mixes
+two things: the update's own step and the staleness of the data. `policy_loss(...,
+correction=Correction(...))` separates them as decoupled PPO does: the trust region is clipped
+around the *proximal* policy (the trainer's weights before this update), and the behaviour ratio
+rho = pi_prox / mu becomes a per-token weight, truncated or masked so that a few very stale
+tokens cannot dominate the gradient. `mismatch_metrics` reports how far mu and pi_prox are
+apart, per staleness. The behaviour logprobs must be those of the distribution that sampled
+(temperature, top-p, top-k applied: `VLLMEngine` asks vLLM for processed logprobs), and
+`token_logprobs` must be given the same sampling parameters, or rho measures the sampler's
+settings instead of the staleness.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -104,12 +117,209 @@ def to_batch(
     )
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+# Bytes of temporaries one chunk of `token_logprobs` may allocate: per row of the vocabulary, a
+# float32 copy, logsumexp's exponentials and, with top-p, a sort (values + int64 indices), its
+# softmax and cumulative sum. 128 MiB is under a twentieth of the logits of one 2,048-token row at
+# a 152k vocabulary (1.16 GiB) and still hundreds of rows per chunk at small vocabularies.
+CHUNK_BYTES = 128 << 20
+_BYTES_PER_LOGIT = 12  # float32 copy + exponentials + slack
+_BYTES_PER_LOGIT_TOP_P = 28  # + sorted values, int64 indices, softmax/cumsum, bool mask
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+) -> torch.Tensor:
     """Logprob of each token of `input_ids` under `logits` ([B, L, V], causal), aligned with
-    `input_ids`: position t is log p(input_ids[t] | input_ids[:t]); position 0 is 0."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(picked, (1, 0))
+    `input_ids`: position t is log p(input_ids[t] | input_ids[:t]); position 0 is 0.
+
+    p is the distribution the sampler draws from: softmax(logits / temperature), restricted to
+    the top-k tokens and then to the top-p nucleus (vLLM's order) and renormalised. Pass the
+    sampling parameters the rollouts used, so that these logprobs and vLLM's processed logprobs
+    describe the same policy. A token outside the trainer's own nucleus gets -inf (probability
+    0 under the truncated policy): its importance ratio is 0 and it gets no gradient.
+
+    Computed as the chosen logit minus a logsumexp, in chunks of rows, by a custom autograd
+    function that keeps only `logits` and one float per position for backward and recomputes
+    the softmax there: no [B, L, V] float32 log_softmax is ever built (tens of GB at a 152k
+    vocabulary); the extra memory is bounded by `CHUNK_BYTES` (the gradient of `logits` itself,
+    which backward must return, aside).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 (greedy has no logprobs)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k}: use None to disable or a value >= 1")
+    b, length, vocab = logits.shape
+    # Row t predicts token t + 1; the last row predicts nothing (target 0, result dropped).
+    # Using every row keeps `logits` a view in the graph: slicing off the last row would make
+    # autograd allocate a second full-size gradient to pad it back.
+    targets = torch.nn.functional.pad(input_ids[:, 1:], (0, 1)).reshape(-1)
+    per_logit = _BYTES_PER_LOGIT_TOP_P if top_p < 1 else _BYTES_PER_LOGIT
+    rows = max(1, CHUNK_BYTES // (vocab * per_logit))
+    picked: torch.Tensor = _ChosenLogprob.apply(  # type: ignore[no-untyped-call]
+        logits.reshape(b * length, vocab), targets, _Sampler(temperature, top_p, top_k), rows
+    )
+    return torch.nn.functional.pad(picked.view(b, length)[:, :-1], (1, 0))
+
+
+class _Sampler(msgspec.Struct, frozen=True):
+    """The sampler's transformation of the logits (temperature, then top-k, then top-p)."""
+
+    temperature: float
+    top_p: float
+    top_k: int | None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits of the sampling distribution, in float32 at least (float64 stays, for
+        gradcheck); -inf outside the kept tokens."""
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.temperature != 1.0:
+            x = x / self.temperature
+        if self.top_k is None and self.top_p >= 1:
+            return x
+        return x.masked_fill(x < self._threshold(x)[:, None], float("-inf"))
+
+    def _threshold(self, x: torch.Tensor) -> torch.Tensor:
+        """Smallest kept logit per row: vLLM keeps logits >= the k-th largest, then removes,
+        in ascending order, the tokens whose cumulative probability is <= 1 - top_p (always
+        keeping the largest)."""
+        vocab = x.shape[-1]
+        k = min(self.top_k, vocab) if self.top_k is not None else None
+        if self.top_p >= 1:
+            assert k is not None
+            return x.topk(k, dim=-1).values[:, -1]
+        ascending = x.sort(dim=-1).values
+        if k is not None:
+            kth = ascending[:, vocab - k, None]
+            ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+        cumulative = ascending.softmax(dim=-1).cumsum_(dim=-1)
+        removed = (cumulative <= 1 - self.top_p).sum(dim=-1).clamp_(max=vocab - 1)
+        return ascending.gather(-1, removed[:, None]).squeeze(-1)
+
+
+class _ChosenLogprob(torch.autograd.Function):
+    """log p(target) per row of [N, V] logits, chunked over rows, softmax recomputed in backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, sampler: _Sampler, rows: int
+    ) -> torch.Tensor:
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
+        lse = torch.empty_like(out)
+        for start in range(0, logits.shape[0], rows):
+            x = sampler.apply(logits[start : start + rows])
+            chunk_lse = torch.logsumexp(x, dim=-1)
+            chosen = x.gather(-1, targets[start : start + rows, None]).squeeze(-1)
+            out[start : start + rows] = chosen - chunk_lse
+            lse[start : start + rows] = chunk_lse
+        ctx.save_for_backward(logits, targets, lse, out.isneginf())
+        ctx.sampler, ctx.rows = sampler, rows
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, targets, lse, outside = ctx.saved_tensors
+        sampler: _Sampler = ctx.sampler
+        # d log p(y) / d logit_j = (1[j = y] - p_j) / T over the kept tokens, 0 elsewhere; a
+        # target outside the kept set has the constant logprob -inf, hence no gradient.
+        scale = grad.masked_fill(outside, 0.0) / sampler.temperature
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.rows):
+            stop = start + ctx.rows
+            # `apply` may return the logits themselves: the first step must not be in place
+            g = (sampler.apply(logits[start:stop]) - lse[start:stop, None]).exp_().neg_()
+            g.scatter_add_(-1, targets[start:stop, None], torch.ones_like(g[:, :1]))
+            grad_logits[start:stop] = g.mul_(scale[start:stop, None])
+        return grad_logits, None, None, None
+
+
+class Correction(msgspec.Struct, frozen=True, kw_only=True):
+    """Off-policy correction of `policy_loss`: decoupled PPO with a behaviour weight.
+
+    With rho_t = pi_prox(t) / mu(t) (proximal over behaviour policy), each trained token's PPO
+    term is clipped around pi_prox and weighted by
+
+        w_t = min(rho_t, truncate)                  (rho_t itself when truncate is None)
+              * [low <= rho_t <= high]              (token_band; IcePop-style masked IS)
+              * [low <= geomean_s(rho_s) <= high]   (sequence_band; over the sample's tokens)
+
+    `Correction()` is plain decoupled PPO (AReaL): unbiased but unbounded weights. `truncate`
+    is token-level truncated IS (TIS): it bounds the variance and biases only the tokens above
+    the cap, which still get a gradient. `token_band` drops tokens whose weight is implausible
+    (also the ones far *below* 1, which TIS keeps), trading some data for a weight that always
+    lies in the band. `sequence_band` judges a whole sample by the geometric mean of its ratios
+    (a length-independent mean log-ratio) and drops samples that drifted as a whole, such as
+    partial rollouts resumed across several weight updates. The options combine. Masked tokens
+    stay in the loss's denominator, so masking lowers the step size rather than raising the
+    other tokens' weight.
+    """
+
+    truncate: float | None = None
+    token_band: tuple[float, float] | None = None
+    sequence_band: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.truncate is not None and not self.truncate > 0:
+            raise ValueError(f"truncate={self.truncate}: must be > 0 (None: no truncation)")
+        for name in ("token_band", "sequence_band"):
+            band = getattr(self, name)
+            if band is not None and not 0 <= band[0] <= 1 <= band[1]:
+                raise ValueError(f"{name}={band}: need 0 <= low <= 1 <= high")
+
+
+CORRECTIONS: dict[str, Correction | None] = {
+    "none": None,  # PPO clipped against the behaviour policy (no correction)
+    "decoupled": Correction(),
+    "tis": Correction(truncate=2.0),
+    "mask": Correction(token_band=(0.5, 2.0)),
+    "seq-mask": Correction(truncate=2.0, sequence_band=(0.5, 2.0)),
+}
+"""Named presets (the demo's `--correction`); the README says which to pick when."""
+
+
+class BehaviourWeights(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-token results of a `Correction` ([B, L], all False / 0 off the loss mask)."""
+
+    ratio: torch.Tensor  # rho = pi_prox / mu on trained tokens, 1 elsewhere
+    weight: torch.Tensor  # w, 0 where masked and off the loss mask
+    truncated: torch.Tensor  # bool: the cap lowered the weight
+    masked: torch.Tensor  # bool: dropped by the token or the sequence band
+
+
+def behaviour_weights(
+    proximal_logprobs: torch.Tensor, batch: TrainBatch, correction: Correction
+) -> BehaviourWeights:
+    """The behaviour weights of `correction` (see `Correction`), without gradient."""
+    mask = batch.loss_mask
+    log_ratio = (proximal_logprobs.detach() - batch.old_logprobs).masked_fill(~mask, 0.0)
+    ratio = log_ratio.exp()
+    weight = ratio
+    truncated = torch.zeros_like(mask)
+    if correction.truncate is not None:
+        truncated = (ratio > correction.truncate) & mask
+        weight = ratio.clamp(max=correction.truncate)
+    masked = torch.zeros_like(mask)
+    if correction.token_band is not None:
+        low, high = correction.token_band
+        masked |= (ratio < low) | (ratio > high)
+    if correction.sequence_band is not None:
+        low, high = correction.sequence_band
+        geomean = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)).exp()
+        masked |= ((geomean < low) | (geomean > high))[:, None]
+    masked &= mask
+    return BehaviourWeights(
+        ratio=ratio,
+        weight=weight.masked_fill(masked | ~mask, 0.0),
+        truncated=truncated & ~masked,
+        masked=masked,
+    )
 
 
 def policy_loss(
@@ -117,30 +327,119 @@ def policy_loss(
     batch: TrainBatch,
     *,
     clip: float = 0.2,
-    max_ratio: float | None = 10.0,
+    correction: Correction | None = None,
+    proximal_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip loss with per-sample advantages, as GRPO uses it, averaged over trained tokens.
 
-    The ratio is taken against the behaviour policy's logprobs recorded at generation, so tokens
-    sampled by an older policy version (asynchronous, partial rollouts) are importance-weighted;
-    `max_ratio` caps that weight (truncated importance sampling) for very stale tokens.
+    Without `correction`: the ratio pi / mu is taken against the behaviour logprobs recorded at
+    generation, as plain PPO does; with stale tokens its clip then stops the gradient of every
+    token the *earlier* updates already moved past 1 +- clip, whatever this update does.
+
+    With `correction` (see `Correction`): decoupled PPO. The ratio is pi / pi_prox, clipped
+    around the proximal policy given as `proximal_logprobs` (the trainer's logprobs of the batch
+    before this update, from `proximal_logprobs()`; with one optimizer step per batch that is
+    just `logprobs.detach()`), and each token is weighted by its behaviour weight.
+
+    `stats["clip_fraction"]` is the share of trained tokens whose clipped branch wins the PPO
+    min (the ones whose gradient the clip stops).
     """
     mask = batch.loss_mask
-    log_ratio = (logprobs - batch.old_logprobs).masked_fill(~mask, 0.0)
-    ratio = log_ratio.exp()
-    if max_ratio is not None:
-        ratio = ratio.clamp(max=max_ratio)
+    weight: torch.Tensor | None = None
+    anchor = batch.old_logprobs
+    if correction is not None:
+        if proximal_logprobs is None:
+            raise ValueError(
+                "a correction needs proximal_logprobs (logprobs.detach() when one step)"
+            )
+        anchor = proximal_logprobs.detach()
+        weight = behaviour_weights(anchor, batch, correction).weight
+    elif proximal_logprobs is not None:
+        raise ValueError("proximal_logprobs is used only with a correction")
+    ratio = (logprobs - anchor).masked_fill(~mask, 0.0).exp()
     adv = batch.advantages[:, None]
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip, 1 + clip) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    surrogate = torch.minimum(unclipped, clipped)
+    if weight is not None:
+        surrogate = weight * surrogate
     n = mask.sum().clamp(min=1)
-    loss = (per_token * mask).sum() / n
+    loss = -(surrogate * mask).sum() / n
     with torch.no_grad():
         stats = {
             "loss": float(loss),
-            "clip_fraction": float(((unclipped != clipped) & mask).sum() / n),
+            "clip_fraction": float(((clipped < unclipped) & mask).sum() / n),
             "ratio_mean": float((ratio * mask).sum() / n),
-            "kl_behaviour": float((-log_ratio * mask).sum() / n),
         }
     return loss, stats
+
+
+def proximal_logprobs(
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    batch: TrainBatch,
+    *,
+    micro_batch: int | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+) -> torch.Tensor:
+    """The trainer's logprobs of `batch` under its current weights, without gradient: the
+    proximal policy of decoupled PPO when one batch is trained with several optimizer steps
+    (call it before the first). `forward(input_ids, attention_mask)` returns the logits;
+    `micro_batch` rows at a time bound the activations."""
+    step = micro_batch or batch.input_ids.shape[0]
+    parts = []
+    with torch.no_grad():
+        for start in range(0, batch.input_ids.shape[0], step):
+            ids = batch.input_ids[start : start + step]
+            logits = forward(ids, batch.attention_mask[start : start + step])
+            parts.append(
+                token_logprobs(logits, ids, temperature=temperature, top_p=top_p, top_k=top_k)
+            )
+    return torch.cat(parts)
+
+
+def mismatch_metrics(
+    proximal_logprobs: torch.Tensor,
+    batch: TrainBatch,
+    *,
+    version: int,
+    correction: Correction | None = None,
+    prefix: str = "offpolicy/",
+) -> dict[str, float]:
+    """How far the behaviour policy is from the trainer's, as a flat `{name: number}` dict (like
+    `ProduceBatchResult.metrics`), over all trained tokens and per staleness
+    (`{prefix}staleness_<s>/...`, s = `version` - the token's version):
+
+    - `kl`: KL(mu || pi_prox) estimated from the tokens (sampled from mu) with the k3 estimator
+      mean(rho - 1 - log rho), unbiased and never negative (inf if a token has rho = 0);
+    - `ratio_p05`, `ratio_p50`, `ratio_p95`: percentiles of rho = pi_prox / mu;
+    - `tokens`: how many trained tokens;
+    - with a `correction`: `masked_share` and `truncated_share` of the tokens.
+
+    `version` is the policy version of the weights that computed `proximal_logprobs`.
+    """
+    mask = batch.loss_mask
+    weights = behaviour_weights(proximal_logprobs, batch, correction or Correction())
+    staleness = (version - batch.versions.long())[mask]
+    out: dict[str, float] = {}
+    groups = [("", torch.ones_like(staleness, dtype=torch.bool))]
+    groups += [(f"staleness_{s}/", staleness == s) for s in sorted(set(staleness.tolist()))]
+    for name, rows in groups:
+        rho = weights.ratio[mask][rows].double()
+        if not rho.numel():
+            continue
+        p05, p50, p95 = np.percentile(rho.cpu().numpy(), [5, 50, 95]).tolist()
+        out |= {
+            f"{prefix}{name}tokens": float(rho.numel()),
+            f"{prefix}{name}kl": float((rho - 1 - rho.log()).mean()),
+            f"{prefix}{name}ratio_p05": p05,
+            f"{prefix}{name}ratio_p50": p50,
+            f"{prefix}{name}ratio_p95": p95,
+        }
+        if correction is not None:
+            out[f"{prefix}{name}masked_share"] = float(weights.masked[mask][rows].double().mean())
+            out[f"{prefix}{name}truncated_share"] = float(
+                weights.truncated[mask][rows].double().mean()
+            )
+    return out

@@ -112,6 +112,7 @@ class VLLMEngine:
     `data_parallel_size`, `gpu_memory_utilization`, `max_model_len`, `dtype`, `seed`,
     `kv_cache_memory_bytes`, `enable_return_routed_experts`, ...). Defaults fill what the
     caller did not give: `skip_tokenizer_init=True` (prompts are token ids),
+    `logprobs_mode="processed_logprobs"` (logprobs of the distribution that sampled),
     `disable_log_stats=True`, and on a CPU build `enforce_eager=True` and a 128 MiB KV cache
     (vLLM's CPU default reserves a share of the NUMA node that can exceed free memory).
 
@@ -168,6 +169,10 @@ class VLLMEngine:
                 f"{_EXTENSION}; leave worker_extension_cls unset"
             )
         engine_args.setdefault("skip_tokenizer_init", True)
+        # The sampled token's logprob under the distribution that sampled it (temperature, top-k,
+        # top-p applied), not vLLM's default raw model logprob: the behaviour policy of
+        # importance weighting. The trainer matches it with `token_logprobs(temperature=...)`.
+        engine_args.setdefault("logprobs_mode", "processed_logprobs")
         engine_args.setdefault("disable_log_stats", True)
         on_cpu = current_platform.is_cpu()
         if on_cpu:

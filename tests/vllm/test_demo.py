@@ -25,4 +25,21 @@ async def test_demo_learns_the_echo_task(tmp_path: Path) -> None:
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 41))
     assert (tmp_path / "demo.png").stat().st_size > 10_000
-    assert "reward, last" in (tmp_path / "summary.txt").read_text()
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "reward, last" in summary and "KL(behaviour || trainer) by staleness" in summary
+    kl = [r.offpolicy["offpolicy/kl"] for r in records]
+    assert all(k >= 0 and np.isfinite(k) for k in kl)  # logged every step
+
+
+def test_offpolicy_benchmark_quick_runs(tmp_path: Path) -> None:
+    """`benchmarks/offpolicy.py --quick` (two short demo runs). It lives here, not in
+    tests/test_benchmarks.py, because it starts vLLM: it must run where the vLLM tests run, one
+    vLLM job at a time."""
+    from tests.test_benchmarks import run_benchmark
+
+    proc = run_benchmark("offpolicy.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "offpolicy.json").read_text())["summary"]
+    assert set(summary) == {"1/none", "1/tis"}
+    assert all(np.isfinite(s["stale_kl"]) and s["stale_kl"] >= 0 for s in summary.values())
+    assert (tmp_path / "offpolicy.png").exists()
