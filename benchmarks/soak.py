@@ -399,7 +399,7 @@ class Soak:
         )
         if ckpt is not None:
             start = time.monotonic()
-            producer.load(ckpt.path)
+            producer.load(ckpt.path, weights=None)
             self.event("load", time.monotonic() - start)
         try:
             async with self.running(producer):

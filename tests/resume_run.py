@@ -52,7 +52,7 @@ async def run(out: Path, save_at: int | None, kill_at: int | None, resume: bool)
         saved = json.loads((out / "journal.json").read_text())
         journal += saved["journal"]
         step = saved["step"]
-        producer.load(out / "ckpt")
+        producer.load(out / "ckpt", weights=None)  # SimEngine: nothing to reload
     async with producer:
         async for batch in producer.batches():
             journal += [["consumed", g.prompt_id] for g in batch.groups]
