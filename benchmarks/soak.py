@@ -442,6 +442,8 @@ class Soak:
             self.killed_at = None
         elif engine.injected[Fault.BASE]:
             self.event("base_exception_contained", note=str(exc)[:100])
+        elif "every reward worker" in str(exc):  # hung sync rewards held every worker
+            self.event("reward_workers_stuck", note=str(exc)[:100])
         else:
             self.fail("unexpected_stop", f"ProducerError: {exc}")
         return "producer_error"
