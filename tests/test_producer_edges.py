@@ -548,3 +548,44 @@ async def test_resuming_a_trained_checkpoint_needs_the_weights(tmp_path: Path) -
         assert fresh.version == 1 and fresh.engine.version == 1  # type: ignore[attr-defined]
         rest = await consume_all(fresh, 1)
     assert len(rest) == 3
+
+
+# -- a pause at every await point ---------------------------------------------------------------
+
+
+async def test_an_update_at_every_state_change_loses_nothing(tmp_path: Path) -> None:
+    """Each state change of the producer starts a save (the first of every five) or an
+    update_weights, one at a time: pauses land at every point of a group's life (starting,
+    generating, scoring, landing). Every prompt ends exactly once and the ledger holds throughout."""
+    drops: list[DropRecord] = []
+    producer = make_producer(
+        40, sim={"per_token_latency_s": 0.0005, "lengths": "uniform", "fail_rate": 0.1},
+        max_new_tokens=16, on_drop=drops.append, max_inflight_groups=6,
+    )  # fmt: skip
+    busy: list[asyncio.Task[Any]] = []
+    done = Counter[str]()
+    notify = producer._changed.notify
+
+    async def interrupt(kind: str) -> None:
+        if kind == "save":
+            await producer.save(tmp_path / "ckpt")
+        else:
+            await producer.update_weights()
+        done[kind] += 1
+
+    def interrupting_notify() -> None:
+        producer.check_ledger()
+        notify()
+        if producer.running and producer.error is None and not any(not t.done() for t in busy):
+            kind = "save" if len(busy) % 5 == 0 else "update"
+            busy.append(asyncio.create_task(interrupt(kind)))
+
+    producer._changed.notify = interrupting_notify  # type: ignore[method-assign]
+    async with producer:
+        consumed = await consume_all(producer, 4)
+        await asyncio.gather(*busy)
+    ends = Counter(g.prompt_id for g in consumed)
+    ends.update(d.prompt_id for d in drops)
+    assert len(ends) == 40 and set(ends.values()) == {1}
+    assert done["save"] >= 1 and done["update"] >= 1 and producer.version == done["update"]
+    producer.check_ledger()
