@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -76,6 +77,9 @@ class Subject:
         return task
 
 
+RUN = uuid.uuid4().hex[:8]
+
+
 def make_request(
     request_id: str,
     budgets: Sequence[int],
@@ -83,10 +87,12 @@ def make_request(
     prefixes: Sequence[Int32Array] | None = None,
     prompt: Int32Array = PROMPT,
 ) -> GenerateRequest:
-    """One sample per budget (eos ignored, so each runs to its budget unless aborted)."""
+    """One sample per budget (eos ignored, so each runs to its budget unless aborted). Ids
+    get this run's prefix: the vLLM engine is shared with other tests, and an id names one
+    request for an engine's lifetime."""
     prefixes = prefixes if prefixes is not None else [np.zeros(0, np.int32)] * len(budgets)
     return GenerateRequest(
-        request_id=request_id,
+        request_id=f"{RUN}-{request_id}",
         prompt_tokens=prompt,
         samples=tuple(SampleRequest(p, b) for p, b in zip(prefixes, budgets, strict=True)),
         sampling=SamplingConfig(max_new_tokens=max(budgets), ignore_eos=True),
@@ -214,7 +220,7 @@ async def test_one_output_per_sample_in_order_with_only_new_tokens(subject: Subj
 async def test_abort_before_generate_starts(subject: Subject) -> None:
     """The abort comes first; the `generate` that follows returns at once, empty, "abort"."""
     engine = subject.engine
-    await engine.abort("early")
+    await engine.abort(f"{RUN}-early")
     request = make_request("early", [subject.long_budget] * 2)
     outputs = await within_deadline(request, engine)
     check_outputs(outputs, request)
@@ -226,7 +232,7 @@ async def test_abort_while_running_returns_the_partial_samples(subject: Subject)
     engine = subject.engine
     request = make_request("running", [subject.long_budget] * 2)
     task = await subject.start(request)
-    await engine.abort("running")
+    await engine.abort(f"{RUN}-running")
     outputs = await finished(task)
     check_outputs(outputs, request)
     for out in outputs:
@@ -245,7 +251,7 @@ async def test_abort_after_finish_affects_nothing(subject: Subject) -> None:
     assert done.finish_reason == "length"
     beside = make_request("beside", [6])
     beside_task = asyncio.create_task(engine.generate(beside))
-    await engine.abort("ended")
+    await engine.abort(f"{RUN}-ended")
     (beside_out,) = await finished(beside_task)
     assert (beside_out.finish_reason, len(beside_out.tokens)) == ("length", 6)
     (again,) = await within_deadline(make_request("ended", [5]), engine)
@@ -264,7 +270,7 @@ async def test_a_running_id_is_refused_and_the_running_request_is_unaffected(
     with pytest.raises(ValueError, match="twice"):
         await within_deadline(make_request("twice", [4]), engine)
     assert not task.done()
-    await engine.abort("twice")
+    await engine.abort(f"{RUN}-twice")
     (out,) = await finished(task)
     assert out.finish_reason == "abort" and len(out.tokens) > 0
 
@@ -304,7 +310,7 @@ async def test_keep_pause_freezes_requests_and_an_update_in_between_restamps(
             frozen_at = engine.generated_tokens
             await engine.pause_generation()  # one more round trip: still nothing new
             assert engine.generated_tokens == frozen_at and not keep.done()
-            await engine.abort("frozen-cut")
+            await engine.abort(f"{RUN}-frozen-cut")
             (partial,) = await finished(cut)
             assert partial.finish_reason == "abort"
             assert 0 < len(partial.tokens) < subject.long_budget
@@ -386,7 +392,7 @@ async def test_a_closed_engine_is_dead(own_subject: Subject) -> None:
             async with asyncio.timeout(DEADLINE_S):
                 await control
     async with asyncio.timeout(DEADLINE_S):
-        await engine.abort("at-close")
-        await engine.abort("never-seen")
+        await engine.abort(f"{RUN}-at-close")
+        await engine.abort(f"{RUN}-never-seen")
         await engine.close()
     assert engine.running_requests == 0

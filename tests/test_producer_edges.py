@@ -556,7 +556,7 @@ async def test_resuming_a_trained_checkpoint_needs_the_weights(tmp_path: Path) -
 async def test_an_update_at_every_state_change_loses_nothing(tmp_path: Path) -> None:
     """Each state change of the producer starts a save (the first of every five) or an
     update_weights, one at a time: pauses land at every point of a group's life (starting,
-    generating, scoring, landing). Every prompt ends exactly once and the ledger holds throughout."""
+    generating, scoring, landing). Every prompt ends exactly once; the ledger holds throughout."""
     drops: list[DropRecord] = []
     producer = make_producer(
         40, sim={"per_token_latency_s": 0.0005, "lengths": "uniform", "fail_rate": 0.1},
