@@ -133,10 +133,11 @@ async def test_a_callback_far_behind_skips_records_instead_of_growing(
     producer = make_producer(100, sim=SIM, on_drop=slow, on_drop_timeout_s=3600.0)
     async with producer:
         await consume_all(producer, 8)
-        assert producer._drops.pending == 3
+        queued = producer._drops.pending
         consumed.set()
-    assert len(records) == 4  # one in the callback, three queued
-    assert producer._drops.skipped == dropped(producer) - 4 > 0
+    assert 0 < queued <= 3
+    assert len(records) == queued + 1  # the one the callback was waiting on, and the queue
+    assert producer._drops.skipped == dropped(producer) - len(records) > 0
     assert any("falls behind" in r.getMessage() for r in caplog.records)
 
 
