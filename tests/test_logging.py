@@ -4,12 +4,15 @@ library prints nothing."""
 
 from __future__ import annotations
 
+import ast
 import gc
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+import asyncroll
 from asyncroll import Producer, SamplingConfig
 from asyncroll.logs import FailureWarnings
 from tests.test_producer import (
@@ -150,3 +153,17 @@ async def test_the_library_prints_nothing(capfd: pytest.CaptureFixture[str]) -> 
     assert producer.progress.counters.failed_groups > 10
     out, err = capfd.readouterr()
     assert out == "" and err == ""
+
+
+def test_no_print_in_the_library() -> None:
+    """Only the command line and the demo write to the terminal; the library logs."""
+    package = Path(asyncroll.__file__).parent
+    allowed = {package / "cli.py", package / "demo.py"}
+    found = [
+        f"{path.relative_to(package)}:{node.lineno}"
+        for path in sorted(package.rglob("*.py"))
+        if path not in allowed
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"
+    ]
+    assert not found
