@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true; fi
 	touch $@
 
+# make demo ARGS=--verbose shows vLLM's output on the terminal (default: runs/demo/engine.log)
 demo: install
-	$(VENV)/bin/asyncroll demo
+	$(VENV)/bin/asyncroll demo $(ARGS)
 
 simulate: install
 	$(VENV)/bin/asyncroll simulate

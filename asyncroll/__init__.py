@@ -6,6 +6,8 @@ takes with `produce_batch`. Failed, filtered and expired groups are dropped on a
 counted on the producer (`ProduceProgress`).
 """
 
+from importlib import metadata as _metadata
+
 from asyncroll import codec, filters
 from asyncroll.buffer import BufferStats, PutOutcome, RolloutBuffer
 from asyncroll.config import ProducerConfig
@@ -24,6 +26,11 @@ from asyncroll.progress import ProduceBatchResult, ProduceProgress, ProgressCoun
 from asyncroll.prompts import TaskMix
 from asyncroll.state import CheckpointError, ProducerState
 from asyncroll.types import Prompt, RolloutGroup, RolloutState, Status, group_status
+
+try:
+    __version__ = _metadata.version("asyncroll")
+except _metadata.PackageNotFoundError:  # a source checkout on PYTHONPATH, not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "BufferStats",
@@ -53,6 +60,7 @@ __all__ = [
     "StalledError",
     "Status",
     "TaskMix",
+    "__version__",
     "codec",
     "filters",
     "group_status",

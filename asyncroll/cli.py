@@ -8,64 +8,195 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import logging
+import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TextIO
 
 import psutil
 from tqdm import tqdm
 
+from asyncroll import __version__
 from asyncroll.demo import DemoConfig, run_demo
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.engines.sim import SimConfig, SimEngine
 from asyncroll.producer import Producer
 from asyncroll.types import RolloutGroup
 
+DESCRIPTION = """\
+asyncroll: an async, single-node RL rollout engine for LLM post-training (vLLM in-process,
+bounded buffer, exact accounting, no Ray). The library is used from Python (see README.md);
+these commands show it at work; `asyncroll COMMAND --help` describes one and its options.
+"""
+
+DEMO_DESCRIPTION = """\
+Build a 361k-parameter Llama and its tokenizer locally (nothing is downloaded), serve it with
+vLLM in this process and train it with GRPO on the "echo" task (prompt "q:", reward = share of
+response tokens equal to "q"). Generation overlaps training within --max-staleness versions.
+Writes metrics.jsonl, summary.txt, demo.png and engine.log to --out.
+
+The terminal shows the progress bar and the summary; vLLM's and the library's logs (and anything
+else the engine's processes print) go to OUT/engine.log. --verbose prints everything instead.
+"""
+
+SIMULATE_DESCRIPTION = """\
+Run the producer against SimEngine, a simulation (random tokens, timers, injected failures; no
+model), and print its accounting: groups started, consumed, failed, filtered, wasted tokens and
+groups per second. It measures the producer only, never a model.
+"""
+
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="asyncroll", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="GRPO on the tiny local model with real vLLM (CPU ok)")
-    defaults = DemoConfig()
-    demo.add_argument("--steps", type=int, default=defaults.steps)
-    demo.add_argument("--group-size", type=int, default=defaults.group_size)
-    demo.add_argument("--batch-groups", type=int, default=defaults.batch_groups)
-    demo.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    demo.add_argument("--max-staleness", type=int, default=defaults.max_staleness)
-    demo.add_argument("--lr", type=float, default=defaults.lr)
-    demo.add_argument("--seed", type=int, default=defaults.seed)
-    demo.add_argument("--out", default=defaults.out, help="folder for metrics, plot, checkpoints")
-    demo.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: never)")
-    demo.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    demo.add_argument(
-        "--correction",
-        default=defaults.correction,
-        help="off-policy correction of stale tokens: none, decoupled, tis, mask, seq-mask "
-        "(asyncroll.training.CORRECTIONS; the README says which to pick when)",
-    )
-    sim = sub.add_parser(
-        "simulate",
-        help="run the producer against SimEngine: a simulation (random tokens, no model) that "
-        "shows the producer's accounting and overhead",
-    )
-    sim.add_argument("--prompts", type=int, default=2000)
-    sim.add_argument("--group-size", type=int, default=8)
-    sim.add_argument("--max-new-tokens", type=int, default=256)
-    sim.add_argument("--batch", type=int, default=32, help="groups per produce_batch")
-    sim.add_argument("--fail-rate", type=float, default=0.1)
-    sim.add_argument("--per-token-latency", type=float, default=0.0, help="simulated seconds")
-    sim.add_argument("--payload-bytes", type=int, default=0, help="per sample, like routed experts")
-    sim.add_argument("--filter", default="nonzero_std", help="'nonzero_std' or 'none'")
-    sim.add_argument("--seed", type=int, default=0)
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        options = {k: v for k, v in vars(args).items() if k != "command"}
+        options = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
         try:
             config = DemoConfig(**options)
         except ValueError as exc:
             parser.error(str(exc))
-        asyncio.run(run_demo(config))
+        log_path = Path(config.out) / "engine.log"
+        with _engine_output(log_path, verbose=args.verbose) as console:
+            asyncio.run(run_demo(config, console=console))
     else:
         asyncio.run(_simulate(args))
+
+
+def _parser() -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="asyncroll", description=DESCRIPTION, formatter_class=formatter
+    )
+    parser.add_argument("--version", action="version", version=f"asyncroll {__version__}")
+    sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo",
+        help="train a tiny local model with GRPO and real vLLM rollouts (CPU ok)",
+        description=DEMO_DESCRIPTION,
+        formatter_class=formatter,
+    )
+    d = DemoConfig()
+    demo.add_argument(
+        "--steps", type=int, default=d.steps, help="training steps (default %(default)s)"
+    )
+    demo.add_argument(
+        "--group-size",
+        type=int,
+        default=d.group_size,
+        help="samples per prompt (default %(default)s)",
+    )
+    demo.add_argument(
+        "--batch-groups",
+        type=int,
+        default=d.batch_groups,
+        help="groups per training batch (default %(default)s)",
+    )
+    demo.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=d.max_new_tokens,
+        help="tokens per response (default %(default)s)",
+    )
+    demo.add_argument(
+        "--max-staleness",
+        type=int,
+        default=d.max_staleness,
+        help="versions a token may lag when trained on; 0: synchronous (default %(default)s)",
+    )
+    demo.add_argument(
+        "--lr", type=float, default=d.lr, help="AdamW learning rate (default %(default)s)"
+    )
+    demo.add_argument("--seed", type=int, default=d.seed, help="model, prompts and sampling seed")
+    demo.add_argument(
+        "--out",
+        default=d.out,
+        help="folder for metrics, plot, logs, checkpoints (default %(default)s)",
+    )
+    demo.add_argument(
+        "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: never)"
+    )
+    demo.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    demo.add_argument(
+        "--correction",
+        default=d.correction,
+        help="off-policy correction of stale tokens: none, decoupled, tis, mask, seq-mask "
+        "(asyncroll.training.CORRECTIONS; the README says which to pick when; default %(default)s)",
+    )
+    demo.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print vLLM's and the library's logs on the terminal instead of OUT/engine.log",
+    )
+    sim = sub.add_parser(
+        "simulate",
+        help="run the producer against SimEngine, a simulation (random tokens, no model)",
+        description=SIMULATE_DESCRIPTION,
+        formatter_class=formatter,
+    )
+    sim.add_argument(
+        "--prompts", type=int, default=2000, help="prompts to run (default %(default)s)"
+    )
+    sim.add_argument(
+        "--group-size", type=int, default=8, help="samples per prompt (default %(default)s)"
+    )
+    sim.add_argument("--max-new-tokens", type=int, default=256, help="tokens per sample at most")
+    sim.add_argument("--batch", type=int, default=32, help="groups per produce_batch")
+    sim.add_argument("--fail-rate", type=float, default=0.1, help="share of engine calls that fail")
+    sim.add_argument("--per-token-latency", type=float, default=0.0, help="simulated seconds")
+    sim.add_argument("--payload-bytes", type=int, default=0, help="per sample, like routed experts")
+    sim.add_argument("--filter", default="nonzero_std", help="'nonzero_std' or 'none'")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the simulation")
+    return parser
+
+
+@contextlib.contextmanager
+def _engine_output(path: Path, *, verbose: bool) -> Iterator[TextIO]:
+    """Send everything this process and the processes it starts write to stdout and stderr
+    (vLLM's logs, its workers' C++ chatter, Python warnings, the library's log records) to
+    `path`, and yield a stream to the terminal for the progress bar and the summary.
+
+    Redirecting the file descriptors, not `sys.stdout`, is what reaches vLLM's engine and
+    worker processes: they inherit them when they start. On exit (an exception included) the
+    terminal comes back first, so a traceback is shown where the user looks. `verbose`: no
+    redirection; the library's INFO records are shown too.
+    """
+    if verbose:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        yield sys.stdout
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    console = open(os.dup(saved[1]), "w", buffering=1, closefd=True)  # noqa: SIM115
+    handler: logging.Handler | None = None
+    library = logging.getLogger("asyncroll")
+    level = library.level
+    try:
+        with path.open("ab") as log_file:
+            for fd in (1, 2):
+                os.dup2(log_file.fileno(), fd)
+        handler = logging.FileHandler(path, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        library.addHandler(handler)
+        library.setLevel(logging.INFO)
+        print(f"engine and library logs: {path} (--verbose shows them here)", file=console)
+        yield console
+    finally:
+        if handler is not None:
+            library.removeHandler(handler)
+            library.setLevel(level)
+            handler.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        console.close()
 
 
 async def _parity_reward(group: RolloutGroup) -> list[float]:

@@ -45,6 +45,10 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # counts them by reason (a reward that always raises, a filter that rejects everything).
     # None: never stop.
     max_dropped_in_a_row: int | None = 1024
+    # Deadline of one call of an async `on_drop` callback (`asyncroll.drops` says what a late one
+    # does), and the least time between two WARNING summaries of failed groups (`asyncroll.logs`).
+    on_drop_timeout_s: float = 10.0
+    failure_log_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         _at_least("group_size", self.group_size, 1, "generate at least one sample per prompt")
@@ -72,11 +76,16 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"oversample={self.oversample}: must be >= 1.0 (1.0: no extra)")
         for name in (
             "generate_timeout_s", "reward_timeout_s", "abort_timeout_s", "update_timeout_s",
-            "prompt_timeout_s",
+            "prompt_timeout_s", "on_drop_timeout_s",
         ):  # fmt: skip
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name}={value}: every deadline must be a positive number")
+        if not (self.failure_log_interval_s >= 0 and math.isfinite(self.failure_log_interval_s)):
+            raise ValueError(
+                f"failure_log_interval_s={self.failure_log_interval_s}: must be a number >= 0 "
+                "(0 logs every failed group)"
+            )
         if self.order not in ("fifo", "stalest"):
             raise ValueError(f"order={self.order!r}: use 'fifo' or 'stalest'")
         if self.pause_mode not in ("abort", "keep"):

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import msgspec
 import numpy as np
@@ -183,8 +184,12 @@ class Trainer:
         return int(state["step"])
 
 
-async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord]:
-    """Train for `cfg.steps` steps; write metrics.jsonl, summary and a PNG to `cfg.out`."""
+async def run_demo(
+    cfg: DemoConfig, *, progress: bool = True, console: TextIO | None = None
+) -> list[StepRecord]:
+    """Train for `cfg.steps` steps; write metrics.jsonl, summary and a PNG to `cfg.out`.
+    The progress bar and the summary go to `console` (default: stdout)."""
+    console = console or sys.stdout
     import torch
     from tokenizers import Tokenizer
     from tqdm import tqdm
@@ -219,7 +224,9 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
             await engine.update_weights(trainer.weights(), version=producer.version)
         records: list[StepRecord] = []
         staleness: Counter[int] = Counter()
-        bar = tqdm(total=cfg.steps, initial=step, disable=not progress, desc="GRPO echo")
+        bar = tqdm(
+            total=cfg.steps, initial=step, disable=not progress, desc="GRPO echo", file=console
+        )
         async with producer:
             while step < cfg.steps and not _solved(records, cfg.solved_reward):
                 start = time.perf_counter()
@@ -228,7 +235,8 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
                 except TimeoutError:
                     print(
                         f"no batch within {cfg.batch_timeout_s} s (the filter drops every "
-                        "group: the task is solved or the policy collapsed); stopping"
+                        "group: the task is solved or the policy collapsed); stopping",
+                        file=console,
                     )
                     break
                 waited = time.perf_counter() - start
@@ -248,7 +256,7 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
                         await producer.save(out / "producer.ckpt")
         bar.close()
         producer.check_ledger()
-    _summarise(out, records, producer.progress.counters.copy(), staleness)
+    _summarise(out, records, producer.progress.counters.copy(), staleness, console)
     return records
 
 
@@ -314,7 +322,11 @@ def _log(out: Path, record: StepRecord) -> None:
 
 
 def _summarise(
-    out: Path, records: list[StepRecord], counters: Any, staleness: Counter[int]
+    out: Path,
+    records: list[StepRecord],
+    counters: Any,
+    staleness: Counter[int],
+    console: TextIO,
 ) -> None:
     if not records:
         return
@@ -338,7 +350,7 @@ def _summarise(
     ]  # fmt: skip
     width = max(len(str(r[0])) for r in rows)
     text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-    print(text)
+    print(text, file=console)
     (out / "summary.txt").write_text(text + "\n")
     _plot(out / "demo.png", records)
 

@@ -18,8 +18,11 @@ a bug in asyncroll and surfaces at once instead of leaving a state nobody expect
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Mapping
 from typing import TypeVar
+
+log = logging.getLogger(__name__)
 
 
 class LifecycleError(RuntimeError):
@@ -89,4 +92,6 @@ def move(current: S, to: S) -> S:
     if to not in _TABLES[type(current)][current]:
         name = type(current).__name__
         raise LifecycleError(f"{name}: {current.value} -> {to.value} is not allowed")
+    if type(to) is not Stage:  # a group's stage changes on the hot path: its landing is logged
+        log.debug("%s: %s -> %s", type(to).__name__, current.value, to.value)
     return to

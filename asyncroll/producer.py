@@ -44,8 +44,10 @@ from asyncroll._signal import Signal
 from asyncroll.attempt import Attempts, Flight, Landing
 from asyncroll.buffer import PutOutcome, RolloutBuffer
 from asyncroll.config import ProducerConfig, make_config
+from asyncroll.drops import DropCallback, OnDrop
 from asyncroll.engines.base import Engine, EngineDeadError, Weights
 from asyncroll.lifecycle import Gate, Hold, Phase, Stage, move
+from asyncroll.logs import FailureWarnings
 from asyncroll.outcomes import FailureReason
 from asyncroll.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
 from asyncroll.prompts import PromptSource, PromptStream, TaskMix
@@ -182,7 +184,9 @@ class Producer:
     Options are `ProducerConfig` fields, given as `config=` or as keywords. `filter` is a
     `filters` name ("nonzero_std"), a callable returning True to keep a scored group, or None.
     `on_drop` is called with a `DropRecord` (no payload) for every failed, filtered or expired
-    group, after the counters include it, e.g. to log which prompts failed and why.
+    group, after the counters include it, e.g. to log which prompts failed and why. It may be
+    `async def`: then it is awaited off the landing path, in order, each call within
+    `on_drop_timeout_s` (`asyncroll.drops` says what a callback that raises or hangs does).
     """
 
     def __init__(
@@ -193,7 +197,7 @@ class Producer:
         *,
         config: ProducerConfig | None = None,
         filter: str | filters.GroupFilter | None = None,
-        on_drop: Callable[[DropRecord], None] | None = None,
+        on_drop: OnDrop[DropRecord] | None = None,
         **options: Any,
     ) -> None:
         self.config = cfg = make_config(config, options)
@@ -214,6 +218,8 @@ class Producer:
         )
         self.filter = filters.resolve(filter)
         self.on_drop = on_drop
+        self._drops = DropCallback(on_drop, timeout_s=cfg.on_drop_timeout_s)
+        self._failure_log = FailureWarnings(log, cfg.failure_log_interval_s)
         self._group_bytes = cfg.group_bytes(self._payload)
         self.buffer = RolloutBuffer(
             max_groups=cfg.max_buffer_groups,
@@ -277,6 +283,7 @@ class Producer:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._schedule, name="asyncroll-scheduler")
+                tg.start_soon(self._drops.run, self._fail, name="asyncroll-on-drop")
         except Exception as exc:  # a bug escaped a task: every waiter hears of it
             self._fail(f"internal error: {type(exc).__name__}: {exc}")
         finally:
@@ -294,6 +301,8 @@ class Producer:
             await self._drain()
             self._count_idle()
         finally:
+            self._drops.close()
+            self._failure_log.flush()
             runner, self._runner = self._runner, None
             if runner is not None:  # the scheduler returns once it sees the stop
                 await asyncio.wait([runner], timeout=self.config.abort_timeout_s)
@@ -362,6 +371,7 @@ class Producer:
             raise ProducerExhausted("every prompt was produced and every ready group handed out")
         groups = self.buffer.take(min(n, ready))
         self.progress.count_consumed(groups)
+        self._failure_log.tick()
         self._changed.notify()
         self._count_idle()
         delta, totals, latency, window_s = self.progress.consume()
@@ -839,6 +849,10 @@ class Producer:
         self, group: RolloutGroup, outcome: PutOutcome, reason: FailureReason | None
     ) -> None:
         log.debug("group %s (%s) %s: %s", group.uid, group.prompt_id, outcome.value, group.error)
+        if outcome is PutOutcome.DROPPED_FAILED:
+            self._failure_log.record(
+                (reason or FailureReason.INTERNAL).value, group.task, group.error
+            )
         if self.on_drop is None:
             return
         record = DropRecord(
@@ -852,14 +866,12 @@ class Producer:
             tokens=group.num_tokens,
             version=self._version,
         )
-        try:
-            self.on_drop(record)
-        except Exception as exc:  # the accounting is done; a broken callback stops the run
-            self._fail(f"on_drop callback raised {type(exc).__name__}: {exc}")
+        self._drops.deliver(record, self._fail)
 
     def _set_version(self, version: int) -> None:
         """Move to `version`: count every group that expired and re-queue its prompt first,
         then report them, so `on_drop` never sees a half-updated ledger."""
+        log.debug("policy version %d -> %d", self._version, version)
         self._version = version
         expired = self.buffer.set_version(version)
         for group in expired:
@@ -991,7 +1003,7 @@ class Producer:
             except EngineDeadError as exc:
                 self._fail(f"engine died: {exc}")
             except Exception as exc:  # the wait that follows still bounds the request
-                log.debug("abort of %s raised %r", request_id, exc)
+                log.debug("abort of %s raised %s: %s", request_id, type(exc).__name__, str(exc))
 
         with anyio.move_on_after(self.config.abort_timeout_s):
             async with anyio.create_task_group() as tg:

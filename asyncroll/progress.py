@@ -49,6 +49,15 @@ class ProgressCounters(msgspec.Struct, kw_only=True):
     wait_s: float = 0.0  # time the trainer spent waiting inside produce_batch
     idle_s: float = 0.0  # time the producer ran with no group in flight (generation idle)
     failed_groups_by_reason: dict[str, int] = {}  # `FailureReason` value -> groups
+    # Per task (`Prompt.task`): a mix whose tasks fail, get filtered or score differently
+    # shows it here, where the totals above would average it away.
+    completed_groups_by_task: dict[str, int] = {}
+    consumed_groups_by_task: dict[str, int] = {}
+    failed_groups_by_task: dict[str, int] = {}
+    filtered_groups_by_task: dict[str, int] = {}
+    expired_groups_by_task: dict[str, int] = {}
+    reward_sum_by_task: dict[str, float] = {}
+    reward_count_by_task: dict[str, int] = {}
 
     def minus(self, earlier: ProgressCounters) -> ProgressCounters:
         """The counts accumulated since `earlier` (a snapshot of the same counters)."""
@@ -62,9 +71,10 @@ class ProgressCounters(msgspec.Struct, kw_only=True):
         return ProgressCounters(**out)
 
     def copy(self) -> ProgressCounters:
-        return msgspec.structs.replace(
-            self, failed_groups_by_reason=dict(self.failed_groups_by_reason)
-        )
+        dicts = {
+            f: dict(v) for f in self.__struct_fields__ if isinstance(v := getattr(self, f), dict)
+        }
+        return msgspec.structs.replace(self, **dicts)
 
 
 class LatencyHistogram:
@@ -120,17 +130,30 @@ class ProduceBatchResult(msgspec.Struct, kw_only=True):
         return {low + i: int(c) for i, c in enumerate(counts.tolist()) if c}
 
     def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
-        """A flat `{name: number}` dict for wandb/tensorboard: the deltas, a few ratios, totals."""
+        """A flat `{name: number}` dict for wandb/tensorboard: the deltas, a few ratios, totals.
+
+        Breakdowns are `name/key` entries: `failed_groups_by_reason/<reason>` for every
+        `FailureReason` (0 included, so a dashboard's series exist before the first failure),
+        `<outcome>_groups_by_task/<task>` and `reward_mean_by_task/<task>` for the tasks seen,
+        and `staleness_tokens/<k>`: the batch's tokens sampled k versions ago (its histogram).
+        """
         d = self.delta
         out: dict[str, float] = {}
         for counters, where in ((d, prefix), (self.totals, f"{prefix}total/")):
+            out |= {f"{where}failed_groups_by_reason/{r.value}": 0 for r in FailureReason}
             for f in counters.__struct_fields__:
                 value = getattr(counters, f)
                 if isinstance(value, dict):  # one number per key: failed_groups_by_reason/...
                     out |= {f"{where}{f}/{k}": v for k, v in value.items()}
                 else:
                     out[f"{where}{f}"] = value
+            out |= {
+                f"{where}reward_mean_by_task/{task}": counters.reward_sum_by_task.get(task, 0.0) / n
+                for task, n in counters.reward_count_by_task.items()
+                if n
+            }
         staleness = self.staleness_tokens()
+        out |= {f"{prefix}staleness_tokens/{k}": v for k, v in staleness.items()}
         finished = d.completed_groups + d.failed_groups + d.filtered_groups
         out |= {
             f"{prefix}version": self.version,
@@ -146,6 +169,10 @@ class ProduceBatchResult(msgspec.Struct, kw_only=True):
             f"{prefix}staleness_max": max(staleness, default=0),
         }
         return out
+
+
+def _add(counts: dict[str, Any], key: str, value: float) -> None:
+    counts[key] = counts.get(key, 0) + value
 
 
 def _mean_staleness(hist: dict[int, int]) -> float:
@@ -187,15 +214,20 @@ class ProduceProgress:
         `tokens_before` is what the group held when the attempt started; `rewards` are the
         rewards it was scored with (counted whether it was kept or not)."""
         c = self.counters
+        task = group.task
         if rewards:
-            c.reward_sum += math.fsum(rewards)
+            total = math.fsum(rewards)
+            c.reward_sum += total
             c.reward_count += len(rewards)
+            _add(c.reward_sum_by_task, task, total)
+            _add(c.reward_count_by_task, task, len(rewards))
         tokens = group.num_tokens
         c.generated_tokens += tokens - tokens_before
         match outcome:
             case PutOutcome.STORED_READY:
                 c.completed_groups += 1
                 c.completed_samples += group.num_samples
+                _add(c.completed_groups_by_task, task, 1)
                 self.latency.record(group.latency_s)
             case PutOutcome.STORED_RESUME:
                 c.aborted_groups += 1
@@ -204,13 +236,14 @@ class ProduceProgress:
                 c.failed_groups += 1
                 c.failed_samples += group.num_samples
                 c.wasted_tokens_failed += tokens
-                key = (reason or FailureReason.INTERNAL).value
-                c.failed_groups_by_reason[key] = c.failed_groups_by_reason.get(key, 0) + 1
+                _add(c.failed_groups_by_reason, (reason or FailureReason.INTERNAL).value, 1)
+                _add(c.failed_groups_by_task, task, 1)
                 self.latency.record(group.latency_s)
             case PutOutcome.DROPPED_FILTERED:
                 c.filtered_groups += 1
                 c.filtered_samples += group.num_samples
                 c.wasted_tokens_filtered += tokens
+                _add(c.filtered_groups_by_task, task, 1)
                 self.latency.record(group.latency_s)
             case PutOutcome.DROPPED_EXPIRED:
                 self.count_expired(group)
@@ -220,6 +253,7 @@ class ProduceProgress:
         c.expired_groups += 1
         c.expired_samples += group.num_samples
         c.wasted_tokens_expired += group.num_tokens
+        _add(c.expired_groups_by_task, group.task, 1)
 
     def count_consumed(self, groups: list[RolloutGroup]) -> None:
         c = self.counters
@@ -227,6 +261,7 @@ class ProduceProgress:
         for g in groups:
             c.consumed_samples += g.num_samples
             c.consumed_tokens += g.num_tokens
+            _add(c.consumed_groups_by_task, g.task, 1)
 
     def consume(self) -> tuple[ProgressCounters, ProgressCounters, npt.NDArray[np.int64], float]:
         """(delta, totals, latency counts of the window, window seconds); starts a new window."""

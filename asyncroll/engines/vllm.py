@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import pickle
 import sysconfig
@@ -57,6 +58,8 @@ from asyncroll.engines.base import (
     Weights,
     check_token_ids,
 )
+
+log = logging.getLogger(__name__)
 
 _EXTENSION = "asyncroll.engines.vllm_worker.WeightLoaderExtension"
 _FINISH_REASONS = frozenset({"stop", "length", "abort"})
@@ -492,7 +495,9 @@ class VLLMEngine:
         path = _WEIGHTS_DIR / f"asyncroll-weights-{uuid.uuid4().hex}.safetensors"
         try:
             await asyncio.to_thread(_write_safetensors, named, path)
-            await self._call(self._llm.collective_rpc("asyncroll_load_file", args=(str(path),)))
+            _report_reload(
+                await self._call(self._llm.collective_rpc("asyncroll_load_file", args=(str(path),)))
+            )
         finally:
             path.unlink(missing_ok=True)
 
@@ -506,7 +511,9 @@ class VLLMEngine:
         keep = [t.contiguous() for _, t in named]  # alive until the workers have copied them
         handles = [reduce_tensor(t)[1] for t in keep]
         payload = pickle.dumps(([name for name, _ in named], handles))
-        await self._call(self._llm.collective_rpc("asyncroll_load_cuda_ipc", args=(payload,)))
+        _report_reload(
+            await self._call(self._llm.collective_rpc("asyncroll_load_cuda_ipc", args=(payload,)))
+        )
         del keep
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # free what workers let go
 
@@ -595,6 +602,26 @@ def _experts_row_bytes(config: Any) -> int:
     experts = int(model.get_num_experts())
     per_token = int(model.get_total_num_hidden_layers()) * int(model.get_num_experts_per_tok())
     return per_token * (1 if experts <= 256 else 2)
+
+
+def _report_reload(reports: Any) -> None:
+    """Log what the workers found during a reload: layers vLLM loaded no tensor into that
+    should have had one (WARNING), and those that never get one (DEBUG)."""
+    reports = [r for r in reports or () if isinstance(r, dict)]
+    unloaded = sorted({name for r in reports for name in r.get("unloaded", ())})
+    expected = sorted({name for r in reports for name in r.get("expected", ())})
+    if unloaded:
+        log.warning(
+            "update_weights: vLLM loaded no tensor into layer(s) %s, which keep their previous "
+            "weights: the trainer's weights lack them or name them differently",
+            ", ".join(unloaded),
+        )
+    if expected:
+        log.debug(
+            "update_weights: no tensor for %s, as expected (computed buffers, or an output "
+            "layer tied to the embedding and refreshed from it)",
+            ", ".join(expected),
+        )
 
 
 def _require_vllm(version: str) -> None:

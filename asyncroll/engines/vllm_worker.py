@@ -9,28 +9,55 @@ Weights are loaded with the worker's `reload_weights(weights_iterator=...)`, not
 `model.load_weights`: after start-up the CPU backend has repacked its linear weights for its
 kernels (their parameters have shape 0), and `reload_weights` is the path that re-runs the
 loader's processing. It is the same call on GPU.
+
+vLLM warns "<Layer>: Failed to load weights" for every layer that received no tensor during a
+reload (and keeps its previous weights). Two such layers are expected on every update and say
+nothing: layers with buffers but no parameters (RotaryEmbedding's cos/sin cache, computed from
+the config, in no checkpoint) and an output layer tied to the input embedding (it gets no tensor
+of its own; `_asyncroll_refresh_tied_head` repacks it from the reloaded embedding). Those two are
+silenced; any other layer is reported back to the engine, which warns in the trainer's process
+with what it means: the trainer's weights lack that layer or name it differently.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
+
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_FAILED = ": Failed to load weights"
+
+
+class _UnloadedLayers(logging.Filter):
+    """Catches vLLM's "<Layer>: Failed to load weights" records during one reload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.endswith(_FAILED):
+            self.layers.append(message.removesuffix(_FAILED))
+            return False
+        return True
 
 
 class WeightLoaderExtension:
     """Methods vLLM adds to its worker. Names carry an `asyncroll_` prefix because vLLM refuses
     an extension attribute that the worker class already has."""
 
-    def asyncroll_load_file(self, path: str) -> int:
+    def asyncroll_load_file(self, path: str) -> dict[str, Any]:
         """Load every tensor of a safetensors file (written by the trainer's process to
-        /dev/shm: reading it is a memory copy, not disk I/O). Returns the tensor count."""
+        /dev/shm: reading it is a memory copy, not disk I/O). Returns `_asyncroll_reload`'s
+        report."""
         from safetensors.torch import load_file
 
         tensors = load_file(path)
-        self._asyncroll_reload(iter(tensors.items()))
-        return len(tensors)
+        return self._asyncroll_reload(iter(tensors.items()))
 
-    def asyncroll_load_cuda_ipc(self, payload: bytes) -> int:
+    def asyncroll_load_cuda_ipc(self, payload: bytes) -> dict[str, Any]:
         """Load tensors the trainer's process shared with CUDA IPC: `payload` pickles the
         names and `reduce_tensor` arguments of each (pickled by us, in the trainer's process,
         because vLLM's RPC encoding does not carry classes and dtypes). The device index in
@@ -51,28 +78,50 @@ class WeightLoaderExtension:
                 fixed[6] = device  # position of the device index in reduce_tensor's args
                 yield name, rebuild_cuda_tensor(*fixed)
 
-        self._asyncroll_reload(tensors())
+        report = self._asyncroll_reload(tensors())
         torch.cuda.synchronize()
-        return len(names)
+        return report
 
-    def _asyncroll_reload(self, weights: Iterator[tuple[str, Any]]) -> None:
-        self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
-        self._asyncroll_refresh_tied_head()
+    def _asyncroll_reload(self, weights: Iterator[tuple[str, Any]]) -> dict[str, Any]:
+        """Reload, refresh a tied head; report the layers vLLM loaded nothing into, split
+        into `expected` (see the module docstring) and `unloaded` (a problem)."""
+        caught = _UnloadedLayers()
+        logger = logging.getLogger(_LAYERWISE_LOGGER)
+        logger.addFilter(caught)
+        try:
+            self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+        finally:
+            logger.removeFilter(caught)
+        tied = self._asyncroll_refresh_tied_head()
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        computed = {
+            type(m).__name__
+            for m in model.modules()
+            if not any(p is not None for p in m._parameters.values())
+            and any(b is not None for b in m._buffers.values())
+        }
+        expected = computed | ({tied} if tied else set())
+        return {
+            "expected": sorted({n for n in caught.layers if n in expected}),
+            "unloaded": sorted({n for n in caught.layers if n not in expected}),
+        }
 
-    def _asyncroll_refresh_tied_head(self) -> None:
+    def _asyncroll_refresh_tied_head(self) -> str | None:
         """Re-run the output layer's weight processing when it shares the input embedding.
 
         A tied `lm_head` receives no tensor of its own, so `reload_weights` leaves it alone;
         on CPU its processing made a packed copy of the weight for the GEMM kernel, which would
         keep serving the old embedding (vLLM 0.32: greedy tokens then differ from the new
         weights'). Processing it again repacks from the shared, now reloaded, weight; on GPU
-        it is a no-op.
+        it is a no-op. Returns the head's class name when it is tied.
         """
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         head = getattr(model, "lm_head", None)
         weight = getattr(head, "weight", None)
         if head is None or weight is None:
-            return
+            return None
         tied = any(m is not head and getattr(m, "weight", None) is weight for m in model.modules())
-        if tied:
-            head.quant_method.process_weights_after_loading(head)
+        if not tied:
+            return None
+        head.quant_method.process_weights_after_loading(head)
+        return type(head).__name__

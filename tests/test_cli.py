@@ -1,0 +1,94 @@
+"""The command line: --version, --help that says what each command does, and the demo's quiet
+terminal (engine output to a file, the bar and summary to the terminal)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import asyncroll
+from asyncroll import cli
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"asyncroll {asyncroll.__version__}"
+    assert asyncroll.__version__ and asyncroll.__version__ != "0+unknown"
+
+
+def test_help_says_what_each_command_does(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    top = capsys.readouterr().out
+    assert "demo" in top and "GRPO" in top and "simulate" in top and "SimEngine" in top
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    demo = capsys.readouterr().out
+    assert "engine.log" in demo and "--verbose" in demo and "echo" in demo
+
+
+def test_every_option_has_help() -> None:
+    parser = cli._parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in commands.choices.items():
+        assert sub.description, name
+        for action in sub._actions:
+            assert action.help, (name, action.dest)
+
+
+def test_py_typed_ships_with_the_package() -> None:
+    package = Path(asyncroll.__file__).parent
+    assert (package / "py.typed").exists()
+    pyproject = (package.parent / "pyproject.toml").read_text()
+    assert 'asyncroll = ["py.typed"]' in pyproject
+
+
+CHILD = "import sys; print('child stdout'); print('child stderr', file=sys.stderr)"
+
+
+def test_engine_output_goes_to_the_file_and_the_console_to_the_terminal(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A process started inside (as vLLM's engine and workers are) writes to the log file, and
+    so do the library's log records; the console stays the terminal, and the terminal comes
+    back afterwards. (This process's own sys.stdout is pytest's here; `asyncroll demo` in
+    tests/vllm/test_demo_cli.py checks it.)"""
+    path = tmp_path / "run" / "engine.log"
+    with cli._engine_output(path, verbose=False) as console:
+        subprocess.run([sys.executable, "-c", CHILD], check=True)
+        logging.getLogger("asyncroll.producer").warning("library warning")
+        logging.getLogger("asyncroll.producer").debug("library debug")
+        print("the bar", file=console)
+    print("after")
+    out, err = capfd.readouterr()
+    log = path.read_text()
+    for line in ("child stdout", "child stderr", "library warning"):
+        assert line in log and line not in out + err, line
+    assert "library debug" not in log  # INFO and above in the file
+    assert "the bar" in out and "after" in out and str(path) in out
+    assert logging.getLogger("asyncroll").level == logging.NOTSET  # put back
+
+
+def test_engine_output_gives_the_terminal_back_on_an_exception(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(RuntimeError), cli._engine_output(tmp_path / "e.log", verbose=False):
+        raise RuntimeError("boom")
+    print("visible")
+    assert "visible" in capfd.readouterr().out
+
+
+def test_verbose_redirects_nothing(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    with cli._engine_output(tmp_path / "e.log", verbose=True) as console:
+        subprocess.run([sys.executable, "-c", CHILD], check=True)
+        assert console is sys.stdout
+    out, err = capfd.readouterr()
+    assert "child stdout" in out and "child stderr" in err
+    assert not (tmp_path / "e.log").exists()
