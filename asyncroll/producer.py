@@ -557,11 +557,14 @@ class Producer:
 
     async def save(self, path: str | os.PathLike[str]) -> None:
         """Write a checkpoint atomically. While running, pauses, aborts what is in flight into
-        partial samples (kept in the checkpoint), writes, and resumes."""
+        partial samples (kept in the checkpoint), takes the state, resumes, and writes. The
+        state is that of the moment it paused: a batch handed out while the file is written
+        is not in it, so call `save` between training steps, from the training loop, and the
+        trainer's checkpoint and this one describe the same step."""
         if self.running:
             async with self._holding(Hold.SAVE):
                 await self._drain()
-                data = dumps(self.state_dict())
+                data = dumps(self.state_dict())  # resumes before the (slow) write
         else:
             data = dumps(self.state_dict())
         await anyio.to_thread.run_sync(write_atomic, path, data)

@@ -51,7 +51,7 @@ import threading
 import time
 import traceback
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -78,6 +78,7 @@ from asyncroll import (
     SimEngine,
     StalledError,
 )
+from asyncroll.state import loads
 
 T = TypeVar("T")
 VOCAB = 1000
@@ -120,6 +121,10 @@ CONTROL = {
 }
 DRAIN_CONTROL = {k: CONTROL[k] for k in ("pause", "pausing", "update_weights", "save")}
 """While draining: no restarts or deaths, so that the run ends."""
+
+FATAL = (Fault.BASE, "hang")
+"""Faults that stop a producer (a BaseException; hung sync rewards holding every worker): left
+out while draining, so that the run can end instead of restarting from its checkpoint."""
 
 REWARD_DEADLINE_SLACK = 3
 """Reward deadlines per session beyond the hung rewards that are put down to a loaded machine
@@ -233,11 +238,12 @@ class Soak:
 
     def __init__(self, cfg: SoakConfig, workdir: Path) -> None:
         self.cfg = cfg
+        self.phase = "chaos"
         self.ckpt_path = str(workdir / "producer.ckpt")
         self.prompts = ChaosPrompts(cfg.seed, VOCAB, self.kept(ChaosPrompts.KINDS))
         self.release = threading.Event()  # lets hung sync rewards return at the end
         self.t0 = time.monotonic()
-        self.phase = "chaos"
+        self.calm: Callable[[], None] = lambda: None  # the running session's, see `_calm`
         self.journal: list[tuple[str, str]] = []  # (prompt_id, ending) in order
         self.checkpoint: Checkpoint | None = None
         self.failures: list[dict[str, Any]] = []
@@ -260,8 +266,9 @@ class Soak:
         self.rss_start = self.rss_peak = rss_bytes()
 
     def kept(self, weights: dict[T, float]) -> dict[T, float]:
-        """`weights` without the kinds `--without` names."""
-        return {k: w for k, w in weights.items() if k not in self.cfg.without}
+        """`weights` without the kinds `--without` names (nor, while draining, the fatal ones)."""
+        left_out = set(self.cfg.without) | (set(FATAL) if self.phase == "drain" else set())
+        return {k: w for k, w in weights.items() if k not in left_out}
 
     # -- record ----------------------------------------------------------------------------------
 
@@ -376,6 +383,7 @@ class Soak:
             seed=cfg.seed * 1000 + n,
         )
         rewards = HostileRewards(f"{cfg.seed}/{n}", self.kept(REWARDS), self.release)
+        self.calm = functools.partial(_calm, engine, rewards)
         self.faults.append(engine.injected)  # the counters only: an engine holds 8 MiB
         self.reward_kinds.append(rewards.drawn)
         producer = Producer(
@@ -460,6 +468,7 @@ class Soak:
             if self.phase == "chaos" and self.now() >= cfg.duration_s:
                 self.phase = "drain"
                 self.prompts.close()
+                self.calm()
                 self.event("drain_start")
             if self.time_left() <= 0:
                 return "out_of_time"
@@ -571,13 +580,19 @@ class Soak:
         return latency
 
     async def save(self, producer: Producer) -> None:
-        """Checkpoint the producer and note how much of the journal it covers: both are taken
-        inside one pause, so they describe the same instant."""
+        """Checkpoint the producer and note how much of the journal it covers. The trainer
+        takes batches while the file is written (a pause does not stop hand-outs), so the
+        journal's length after `save` may count batches the checkpoint still holds as ready;
+        the checkpoint's own counters say how many endings it knows (every ending is one
+        journal entry, in order)."""
         self.pausing_now += 1
         try:
             async with producer.pausing():
                 await producer.save(self.ckpt_path)
-                self.checkpoint = Checkpoint(self.ckpt_path, len(self.journal))
+            c = loads(await asyncio.to_thread(Path(self.ckpt_path).read_bytes)).counters
+            covered = c.consumed_groups + c.failed_groups + c.filtered_groups
+            assert covered <= len(self.journal), (covered, len(self.journal))
+            self.checkpoint = Checkpoint(self.ckpt_path, covered)
         finally:
             self.pausing_now -= 1
 
@@ -765,6 +780,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _watchdog_fired(grace: float) -> None:
     print(f"soak: still running after {grace:.0f} s: the event loop hangs; exiting", flush=True)
     os._exit(3)
+
+
+def _calm(engine: ChaosEngine, rewards: HostileRewards) -> None:
+    """Leave the fatal faults out of a running session, from the drain on."""
+    for kind in FATAL:
+        engine.rates.pop(kind, None)
+        rewards.weights.pop(kind, None)
+    engine.rates[Fault.NONE] = max(
+        0.0, 1.0 - sum(w for k, w in engine.rates.items() if k != Fault.NONE)
+    )
 
 
 if __name__ == "__main__":
