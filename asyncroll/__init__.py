@@ -10,6 +10,7 @@ from asyncroll import codec, filters
 from asyncroll.buffer import BufferStats, PutOutcome, RolloutBuffer
 from asyncroll.config import ProducerConfig
 from asyncroll.engines import Engine, EngineDeadError, SamplingConfig, SimConfig, SimEngine
+from asyncroll.episode import Episode, EpisodeError, RolloutFn, Turn, single_turn
 from asyncroll.producer import (
     DropRecord,
     Ledger,
@@ -31,6 +32,8 @@ __all__ = [
     "DropRecord",
     "Engine",
     "EngineDeadError",
+    "Episode",
+    "EpisodeError",
     "Ledger",
     "LedgerError",
     "ProduceBatchResult",
@@ -45,6 +48,7 @@ __all__ = [
     "PutOutcome",
     "RewardFn",
     "RolloutBuffer",
+    "RolloutFn",
     "RolloutGroup",
     "RolloutState",
     "SamplingConfig",
@@ -53,7 +57,9 @@ __all__ = [
     "StalledError",
     "Status",
     "TaskMix",
+    "Turn",
     "codec",
     "filters",
     "group_status",
+    "single_turn",
 ]
