@@ -16,8 +16,11 @@ from asyncroll.engines.base import SamplingConfig
 # Encoded bytes per generated token: token id, logprob and version, 4 bytes each.
 BYTES_PER_TOKEN = 12
 # Encoded bytes per token of a multi-turn sample, at worst: the above, its loss-mask byte and
-# one turn boundary (4 bytes) per token (a turn holds one token at least).
+# one turn boundary (4 bytes) per token (an environment turn holds one token at least; empty
+# policy turns, at most `max_turns`, are added on their own).
 BYTES_PER_EPISODE_TOKEN = BYTES_PER_TOKEN + 1 + 4
+# The loss mask and turn boundaries of a sample are two more arrays: headers and alignment.
+EPISODE_SAMPLE_OVERHEAD_BYTES = 256
 # Per-sample msgpack header and alignment padding in the codec (measured: ~150-250 bytes).
 SAMPLE_OVERHEAD_BYTES = 512
 # The group's own header (ids, task, versions...) and the prompt's alignment padding.
@@ -114,7 +117,12 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
         With `episodes` (a rollout function), a sample is an episode of up to
         `episode_tokens` tokens with its loss mask and turn boundaries (no payload)."""
         if episodes:
-            per_sample = self.episode_tokens * BYTES_PER_EPISODE_TOKEN + SAMPLE_OVERHEAD_BYTES
+            per_sample = (
+                self.episode_tokens * BYTES_PER_EPISODE_TOKEN
+                + 4 * self.max_turns
+                + SAMPLE_OVERHEAD_BYTES
+                + EPISODE_SAMPLE_OVERHEAD_BYTES
+            )
         else:
             per_sample = (
                 self.sampling.max_new_tokens * BYTES_PER_TOKEN

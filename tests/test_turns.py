@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from asyncroll.codec import decode, encode
+from asyncroll.config import ProducerConfig
+from asyncroll.engines.base import SamplingConfig
 from asyncroll.training import to_batch
 from asyncroll.types import RolloutGroup, RolloutState, Status
 from tests.factories import make_group
@@ -88,3 +90,28 @@ def test_to_batch_trains_only_policy_tokens() -> None:
     assert batch.versions[0, p + 2 : p + 4].tolist() == [-1, -1]
     assert batch.loss_mask[1, p : p + 5].all()  # the single-turn row: every response token
     assert batch.num_tokens == 3 + 5
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 1000])
+def test_an_episode_at_its_limits_encodes_within_its_reservation(tokens: int) -> None:
+    """The worst case for bytes: every token a turn of its own, plus max_turns empty policy
+    turns, in every sample, with the longest prompt-free group header."""
+    config = ProducerConfig(
+        group_size=3, max_turns=5, max_episode_tokens=tokens, sampling=SamplingConfig()
+    )
+    ends = np.concatenate([np.zeros(5, dtype=np.int32), np.arange(1, tokens + 1, dtype=np.int32)])
+    sample = RolloutState(
+        tokens=np.ones(tokens, dtype=np.int32),
+        logprobs=np.zeros(tokens, dtype=np.float32),
+        versions=np.zeros(tokens, dtype=np.int32),
+        status=Status.COMPLETED,
+        finish_reason="length",
+        reward=1.0,
+        loss_mask=(np.arange(tokens) % 2).astype(np.uint8),
+        turn_ends=ends.astype(np.int32),
+    )
+    group = RolloutGroup(
+        uid=2**40, prompt_id="t/123456", task="t", prompt_tokens=np.ones(9, dtype=np.int32),
+        samples=(sample,) * 3, status=Status.COMPLETED,
+    )  # fmt: skip
+    assert len(encode(group)) <= config.group_bytes(0, prompt_tokens=9, episodes=True)
