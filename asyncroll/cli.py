@@ -37,6 +37,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     demo.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: never)")
     demo.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     demo.add_argument(
+        "--task",
+        default=defaults.task,
+        help="echo (single turn) or tool_echo (multi-turn: a tool answers each turn with a "
+        "letter the policy must echo next turn)",
+    )
+    demo.add_argument(
         "--correction",
         default=defaults.correction,
         help="off-policy correction of stale tokens: none, decoupled, tis, mask, seq-mask "

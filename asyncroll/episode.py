@@ -61,7 +61,7 @@ from asyncroll.types import (
     Status,
 )
 
-__all__ = ["Episode", "EpisodeError", "RolloutFn", "Turn", "single_turn"]
+__all__ = ["Episode", "EpisodeError", "RolloutFn", "Turn", "single_turn", "split_turns"]
 
 RolloutFn = Callable[["Episode"], Awaitable[None]]
 """Drives one episode: `async def rollout_fn(episode: Episode) -> None`."""
@@ -420,3 +420,16 @@ class EpisodeRun:
         else:
             episode.where = "done"
             episode.done = True
+
+
+def split_turns(sample: RolloutState) -> list[tuple[bool, Int32Array]]:
+    """The turns of a sample in order, each as (policy?, its tokens): what a reward function of
+    a multi-turn task reads. A single-turn sample is one policy turn."""
+    if sample.turn_ends is None or sample.loss_mask is None:
+        return [(True, sample.tokens)]
+    out, start = [], 0
+    for end in sample.turn_ends.tolist():
+        policy = end == start or bool(sample.loss_mask[start])  # an empty turn is the policy's
+        out.append((policy, sample.tokens[start:end]))
+        start = end
+    return out
