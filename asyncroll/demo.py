@@ -213,6 +213,7 @@ async def run_demo(cfg: DemoConfig, *, progress: bool = True) -> list[StepRecord
         episodes: dict[str, Any] = {
             "rollout_fn": demo_tool.tool_echo_agent,
             "max_turns": demo_tool.TURNS,
+            "max_episode_tokens": demo_tool.episode_tokens(cfg.max_new_tokens),
         }
     else:
         prompts, reward, episodes = echo_prompts(tokenizer, cfg.seed), echo_reward, {}

@@ -23,6 +23,12 @@ from asyncroll.types import Prompt, RolloutGroup
 
 LETTERS = "abcdefgh"
 TURNS = 3  # policy turns per episode
+ANSWER_TOKENS = 2  # the tool's answer: a letter and a colon
+
+
+def episode_tokens(max_new_tokens: int) -> int:
+    """Tokens an episode holds at most: every policy turn in full and every tool answer."""
+    return TURNS * max_new_tokens + (TURNS - 1) * ANSWER_TOKENS
 
 
 def tool_echo_prompts(tokenizer: Any, seed: int) -> Iterator[Prompt]:

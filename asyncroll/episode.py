@@ -166,8 +166,10 @@ class Episode:
         """Run one policy turn: sample up to `max_new_tokens` (default: the producer's
         `sampling.max_new_tokens`) after the prompt and everything appended so far.
 
-        Returns fewer tokens when the episode's token budget runs out (an empty turn with
-        finish reason "length" once it is spent). Raises `EpisodeError` if the turn fails."""
+        Returns fewer tokens when the episode's token budget (`max_episode_tokens`, policy
+        and environment tokens together) runs out: an empty turn with finish reason "length"
+        once it is spent, without calling the engine. Raises `EpisodeError` if the turn
+        fails."""
         run = self._run
         run.check_alive(self)
         if self.policy_turns >= run.config.max_turns:
@@ -184,7 +186,9 @@ class Episode:
                 f"generate(max_new_tokens={max_new_tokens!r}): give an int >= 1 or None",
             )  # fmt: skip
         budget = min(want, run.token_limit - len(self._tokens))
-        if budget <= 0:
+        if budget <= 0:  # the budget is spent: an empty turn, still a turn of the sample
+            self._commit(EMPTY_INT32, EMPTY_FLOAT32, EMPTY_INT32, np.zeros(0, dtype=np.uint8))
+            self.finish_reason = "length"
             return Turn(EMPTY_INT32, EMPTY_FLOAT32, EMPTY_INT32, "length")
         self.where = f"in policy turn {self.policy_turns}"
         pieces: list[RolloutState] = []

@@ -127,8 +127,13 @@ class ProduceBatchResult(msgspec.Struct, kw_only=True):
     latency_p99_s: float
 
     def staleness_tokens(self) -> dict[int, int]:
-        """Tokens of the batch counted by staleness (`version` - the token's version)."""
-        versions = [s.versions for g in self.groups for s in g.samples]
+        """Policy tokens of the batch counted by staleness (`version` - the token's version);
+        environment tokens of multi-turn samples were not sampled and are not counted."""
+        versions = [
+            s.versions if s.loss_mask is None else s.versions[s.loss_mask.view(np.bool_)]
+            for g in self.groups
+            for s in g.samples
+        ]
         flat = np.concatenate(versions) if versions else np.zeros(0, dtype=np.int32)
         if not flat.size:
             return {}

@@ -83,12 +83,14 @@ async def in_producer(groups: int, group_size: int, turns: int, tokens: int) -> 
 
     async def agent(episode: Episode) -> None:
         for _ in range(turns):
-            await episode.generate(max_new_tokens=tokens)
+            turn = await episode.generate(max_new_tokens=tokens)
+            assert len(turn.tokens) == tokens  # the same work as the bare loop
             episode.append(TOOL)
 
     producer = Producer(
         SimEngine(vocab_size=VOCAB), prompts(groups), zero_reward, group_size=group_size,
-        rollout_fn=agent, max_turns=turns, sampling=SamplingConfig(max_new_tokens=tokens),
+        rollout_fn=agent, max_turns=turns, max_episode_tokens=turns * (tokens + len(TOOL)),
+        sampling=SamplingConfig(max_new_tokens=tokens),
         max_inflight_groups=16,
     )  # fmt: skip
     start = time.perf_counter()

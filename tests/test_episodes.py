@@ -537,3 +537,63 @@ async def test_weight_updates_during_many_episodes_keep_every_prompt_and_the_led
             assert s.turn_ends[-1] == len(s.tokens) and len(s.turn_ends) == 6
             assert (np.diff(s.versions) >= 0).all()
             assert (s.logprobs[s.loss_mask == 0] == 0).all()
+
+
+async def test_a_checkpoint_from_before_multi_turn_loads_with_its_ledger_whole(
+    tmp_path: Any,
+) -> None:
+    """Counters written before `policy_tokens` existed: every token was the policy's."""
+    import msgspec
+
+    from asyncroll.state import ProducerState, dumps, loads
+
+    producer = Producer(SimEngine(vocab_size=VOCAB), prompts(6), length_reward, group_size=2)
+    async with producer:
+        await take(producer, 2)
+    state = msgspec.to_builtins(producer.state_dict())
+    for name in ("policy_tokens", "environment_tokens", "episodes", "restarted_groups"):
+        del state["counters"][name]
+    old = msgspec.convert(state, ProducerState)
+    assert old.counters.policy_tokens == 0 and old.counters.generated_tokens > 0
+    resumed = Producer(SimEngine(vocab_size=VOCAB), prompts(6), length_reward, group_size=2)
+    resumed.load_state_dict(loads(dumps(old)))
+    ledger = resumed.check_ledger()
+    assert ledger.policy_tokens == ledger.generated_tokens > 0
+
+
+async def test_an_engine_that_dies_mid_episode_stops_the_producer() -> None:
+    engine = SimEngine(vocab_size=VOCAB, per_token_latency_s=0.001)
+    producer = Producer(
+        engine, prompts(20), length_reward, group_size=2, rollout_fn=echo_agent(), batch_size=2
+    )
+    with pytest.raises(ProducerError, match="engine died"):
+        async with producer:
+            await engine.wait_generated(1, DEADLINE_S)  # a turn is running in the engine
+            await engine.close()
+            with pytest.raises(ProducerError, match="engine died"):
+                await producer.produce_batch(timeout=DEADLINE_S)
+    ledger = producer.check_ledger()
+    assert ledger.in_flight_groups == 0
+    assert producer.progress.counters.failed_groups_by_reason.get("engine_dead", 0) >= 1
+
+
+async def test_a_spent_token_budget_gives_empty_turns_without_calling_the_engine() -> None:
+    seen: list[Any] = []
+
+    async def agent(episode: Episode) -> None:
+        for _ in range(3):
+            turn = await episode.generate(max_new_tokens=4)
+            seen.append(turn)
+
+    engine = TurnEngine()
+    producer = Producer(
+        engine, prompts(1), length_reward, group_size=1, rollout_fn=agent, max_turns=3,
+        max_episode_tokens=6,
+    )  # fmt: skip
+    async with producer:
+        (group,) = await take(producer, 1)
+    assert [len(t.tokens) for t in seen] == [4, 2, 0]  # 6 tokens at most
+    assert seen[2].finish_reason == "length" and len(engine.requests) == 2
+    (sample,) = group.samples
+    assert sample.turn_ends is not None and sample.turn_ends.tolist() == [4, 6, 6]
+    assert producer.progress.counters.policy_turns == 3  # the empty turn counts
