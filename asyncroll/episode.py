@@ -369,7 +369,8 @@ class EpisodeRun:
             raise self.fail(episode, exc.reason, exc.message, exc.fatal) from None
         finally:
             self.open_requests.discard(request.request_id)
-            self.parking.changed.notify()  # a drain waits for this
+            if not self.parking.is_open():  # a drain waits for this (and only a drain)
+                self.parking.changed.notify()
         try:
             (piece,) = rollout.merge_outputs(
                 self._probe, request, outputs, vocab_size=self.vocab_size, version=self.version()
