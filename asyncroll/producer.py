@@ -58,7 +58,7 @@ from asyncroll.progress import (
 from asyncroll.prompts import PromptSource, PromptStream, TaskMix
 from asyncroll.rewards import RewardFn, RewardRunner
 from asyncroll.state import STATE_FORMAT, CheckpointError, ProducerState, dumps, loads, write_atomic
-from asyncroll.types import EMPTY_INT32, Prompt, RolloutGroup, Status
+from asyncroll.types import EMPTY_INT32, Int32Array, Prompt, RolloutGroup, Status
 
 __all__ = [
     "DropRecord",
@@ -177,9 +177,13 @@ class _Step(enum.Enum):
 
 
 class _Staged(msgspec.Struct, frozen=True):
-    """A drawn prompt whose group waits for room: its reservation depends on its size."""
+    """A drawn prompt whose group waits for room, checked once: its token ids (empty when it
+    is bad), why it is bad, and the bytes its group can grow to (0 for a bad prompt, which
+    never reaches the engine)."""
 
     prompt: Prompt
+    tokens: Int32Array
+    error: str | None
     reserve: int
 
 
@@ -626,7 +630,7 @@ class Producer:
                         staged = self._staged
                         if staged is not None and self.buffer.try_reserve(staged.reserve):
                             self._staged = None
-                            self._start(self._new_group(staged.prompt), staged.reserve)
+                            self._start(self._new_group(staged), staged.reserve)
                     case _Step.DRAW:
                         await self._draw()
                     case None:
@@ -640,13 +644,11 @@ class Producer:
             return None
         if self.buffer.num_resume:
             return _Step.RESUME if self.buffer.can_resume() else None
+        if self._staged is None:  # drawing starts nothing, and tells when the prompts end
+            return None if self._prompts.exhausted or not self.buffer.can_reserve(0) else _Step.DRAW
         if not self._within_capacity():
             return None
-        if self._staged is not None:
-            return _Step.START if self.buffer.can_reserve(self._staged.reserve) else None
-        if self._prompts.exhausted or not self.buffer.can_reserve(0):
-            return None
-        return _Step.DRAW
+        return _Step.START if self.buffer.can_reserve(self._staged.reserve) else None
 
     def _admitting(self) -> bool:
         return self._phase is Phase.RUNNING and self._gate is Gate.OPEN and self._error is None
@@ -673,19 +675,22 @@ class Producer:
             self._changed.notify()
 
     def _stage(self, prompt: Prompt) -> _Staged:
-        """The prompt with the bytes its group can grow to. A prompt that will fail (bad ids,
-        no room, metadata that cannot be stored) reserves nothing: it never reaches the engine."""
+        """Check `prompt` once: bad ids, no room in the model, or metadata that cannot be
+        stored make a bad prompt, whose group fails without reaching the engine."""
         try:
             tokens = rollout.prompt_array(
                 prompt.tokens, self.engine.vocab_size, self.engine.max_model_len
             )
             metadata = len(codec.encode_value(prompt.metadata))
-        except (rollout.RolloutError, codec.CodecError):
-            return _Staged(prompt, 0)
+        except rollout.RolloutError as exc:
+            return _Staged(prompt, EMPTY_INT32, f"bad prompt: {exc}", 0)
+        except codec.CodecError as exc:
+            error = f"bad prompt: its metadata cannot be stored: {exc}"
+            return _Staged(prompt, EMPTY_INT32, error, 0)
         reserve = self.config.group_bytes(
             self._payload, len(tokens), metadata, episodes=self._episodes
         )
-        return _Staged(prompt, reserve)
+        return _Staged(prompt, tokens, None, reserve)
 
     def _unstage(self) -> None:
         """Put a staged prompt back at the front of the stream (for a checkpoint, or on stop)."""
@@ -771,28 +776,18 @@ class Producer:
             )
         return n
 
-    def _new_group(self, prompt: Prompt) -> RolloutGroup:
-        uid = self._next_uid
+    def _new_group(self, staged: _Staged) -> RolloutGroup:
+        uid, prompt = self._next_uid, staged.prompt
         self._next_uid += 1
-        error = None
-        try:
-            tokens = rollout.prompt_array(
-                prompt.tokens, self.engine.vocab_size, self.engine.max_model_len
-            )
-            codec.encode_value(prompt.metadata)
-        except rollout.RolloutError as exc:
-            tokens, error = EMPTY_INT32, f"bad prompt: {exc}"
-        except codec.CodecError as exc:
-            tokens, error = EMPTY_INT32, f"bad prompt: its metadata cannot be stored: {exc}"
         return RolloutGroup(
             uid=uid,
             prompt_id=prompt.prompt_id or f"{prompt.task}/uid{uid}",
             task=prompt.task,
-            prompt_tokens=tokens,
+            prompt_tokens=staged.tokens,
             samples=rollout.fresh_samples(self.config.group_size),
-            metadata=prompt.metadata if error is None else {},
+            metadata=prompt.metadata if staged.error is None else {},
             start_version=self._version,
-            error=error,
+            error=staged.error,
         )
 
     def _start(self, group: RolloutGroup, reserved: int, *, resumed: bool = False) -> None:
@@ -1036,21 +1031,28 @@ class Producer:
             "generating",
         )
         scoring_s = self.config.reward_timeout_s + self.config.abort_timeout_s
-        await self._land_within(lambda f: not parked(f), scoring_s, "being scored")
+        await self._land_within(
+            lambda f: not parked(f), scoring_s, "being scored", futile=self._rewards.stuck_error
+        )
 
     async def _land_within(
-        self, which: Callable[[Flight], bool], timeout: float, what: str
+        self,
+        which: Callable[[Flight], bool],
+        timeout: float,
+        what: str,
+        *,
+        futile: Callable[[], str | None] = lambda: None,
     ) -> None:
-        """Wait until no flight matches `which`; cancel those left after `timeout` (they land
-        as interrupted), and stop the producer if even that does not land them."""
+        """Wait until no flight matches `which`; cancel those left after `timeout`, or as soon
+        as `futile()` says waiting cannot help (they land as interrupted), and stop the
+        producer if even that does not land them."""
 
         def settled() -> bool:
             return not any(which(f) for f in self._inflight.values())
 
-        try:
-            await self._changed.wait_until(settled, timeout)
-            return
-        except TimeoutError:
+        with contextlib.suppress(TimeoutError):
+            await self._changed.wait_until(lambda: settled() or futile() is not None, timeout)
+        if not settled():
             for flight in self._inflight.values():
                 if which(flight):
                     flight.scope.cancel()

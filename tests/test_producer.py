@@ -739,17 +739,24 @@ class BadExpertsEngine(SimEngine):
 async def test_malformed_continuation_fails_the_group_not_the_producer() -> None:
     drops: list[DropRecord] = []
     engine = BadExpertsEngine(
-        vocab_size=VOCAB, per_token_latency_s=0.002, payload_bytes_per_sample=32 * 16,
+        vocab_size=VOCAB, per_token_latency_s=0.05, payload_bytes_per_sample=32 * 16,
         lengths="uniform", min_new_tokens=8,
     )  # fmt: skip
     producer = Producer(
         engine, prompts(24), parity_reward, group_size=2, max_inflight_groups=8,
         sampling=SamplingConfig(max_new_tokens=32), on_drop=drops.append,
     )  # fmt: skip
+
+    def mid_sample() -> bool:  # a request has tokens, and at least 7 x 50 ms to go
+        return any(live.generated() > 0 for live in engine._live.values())
+
     async with producer:
         for _ in range(3):
             await producer.produce_batch(2)
-            await producer.update_weights(None)
+            async with asyncio.timeout(60):
+                while not mid_sample():  # noqa: ASYNC110 (the engine has no event to wait on)
+                    await asyncio.sleep(0.001)
+            await producer.update_weights(None)  # aborts it mid-sample: it continues later
         await consume_all(producer, 2)
     failed = [d for d in drops if d.outcome is PutOutcome.DROPPED_FAILED]
     assert failed and all("routed experts" in (d.error or "") for d in failed)

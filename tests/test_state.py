@@ -29,6 +29,7 @@ async def test_state_dict_continues_the_run_exactly() -> None:
         for _ in range(3):
             consumed_a += (await a.produce_batch(8)).groups
         await a.update_weights(None)
+        await a._changed.wait_until(lambda: bool(a._inflight), 60)  # groups to abort
         async with a.pausing():  # abort mode: in-flight work lands as partials first
             state = loads(dumps(a.state_dict()))
             drops_before = list(drops_a)

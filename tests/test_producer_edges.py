@@ -1,0 +1,591 @@
+"""The producer at its edges: each test is a scenario that broke a guarantee once (hardening
+issue, defects 1-12 and 17), written against SimEngine (a simulation) or a hostile engine built
+on it. Waits are on the producer's own signals; deadlines only guard against hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncroll import (
+    DropRecord,
+    Producer,
+    ProducerError,
+    ProducerExhausted,
+    RolloutGroup,
+    SamplingConfig,
+    SimEngine,
+    StalledError,
+)
+from asyncroll.engines.base import GenerateRequest, SampleOutput, Weights
+from asyncroll.outcomes import FailureReason
+from asyncroll.producer import UpdateWeightsError
+from asyncroll.types import Prompt
+from tests.test_producer import VOCAB, consume_all, make_producer, parity_reward, prompts
+
+GUARD_S = 60.0  # only against hangs: every wait below ends on an event long before
+
+
+async def wait_for(producer: Producer, predicate: Any) -> None:
+    """Wait until `predicate()` holds, re-checked at every state change of the producer."""
+    await producer._changed.wait_until(predicate, GUARD_S)
+
+
+async def poll(predicate: Any) -> None:
+    """Wait until `predicate()` holds for state the producer is not told about (the engine's):
+    re-checked every loop turn, however long that takes."""
+    async with asyncio.timeout(GUARD_S):
+        while not predicate():  # noqa: ASYNC110 (the engine has no event to wait on)
+            await asyncio.sleep(0.001)
+
+
+def ones(group: RolloutGroup) -> list[float]:
+    return [1.0] * group.num_samples
+
+
+# -- 1. sync rewards that never return ---------------------------------------------------------
+
+
+async def test_hung_reward_calls_neither_starve_nor_fail_healthy_groups() -> None:
+    """Two calls hang for good, three workers: the healthy groups queue behind each other on
+    the one free worker far longer than reward_timeout_s, and none of them fails (the deadline
+    measures running time, not queue time)."""
+    release = threading.Event()
+    calls = Counter[str]()
+    lock = threading.Lock()
+
+    def judge(group: RolloutGroup) -> list[float]:
+        with lock:
+            calls["all"] += 1
+            hang = calls["all"] <= 2
+        if hang:
+            release.wait(GUARD_S)  # a judge that never answers (released when the test ends)
+        else:
+            time.sleep(0.3)  # honest work: 10 of these queue 3 s on one worker
+        return ones(group)
+
+    drops: list[DropRecord] = []
+    producer = make_producer(
+        12, reward=judge, group_size=2, reward_workers=3, reward_timeout_s=2.0,
+        on_drop=drops.append,
+    )  # fmt: skip
+    try:
+        async with producer:
+            consumed = await consume_all(producer, 4)
+    finally:
+        release.set()
+    assert len(consumed) == 10
+    assert [d.reason for d in drops] == [FailureReason.REWARD_DEADLINE] * 2
+    producer.check_ledger()
+
+
+async def test_every_reward_worker_stuck_stops_the_run_naming_the_function() -> None:
+    release = threading.Event()
+
+    def never_answers(group: RolloutGroup) -> list[float]:
+        release.wait(GUARD_S)
+        return ones(group)
+
+    producer = make_producer(
+        12, reward=never_answers, group_size=2, reward_workers=2, reward_timeout_s=0.2,
+        abort_timeout_s=3600,
+    )  # fmt: skip
+    try:  # the stop cannot wait for groups no worker will ever score
+        with pytest.raises(ProducerError, match="never_answers"):
+            async with asyncio.timeout(GUARD_S), producer:
+                await producer.produce_batch(1)
+    finally:
+        release.set()
+    ledger = producer.check_ledger()
+    by_reason = producer.progress.counters.failed_groups_by_reason
+    assert by_reason["reward_deadline"] == 2  # only the calls that really ran past it
+    assert by_reason == {"reward_deadline": 2, "interrupted": ledger.failed_groups - 2}
+
+
+def test_the_process_exits_while_a_reward_call_hangs(tmp_path: Path) -> None:
+    script = tmp_path / "hung.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import asyncio, threading
+            from asyncroll import Producer, SimEngine, SamplingConfig, ProducerExhausted
+
+            def never(group):
+                threading.Event().wait()  # never returns
+
+            async def main():
+                producer = Producer(
+                    SimEngine(vocab_size=100), [[1, 2]], never, group_size=2,
+                    sampling=SamplingConfig(max_new_tokens=2), reward_timeout_s=0.1,
+                )
+                async with producer:
+                    try:
+                        await producer.produce_batch(1)
+                    except ProducerExhausted:
+                        print("exhausted")
+
+            asyncio.run(main())
+            """
+        )
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=root, capture_output=True, text=True,
+        timeout=GUARD_S, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "exhausted"
+
+
+# -- 2. what the landing path must absorb ------------------------------------------------------
+
+
+async def test_unstorable_metadata_fails_its_group_and_numpy_metadata_is_stored() -> None:
+    source = [
+        Prompt(tokens=[1, 2], metadata={"label": np.int64(7), "ids": np.arange(3)}),
+        Prompt(tokens=[3, 4], metadata={"handle": object()}),  # the codec cannot encode it
+        Prompt(tokens=[5, 6], metadata={"score": np.float32(0.5)}),
+    ]
+    drops: list[DropRecord] = []
+    producer = Producer(
+        SimEngine(vocab_size=VOCAB), source, ones, group_size=2, on_drop=drops.append,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        consumed = await consume_all(producer, 2)
+    assert [d.reason for d in drops] == [FailureReason.BAD_PROMPT]
+    assert "cannot be stored" in (drops[0].error or "")
+    label = next(g for g in consumed if "label" in g.metadata).metadata["label"]
+    assert int(label) == 7 and len(consumed) == 2
+    producer.check_ledger()
+
+
+class BaseExceptionEngine(SimEngine):
+    """Raises a `BaseException` subclass (not an `Exception`) from its third request."""
+
+    class Boom(BaseException):
+        pass
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        if self.calls >= 2:
+            self.calls += 1
+            raise self.Boom("from the engine")
+        return await super().generate(request)
+
+
+async def test_base_exception_from_the_engine_reaches_the_trainer_as_producer_error() -> None:
+    producer = Producer(
+        BaseExceptionEngine(vocab_size=VOCAB), prompts(20), ones, group_size=2,
+        max_inflight_groups=1, sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    trainer = asyncio.current_task()
+    assert trainer is not None
+    with pytest.raises(ProducerError, match="Boom"):
+        async with producer:
+            while True:  # the error, not an ExceptionGroup or a cancellation, ends this
+                await producer.produce_batch(1, timeout=GUARD_S)
+    assert trainer.cancelling() == 0
+    ledger = producer.check_ledger()
+    assert ledger.in_flight_groups == 0 and ledger.failed_groups == 1
+
+
+# -- 3. stalls: raised when real, never while an update or a save runs -------------------------
+
+
+async def test_produce_batch_after_a_pause_with_partials_is_a_stall() -> None:
+    producer = make_producer(8, sim={"per_token_latency_s": 1.0}, max_new_tokens=8)
+    async with producer:
+        await poll(lambda: producer.engine.running_requests == 8)  # type: ignore[attr-defined]
+        await producer.pause()
+        assert producer.buffer.num_resume == 8
+        with pytest.raises(StalledError, match="resume"):
+            await producer.produce_batch(1, timeout=GUARD_S)
+        await producer.resume()
+        producer.check_ledger()
+
+
+class HeldUpdateEngine(SimEngine):
+    """An engine whose weight update waits until the test lets it finish."""
+
+    def __init__(self, **overrides: Any) -> None:
+        super().__init__(**overrides)
+        self.updating = asyncio.Event()
+        self.finish_update = asyncio.Event()
+
+    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+        if version > 0:
+            self.updating.set()
+            await self.finish_update.wait()
+        await super().update_weights(weights, version=version)
+
+
+async def test_a_waiting_produce_batch_is_no_stall_while_update_or_save_run(
+    tmp_path: Path,
+) -> None:
+    engine = HeldUpdateEngine(vocab_size=VOCAB, per_token_latency_s=1.0)
+    producer = Producer(
+        engine, prompts(8), ones, group_size=2, sampling=SamplingConfig(max_new_tokens=8)
+    )
+    async with producer:
+        prefetch = asyncio.create_task(producer.produce_batch(8))  # cannot fill for 8 s
+        update = asyncio.create_task(producer.update_weights())
+        await asyncio.wait_for(engine.updating.wait(), GUARD_S)
+        assert producer.paused and not prefetch.done()
+        engine.finish_update.set()
+        assert await asyncio.wait_for(update, GUARD_S) == 1
+        await producer.save(tmp_path / "ckpt")
+        assert not prefetch.done()  # still waiting, not failed with a StalledError
+        prefetch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await prefetch
+        producer.check_ledger()
+
+
+# -- 4. a pause keeps finished generations ------------------------------------------------------
+
+
+async def test_pause_waits_for_groups_being_scored_instead_of_regenerating_them() -> None:
+    scoring = asyncio.Event()
+
+    async def slow_judge(group: RolloutGroup) -> list[float]:
+        scoring.set()
+        await asyncio.sleep(1.0)  # a judge slower than abort_timeout_s (work, not a wait)
+        return ones(group)
+
+    producer = make_producer(1, reward=slow_judge, group_size=2, abort_timeout_s=0.1)
+    async with producer:
+        await asyncio.wait_for(scoring.wait(), GUARD_S)
+        await producer.pause()
+        assert producer.buffer.num_ready == 1 and producer.buffer.num_resume == 0
+        await producer.resume()
+        batch = await producer.produce_batch(1)
+    assert producer.engine.calls == 1  # type: ignore[attr-defined]  # never regenerated
+    c = producer.progress.counters
+    assert c.generated_tokens == c.consumed_tokens == 2 * 16
+    assert batch.groups[0].rewards().tolist() == [1.0, 1.0]
+
+
+# -- 5. the byte bound counts the prompt --------------------------------------------------------
+
+
+async def test_long_prompts_stay_within_the_byte_bound() -> None:
+    long_prompts = [[(i + j) % VOCAB for j in range(1000)] for i in range(10)]
+    limit = 7000  # one group with its 1,000-token prompt fits, two do not
+    producer = Producer(
+        SimEngine(vocab_size=VOCAB), long_prompts, ones, group_size=2,
+        max_buffer_bytes=limit, sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    peaks: list[int] = []
+    notify = producer._changed.notify
+
+    def checked() -> None:
+        stats = producer.buffer.stats()
+        peaks.append(stats.held_bytes + stats.reserved_bytes)
+        notify()
+
+    producer._changed.notify = checked  # type: ignore[method-assign]
+    async with producer:
+        consumed = await consume_all(producer, 1)
+    assert len(consumed) == 10
+    assert max(peaks) <= limit and max(peaks) > 4000  # the prompt's bytes were counted
+
+
+# -- 8. aborts reach requests in every state; ids never repeat ----------------------------------
+
+
+class RecordingEngine(SimEngine):
+    """Records every request id it is asked to generate, and what each one returned."""
+
+    def __init__(self, **overrides: Any) -> None:
+        super().__init__(**overrides)
+        self.ids: list[str] = []
+        self.finishes: list[str] = []
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        self.ids.append(request.request_id)
+        outputs = await super().generate(request)
+        self.finishes += [o.finish_reason for o in outputs]
+        return outputs
+
+
+async def test_a_group_paused_before_its_engine_call_never_reaches_the_engine() -> None:
+    engine = RecordingEngine(vocab_size=VOCAB)
+    producer: Producer
+    seen_at_pause: list[int] = []
+
+    async def source() -> AsyncIterator[list[int]]:
+        yield [1, 2]
+        # the first group's task is started but has not run: pause right now
+        await producer.pause()
+        seen_at_pause.append(len(engine.ids))
+        yield [3, 4]
+
+    producer = Producer(
+        engine, source(), ones, group_size=2, sampling=SamplingConfig(max_new_tokens=4)
+    )
+    async with producer:
+        await wait_for(producer, lambda: producer.buffer.num_resume == 1)
+        await producer.resume()
+        consumed = await consume_all(producer, 1)
+    assert seen_at_pause == [0]  # the pause came first: nothing was generated, then aborted
+    assert len(consumed) == 2 and "abort" not in engine.finishes
+    producer.check_ledger()
+
+
+async def test_request_ids_are_unique_across_producers_on_one_engine() -> None:
+    engine = RecordingEngine(vocab_size=VOCAB, per_token_latency_s=1.0)
+    for _ in range(2):  # the same prompts, so the same uids and attempts
+        producer = Producer(
+            engine, prompts(4), ones, group_size=2, sampling=SamplingConfig(max_new_tokens=8)
+        )
+        async with producer:
+            await poll(lambda: engine.running_requests == 4)
+            await producer.pause()  # aborts, some of them maybe before the engine saw them
+        assert producer.buffer.num_resume == 4
+    assert len(engine.ids) == len(set(engine.ids))
+
+
+async def test_a_fresh_producer_is_not_poisoned_by_an_earlier_runs_aborts() -> None:
+    """An earlier run on this engine aborted requests that never started (a drain does that):
+    the engine remembers those ids, so a new run must never use them again."""
+    engine = RecordingEngine(vocab_size=VOCAB)
+    for uid in range(4):  # what an earlier run with per-run ids "<uid>-<attempt>" left behind
+        for attempt in range(2):
+            await engine.abort(f"{uid}-{attempt}")
+    producer = Producer(
+        engine, prompts(4), ones, group_size=2, sampling=SamplingConfig(max_new_tokens=4)
+    )
+    async with producer:
+        consumed = await consume_all(producer, 4)
+    assert len(consumed) == 4 and engine.finishes == ["length"] * 8
+
+
+# -- 9. pause and update_weights are all or nothing ---------------------------------------------
+
+
+class FailingControlEngine(SimEngine):
+    """`pause_generation` raises; `update_weights` sets the new label, then hangs."""
+
+    @property
+    def supports_keep_pause(self) -> bool:
+        return True
+
+    async def pause_generation(self) -> None:
+        raise RuntimeError("pause refused")
+
+    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+        await super().update_weights(None, version=version)
+        if weights is not None:
+            await asyncio.Event().wait()  # hangs after changing its label
+
+
+async def test_a_failed_pause_leaves_the_producer_running() -> None:
+    producer = Producer(
+        FailingControlEngine(vocab_size=VOCAB), prompts(6), ones, group_size=2,
+        pause_mode="keep", sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        with pytest.raises(RuntimeError, match="pause refused"):
+            await producer.pause()
+        assert not producer.paused
+        consumed = await consume_all(producer, 2)
+    assert len(consumed) == 6
+
+
+async def test_an_update_that_times_out_rolls_the_version_label_back() -> None:
+    engine = FailingControlEngine(vocab_size=VOCAB)
+    drops: list[DropRecord] = []
+    producer = Producer(
+        engine, prompts(6), ones, group_size=2, update_timeout_s=0.2, on_drop=drops.append,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        with pytest.raises(UpdateWeightsError, match="stays at version 0"):
+            await producer.update_weights([("w", np.zeros(2))])
+        assert producer.version == 0 and engine.version == 0 and not producer.paused
+        consumed = await consume_all(producer, 2)
+    assert len(consumed) == 6 and not drops  # no group fails a version check
+    assert all(int(s.versions.max()) == 0 for g in consumed for s in g.samples)
+
+
+# -- 10. engine errors are named for what they are ----------------------------------------------
+
+
+class RaisingEngine(SimEngine):
+    def __init__(self, error: BaseException, **overrides: Any) -> None:
+        super().__init__(**overrides)
+        self.error = error
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        self.calls += 1
+        await asyncio.sleep(0)
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (TimeoutError("http read timed out"), "TimeoutError: http read timed out"),
+        (asyncio.CancelledError(), "CancelledError though nothing cancelled"),
+    ],
+)
+async def test_engine_errors_are_reported_as_raised_and_not_retried(
+    error: BaseException, message: str
+) -> None:
+    engine = RaisingEngine(error, vocab_size=VOCAB)
+    drops: list[DropRecord] = []
+    producer = Producer(
+        engine, prompts(5), ones, group_size=2, on_drop=drops.append,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        with pytest.raises(ProducerExhausted):
+            await producer.produce_batch(1, timeout=GUARD_S)
+    assert engine.calls == 5  # one attempt per group: never a loop of "partials"
+    assert [d.reason for d in drops] == [FailureReason.ENGINE_ERROR] * 5
+    assert all(message in (d.error or "") for d in drops)
+    assert "generate_timeout_s" not in (drops[0].error or "")
+
+
+# -- 11. a run where every group dies stops with the counts -------------------------------------
+
+
+def endless() -> Iterator[list[int]]:
+    i = 0
+    while True:
+        yield [i % VOCAB, 1]
+        i += 1
+
+
+async def test_every_group_filtered_on_an_endless_source_stops_with_counts() -> None:
+    producer = Producer(
+        SimEngine(vocab_size=VOCAB), endless(), ones, group_size=2, filter=lambda g: False,
+        max_dropped_in_a_row=50, sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    with pytest.raises(ProducerError, match=r"filtered: 50\)") as raised:
+        async with producer:
+            await producer.produce_batch(1, timeout=GUARD_S)
+    assert "max_dropped_in_a_row=50" in str(raised.value)
+    assert 50 <= producer.progress.counters.filtered_groups < 50 + 64  # stopped near the bound
+
+
+async def test_a_reward_that_always_raises_stops_with_the_reason() -> None:
+    def broken(group: RolloutGroup) -> list[float]:
+        raise KeyError("answer")
+
+    producer = Producer(
+        SimEngine(vocab_size=VOCAB), endless(), broken, group_size=2, max_dropped_in_a_row=20,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    with pytest.raises(ProducerError, match=r"failed \(reward_error\): 20"):
+        async with producer:
+            await producer.produce_batch(1, timeout=GUARD_S)
+    producer.check_ledger()
+
+
+async def test_one_completed_group_resets_the_count_of_dead_ones() -> None:
+    def every_third(group: RolloutGroup) -> list[float]:
+        if group.uid % 3 == 2:
+            return ones(group)
+        raise ValueError("flaky judge")
+
+    producer = make_producer(
+        30, reward=every_third, group_size=2, max_dropped_in_a_row=3, max_inflight_groups=1
+    )
+    async with producer:
+        consumed = await consume_all(producer, 1)
+    assert len(consumed) == 10 and producer.progress.counters.failed_groups == 20
+
+
+# -- 12. on_drop sees the ledger after every drop of a step is counted --------------------------
+
+
+async def test_on_drop_sees_a_complete_ledger_when_several_groups_expire_at_once() -> None:
+    producer: Producer
+    seen: list[tuple[int, int]] = []
+
+    def on_drop(record: DropRecord) -> None:
+        producer.check_ledger()
+        seen.append((record.uid, producer.progress.counters.expired_groups))
+
+    producer = make_producer(
+        8, group_size=2, reward=parity_reward, batch_size=4, max_staleness=0, on_drop=on_drop
+    )
+    async with producer:
+        await wait_for(producer, lambda: producer.buffer.num_ready == 4)
+        await producer.update_weights()
+        assert sorted(uid for uid, _ in seen) == [0, 1, 2, 3]
+        assert {expired for _, expired in seen} == {4}  # all counted before the first report
+        consumed = await consume_all(producer, 4)
+    assert len(consumed) == 8 and len({g.prompt_id for g in consumed}) == 8  # re-queued once
+
+
+# -- 17. resuming names the weights the engine serves -------------------------------------------
+
+
+async def test_resuming_a_trained_checkpoint_needs_the_weights(tmp_path: Path) -> None:
+    producer = make_producer(4, group_size=2, reward=ones)
+    async with producer:
+        await producer.produce_batch(1)
+        await producer.update_weights()
+        await producer.save(tmp_path / "ckpt")
+    fresh = make_producer(4, group_size=2, reward=ones)
+    with pytest.raises(ValueError, match="weights="):
+        fresh.load(tmp_path / "ckpt")
+    fresh.load(tmp_path / "ckpt", weights=[("w", np.zeros(2))])
+    async with fresh:
+        assert fresh.version == 1 and fresh.engine.version == 1  # type: ignore[attr-defined]
+        rest = await consume_all(fresh, 1)
+    assert len(rest) == 3
+
+
+# -- a pause at every await point ---------------------------------------------------------------
+
+
+async def test_an_update_at_every_state_change_loses_nothing(tmp_path: Path) -> None:
+    """Each state change of the producer starts a save (the first of every five) or an
+    update_weights, one at a time: pauses land at every point of a group's life (starting,
+    generating, scoring, landing). Every prompt ends exactly once and the ledger holds throughout."""
+    drops: list[DropRecord] = []
+    producer = make_producer(
+        40, sim={"per_token_latency_s": 0.0005, "lengths": "uniform", "fail_rate": 0.1},
+        max_new_tokens=16, on_drop=drops.append, max_inflight_groups=6,
+    )  # fmt: skip
+    busy: list[asyncio.Task[Any]] = []
+    done = Counter[str]()
+    notify = producer._changed.notify
+
+    async def interrupt(kind: str) -> None:
+        if kind == "save":
+            await producer.save(tmp_path / "ckpt")
+        else:
+            await producer.update_weights()
+        done[kind] += 1
+
+    def interrupting_notify() -> None:
+        producer.check_ledger()
+        notify()
+        if producer.running and producer.error is None and not any(not t.done() for t in busy):
+            kind = "save" if len(busy) % 5 == 0 else "update"
+            busy.append(asyncio.create_task(interrupt(kind)))
+
+    producer._changed.notify = interrupting_notify  # type: ignore[method-assign]
+    async with producer:
+        consumed = await consume_all(producer, 4)
+        await asyncio.gather(*busy)
+    ends = Counter(g.prompt_id for g in consumed)
+    ends.update(d.prompt_id for d in drops)
+    assert len(ends) == 40 and set(ends.values()) == {1}
+    assert done["save"] >= 1 and done["update"] >= 1 and producer.version == done["update"]
+    producer.check_ledger()
