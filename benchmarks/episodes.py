@@ -13,8 +13,15 @@ same turns (each turn: the policy samples `--tokens` tokens, a tool answers with
 * **single-turn Producer** (reference): the default path, one engine call per group of samples,
   per sample-turn.
 
+With `--vllm` (real vLLM on the tiny local model; run it alone: `flock /tmp/asyncroll-vllm.lock`)
+it also measures the re-prefill cost of an aborted turn: a turn of `--vllm-tokens` tokens after
+a context of C tokens, in one request, against the same turn cut in half by an abort and
+re-submitted with its first half as prefix (what `episode.generate` does across a pause), with
+the prefix cache kept (a pause) or reset (a weight update resets it).
+
     python benchmarks/episodes.py            # ~1 min
     python benchmarks/episodes.py --quick    # ~10 s
+    flock /tmp/asyncroll-vllm.lock python benchmarks/episodes.py --vllm   # + ~1 min
 """
 
 from __future__ import annotations
@@ -113,6 +120,50 @@ async def single_turn(groups: int, group_size: int, tokens: int) -> float:
     return (time.perf_counter() - start) / (groups * group_size)
 
 
+async def reprefill(contexts: Sequence[int], tokens: int, repeats: int) -> list[list[Any]]:
+    """Seconds of a whole turn vs the same turn in two requests, per context length."""
+    from asyncroll.engines.vllm import VLLMEngine
+    from asyncroll.models import build_tiny_model
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 200, 8, dtype=np.int32)
+    sampling = SamplingConfig(max_new_tokens=tokens, ignore_eos=True)
+    rows: list[list[Any]] = []
+    calls = 0
+    version = 0
+    async with VLLMEngine(build_tiny_model(), max_model_len=max(contexts) + tokens + 16) as engine:
+
+        async def call(prefix: Any, n: int) -> tuple[float, Any]:
+            nonlocal calls
+            calls += 1
+            request = GenerateRequest(
+                request_id=f"r{calls}", prompt_tokens=prompt,
+                samples=(SampleRequest(prefix, n),), sampling=sampling,
+            )  # fmt: skip
+            start = time.perf_counter()
+            (out,) = await engine.generate(request)
+            return time.perf_counter() - start, out.tokens
+
+        for c in contexts:
+            context = rng.integers(3, 200, c, dtype=np.int32)
+            await call(context, tokens)  # warm up (and fill the prefix cache)
+            whole, kept, reset = [], [], []
+            for _ in range(repeats):
+                whole.append((await call(context, tokens))[0])
+                first_s, first = await call(context, tokens // 2)
+                second_s, _ = await call(np.concatenate([context, first]), tokens - tokens // 2)
+                kept.append(first_s + second_s)
+                first_s, first = await call(context, tokens // 2)
+                version += 1
+                await engine.update_weights(None, version=version)  # resets the prefix cache
+                second_s, _ = await call(np.concatenate([context, first]), tokens - tokens // 2)
+                reset.append(first_s + second_s)
+            w, k, r = min(whole), min(kept), min(reset)
+            rows.append([c, f"{w * 1e3:.1f}", f"{k * 1e3:.1f}", f"{k / w:.2f}",
+                         f"{r * 1e3:.1f}", f"{r / w:.2f}"])  # fmt: skip
+    return rows
+
+
 def best_of(repeats: int, make: Any) -> float:
     return min(asyncio.run(make()) for _ in range(repeats))
 
@@ -125,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="policy tokens per turn")
     p.add_argument("--repeats", type=int, default=3, help="best of this many runs")
     p.add_argument("--quick", action="store_true", help="CI size")
+    p.add_argument("--vllm", action="store_true", help="also the re-prefill cost with vLLM")
+    p.add_argument("--vllm-tokens", type=int, default=32, help="tokens of the measured turn")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.quick:
@@ -146,6 +199,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["path", "us per turn", "x bare"],
         rows,
     )
+    payload: dict[str, Any] = {}
+    if args.vllm:
+        rows_v = asyncio.run(reprefill([16, 64, 128, 192], args.vllm_tokens, 5))
+        payload["reprefill"] = rows_v
+        text += "\n" + print_section(
+            f"Re-prefill cost of an aborted turn ({args.vllm_tokens} tokens, tiny model, real "
+            "vLLM on CPU): one request vs two (the second re-prefills prompt + context + half)",
+            ["context tokens", "whole turn ms", "cut, cache kept ms", "x whole",
+             "cut, cache reset ms", "x whole"],
+            rows_v,
+        )  # fmt: skip
     fig, (ax,) = new_figure(1, 1)
     ax.barh([r[0] for r in rows], [float(r[1]) for r in rows], color=["grey", "C0", "C1"])
     ax.set_xlabel("microseconds per turn (zero-latency simulated engine)")
@@ -154,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out, "episodes", fig,
         {"info": info, "args": {k2: str(v) for k2, v in vars(args).items()},
          "bare_s_per_turn": bare_s, "episode_s_per_turn": episode_s,
-         "single_turn_s_per_sample": single_s, "ratio": episode_s / bare_s},
+         "single_turn_s_per_sample": single_s, "ratio": episode_s / bare_s, **payload},
         text,
     )  # fmt: skip
     return 0
