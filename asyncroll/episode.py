@@ -70,6 +70,11 @@ Call = Callable[[GenerateRequest], Awaitable[Sequence[SampleOutput]]]
 """One engine call within the turn deadline; raises `EpisodeError` for anything that fails."""
 
 
+# Aborts in a row that bring no token while the gate is open: an engine aborting on its own
+# would otherwise have a turn re-submitted forever (until the episode deadline).
+_IDLE_ABORTS = 8
+
+
 class EpisodeError(Exception):
     """The episode's group fails: a turn failed (engine error, deadline, malformed output) or
     the episode broke a limit. Raised by `Episode.generate` / `append`; let it propagate."""
@@ -194,6 +199,7 @@ class Episode:
         pieces: list[RolloutState] = []
         prefix = self._tokens
         last = self.last_version()
+        idle = 0
         while True:
             await run.parking.wait()
             self._calls += 1
@@ -216,6 +222,15 @@ class Episode:
             budget -= n
             if n:
                 prefix = np.concatenate([prefix, piece.tokens])
+                idle = 0
+            elif run.parking.is_open():
+                idle += 1  # aborted with nothing, and no drain holds the gate
+                if idle >= _IDLE_ABORTS:
+                    raise run.fail(
+                        self, FailureReason.ENGINE_ERROR,
+                        f"the engine aborted policy turn {self.policy_turns} {idle} times in a "
+                        "row without a token while the producer was not pausing",
+                    )  # fmt: skip
         self._pending = 0
         tokens = _joined([p.tokens for p in pieces], EMPTY_INT32)
         logprobs = _joined([p.logprobs for p in pieces], EMPTY_FLOAT32)

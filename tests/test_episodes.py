@@ -597,3 +597,22 @@ async def test_a_spent_token_budget_gives_empty_turns_without_calling_the_engine
     (sample,) = group.samples
     assert sample.turn_ends is not None and sample.turn_ends.tolist() == [4, 6, 6]
     assert producer.progress.counters.policy_turns == 3  # the empty turn counts
+
+
+async def test_an_engine_that_aborts_turns_on_its_own_fails_the_group_instead_of_spinning() -> None:
+    class Aborting(TurnEngine):
+        async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+            self._aborts.setdefault(request.request_id, asyncio.Event()).set()
+            return await super().generate(request)  # "abort" with no token, every time
+
+    drops: list[Any] = []
+    engine = Aborting()
+    producer = Producer(
+        engine, prompts(1), length_reward, group_size=1, rollout_fn=single_turn,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        await asyncio.wait_for(_wait(producer, lambda: bool(drops)), DEADLINE_S)
+    assert drops[0].reason is FailureReason.ENGINE_ERROR
+    assert "aborted policy turn 1 8 times in a row" in drops[0].error
+    assert len(engine.requests) == 8
