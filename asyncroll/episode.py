@@ -49,7 +49,13 @@ import numpy.typing as npt
 from asyncroll import rollout
 from asyncroll._signal import Signal
 from asyncroll.config import ProducerConfig
-from asyncroll.engines.base import Engine, GenerateRequest, SampleOutput, SampleRequest
+from asyncroll.engines.base import (
+    Engine,
+    GenerateRequest,
+    SampleOutput,
+    SampleRequest,
+    SamplingConfig,
+)
 from asyncroll.outcomes import FailureReason
 from asyncroll.types import (
     EMPTY_FLOAT32,
@@ -167,9 +173,13 @@ class Episode:
     def policy_tokens(self) -> int:
         return sum(int(m.sum()) for m in self._mask) + self._pending
 
-    async def generate(self, max_new_tokens: int | None = None) -> Turn:
-        """Run one policy turn: sample up to `max_new_tokens` (default: the producer's
-        `sampling.max_new_tokens`) after the prompt and everything appended so far.
+    async def generate(
+        self, max_new_tokens: int | None = None, *, sampling: SamplingConfig | None = None
+    ) -> Turn:
+        """Run one policy turn: sample up to `max_new_tokens` (default: `sampling`'s) after
+        the prompt and everything appended so far. `sampling` overrides the producer's for
+        this turn (e.g. its `stop_token_ids`); keep temperature and top-p/k those the trainer
+        computes logprobs with, or the behaviour logprobs describe another policy.
 
         Returns fewer tokens when the episode's token budget (`max_episode_tokens`, policy
         and environment tokens together) runs out: an empty turn with finish reason "length"
@@ -184,7 +194,8 @@ class Episode:
                 f"{run.config.max_turns}: raise max_turns or end the episode sooner",
             )  # fmt: skip
         self.policy_turns += 1
-        want = run.config.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
+        sampling = run.config.sampling if sampling is None else sampling
+        want = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
         if not isinstance(want, int) or want < 1:
             raise run.fail(
                 self, FailureReason.ENVIRONMENT_ERROR,
@@ -207,7 +218,7 @@ class Episode:
                 request_id=f"{self.session}-c{self._calls}",
                 prompt_tokens=self.prompt_tokens,
                 samples=(SampleRequest(prefix, budget),),
-                sampling=run.config.sampling,
+                sampling=sampling,
                 session=self.session,
             )
             piece = await run.turn(self, request, last)

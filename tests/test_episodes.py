@@ -133,8 +133,9 @@ def echo_agent(turns: int = 3, tool_tokens: int = 2) -> Any:
     """Each turn: the policy speaks, the tool answers with `tool_tokens` tokens."""
 
     async def agent(episode: Episode) -> None:
-        for _ in range(turns):
-            turn = await episode.generate(max_new_tokens=4)
+        for t in range(turns):
+            stop = SamplingConfig(max_new_tokens=9, stop_token_ids=(t,))
+            turn = await episode.generate(max_new_tokens=4, sampling=stop)
             episode.append(np.full(tool_tokens, 7 + int(turn.tokens[0]) % 5, dtype=np.int32))
         episode.extra["turns"] = turns
 
@@ -178,6 +179,7 @@ async def test_episode_tokens_mask_turns_sessions_and_counters() -> None:
     assert len(by_session) == 8 and None not in by_session  # 4 groups x 2 episodes
     for requests in by_session.values():
         assert [len(r.samples[0].prefix) for r in requests] == [0, 6, 12]
+        assert [r.sampling.stop_token_ids for r in requests] == [(0,), (1,), (2,)]  # per turn
         assert len({r.request_id for r in requests}) == 3
     assert counters.episodes == 8 and counters.policy_turns == 24
     assert counters.environment_turns == 24
