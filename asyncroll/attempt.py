@@ -296,7 +296,8 @@ class Attempts:
             error = "the run stopped while the group was being scored"
             return self.failed(group, flight, FailureReason.INTERRUPTED, error, flight.generated)
         if self.rollout_fn is not None:  # episodes cannot resume half-way: restart the group
-            restart = (0, 0) if flight.episodes is None else flight.episodes.tokens
+            # No episode started (drained before it could): nothing was wasted, nothing restarts.
+            restart = None if flight.episodes is None else flight.episodes.tokens
             samples = rollout.interrupted(rollout.fresh_samples(group.num_samples))
             return Landing(self._finish(group, flight, samples, Status.ABORTED), restart=restart)
         samples = rollout.interrupted(group.samples)

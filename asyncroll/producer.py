@@ -556,7 +556,8 @@ class Producer:
             samples = rollout.interrupted(rollout.fresh_samples(group.num_samples))
             restart = msgspec.structs.replace(group, samples=samples, status=Status.ABORTED)
             entries.append(codec.encode(restart))
-            counters.count_restart(*((0, 0) if flight.episodes is None else flight.episodes.tokens))
+            if flight.episodes is not None:  # else it never started: nothing is wasted
+                counters.count_restart(*flight.episodes.tokens)
         return entries
 
     def load_state_dict(self, state: ProducerState, *, weights: Weights | None = _UNSET) -> None:
