@@ -618,3 +618,47 @@ async def test_an_engine_that_aborts_turns_on_its_own_fails_the_group_instead_of
     assert drops[0].reason is FailureReason.ENGINE_ERROR
     assert "aborted policy turn 1 8 times in a row" in drops[0].error
     assert len(engine.requests) == 8
+
+
+class KeepTurnEngine(TurnEngine):
+    """`TurnEngine` that can pause in place (a held call stays held until aborted)."""
+
+    supports_keep_pause = True
+
+    async def pause_generation(self) -> None:
+        pass
+
+    async def resume_generation(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+async def test_save_while_episodes_run_checkpoints_them_as_restarts(
+    mode: str, tmp_path: Any
+) -> None:
+    """A save in either pause mode while an episode's turn is in the engine: the live run
+    finishes every prompt (the turn re-submitted), and the checkpoint loads with its ledger
+    whole and that group to restart, its two sampled tokens counted as wasted."""
+    engine = KeepTurnEngine(hold=[1])
+    producer = Producer(
+        engine, prompts(6), length_reward, group_size=1, rollout_fn=echo_agent(),
+        pause_mode=mode, max_inflight_groups=1,
+    )  # fmt: skip
+    checks = watch_ledger(producer)
+    async with producer:
+        await asyncio.wait_for(engine.entered.wait(), DEADLINE_S)
+        await asyncio.wait_for(producer.save(tmp_path / "ckpt"), DEADLINE_S)
+        groups = await take(producer, 6)
+    assert checks and [g.prompt_id for g in groups] == [f"default/{i}" for i in range(6)]
+    resumed = Producer(
+        TurnEngine(), prompts(6), length_reward, group_size=1, rollout_fn=echo_agent(),
+        max_inflight_groups=1,
+    )  # fmt: skip
+    resumed.load(tmp_path / "ckpt", weights=None)
+    ledger = resumed.check_ledger()
+    assert (ledger.resume_groups, ledger.in_flight_groups, ledger.wasted_tokens) == (1, 0, 2)
+    assert resumed.progress.counters.restarted_groups == 1
+    async with resumed:
+        rest = await take(resumed, 6)
+        resumed.check_ledger()
+    assert sorted(g.prompt_id for g in rest) == [f"default/{i}" for i in range(6)]
