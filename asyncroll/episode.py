@@ -38,7 +38,8 @@ What the producer guarantees around user code (`EpisodeRun` runs the episodes of
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import anyio
@@ -142,7 +143,8 @@ class Episode:
         self.prompt_tokens: Int32Array = group.prompt_tokens
         self.prompt_id = group.prompt_id
         self.task = group.task
-        self.metadata: dict[str, Any] = group.metadata
+        # The prompt's metadata, read-only: it is the group's own (shared by its episodes).
+        self.metadata: Mapping[str, Any] = MappingProxyType(group.metadata)
         self.session = f"{run.request_prefix}-s{index}"
         self.extra: dict[str, Any] = {}  # stored on the sample (e.g. for the reward function)
         self._tokens: Int32Array = EMPTY_INT32  # the response so far, in one array
@@ -247,6 +249,8 @@ class Episode:
         logprobs = _joined([p.logprobs for p in pieces], EMPTY_FLOAT32)
         versions = _joined([p.versions for p in pieces], EMPTY_INT32)
         finish = pieces[-1].finish_reason or "length"
+        for arr in (tokens, logprobs, versions):  # the episode keeps them: nobody may write
+            arr.flags.writeable = False
         self._commit(tokens, logprobs, versions, np.ones(len(tokens), dtype=np.uint8))
         self.finish_reason = finish
         self.where = f"in the rollout function after policy turn {self.policy_turns}"

@@ -396,6 +396,7 @@ def scripted_agent(points: Points, seen: list[Any]) -> Any:
     async def agent(episode: Episode) -> None:
         await points.at(0)
         t1 = await episode.generate(max_new_tokens=4)
+        assert not t1.tokens.flags.writeable and not episode.tokens.flags.writeable
         await points.at(2)
         episode.append([7, 7])
         points.about_to_generate.set()
