@@ -12,6 +12,7 @@ from asyncroll import codec, filters
 from asyncroll.buffer import BufferStats, PutOutcome, RolloutBuffer
 from asyncroll.config import ProducerConfig
 from asyncroll.engines import Engine, EngineDeadError, SamplingConfig, SimConfig, SimEngine
+from asyncroll.episode import Episode, EpisodeError, RolloutFn, Turn, single_turn
 from asyncroll.producer import (
     DropRecord,
     Ledger,
@@ -38,6 +39,8 @@ __all__ = [
     "DropRecord",
     "Engine",
     "EngineDeadError",
+    "Episode",
+    "EpisodeError",
     "Ledger",
     "LedgerError",
     "ProduceBatchResult",
@@ -52,6 +55,7 @@ __all__ = [
     "PutOutcome",
     "RewardFn",
     "RolloutBuffer",
+    "RolloutFn",
     "RolloutGroup",
     "RolloutState",
     "SamplingConfig",
@@ -60,8 +64,10 @@ __all__ = [
     "StalledError",
     "Status",
     "TaskMix",
+    "Turn",
     "__version__",
     "codec",
     "filters",
     "group_status",
+    "single_turn",
 ]

@@ -26,6 +26,7 @@ import msgspec
 from asyncroll import rollout
 from asyncroll.config import ProducerConfig
 from asyncroll.engines.base import Engine, EngineDeadError, GenerateRequest, SampleOutput
+from asyncroll.episode import EpisodeError, EpisodeRun, Parking, RolloutFn
 from asyncroll.filters import GroupFilter
 from asyncroll.lifecycle import Stage, move
 from asyncroll.outcomes import FailureReason
@@ -40,7 +41,9 @@ class Flight:
     it reserved, and a cancel scope a drain can use when its engine ignores an abort."""
 
     __slots__ = (
+        "episodes",
         "generated",
+        "group",
         "request_id",
         "reserved",
         "samples",
@@ -59,6 +62,8 @@ class Flight:
         self.stage = Stage.STARTING
         self.scope = anyio.CancelScope()
         self.generated: Samples | None = None  # the samples once generation finished
+        self.group = group  # as it started (a checkpoint restarts episode groups from it)
+        self.episodes: EpisodeRun | None = None  # its episodes, with a rollout function
 
     def move(self, to: Stage) -> None:
         self.stage = move(self.stage, to)
@@ -69,6 +74,8 @@ class Landing(NamedTuple):
     reason: FailureReason | None = None
     fatal: str | None = None
     rewards: list[float] | None = None  # the valid rewards it was scored with, if any
+    # Episodes cut off: the group restarts from its prompt; (policy, environment) tokens wasted.
+    restart: tuple[int, int] | None = None
 
 
 class _SpuriousCancel(Exception):
@@ -89,18 +96,32 @@ class Attempts:
         config: ProducerConfig,
         rewards: RewardRunner,
         group_filter: GroupFilter | None,
+        rollout_fn: RolloutFn | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
         self.rewards = rewards
         self.filter = group_filter
+        self.rollout_fn = rollout_fn
 
-    async def run(self, group: RolloutGroup, flight: Flight, version: Callable[[], int]) -> Landing:
-        """The attempt's landing; `version()` is the policy version when the outputs arrive."""
+    async def run(
+        self,
+        group: RolloutGroup,
+        flight: Flight,
+        version: Callable[[], int],
+        parking: Callable[[], Parking] | None = None,
+    ) -> Landing:
+        """The attempt's landing; `version()` is the policy version when the outputs arrive;
+        `parking()` is where episodes wait while the producer is paused (with `rollout_fn`).
+        Both are passed per call, not kept: the producer owns this object, not the reverse."""
         cfg, engine = self.config, self.engine
         if flight.stage is Stage.CANCELLED:  # drained before it could call the engine
             return self.interrupted(group, flight)
         flight.move(Stage.GENERATING)
+        if self.rollout_fn is not None:
+            if parking is None:
+                raise ValueError("episodes need the producer's parking gate")
+            return await self._episodes(group, flight, version, parking())
         budget = rollout.token_budget(group, cfg.sampling, engine.max_model_len)
         request = rollout.build_request(group, flight.request_id, cfg.sampling, budget)
         try:
@@ -137,6 +158,57 @@ class Attempts:
         flight.move(Stage.SCORING)
         flight.generated = samples
         return await self._score(group, flight, samples)
+
+    async def _episodes(
+        self, group: RolloutGroup, flight: Flight, version: Callable[[], int], parking: Parking
+    ) -> Landing:
+        """The group's samples from its episodes (see `asyncroll.episode`), then scored."""
+        assert self.rollout_fn is not None
+        run = EpisodeRun(
+            engine=self.engine,
+            config=self.config,
+            group=group,
+            request_prefix=flight.request_id,
+            rollout_fn=self.rollout_fn,
+            call=self._turn,
+            version=version,
+            parking=parking,
+        )
+        flight.episodes = run
+        try:
+            samples = await run.run()
+        except EpisodeError as exc:
+            partial = run.partial_samples()
+            return self.failed(group, flight, exc.reason, exc.message, partial, fatal=exc.fatal)
+        flight.move(Stage.SCORING)
+        flight.generated = samples
+        return await self._score(group, flight, samples)
+
+    async def _turn(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        """One engine call of an episode's turn; every failure as an `EpisodeError` with the
+        reason a single-turn group would get."""
+        try:
+            return await self._generate(request)
+        except EngineDeadError as exc:
+            message = f"engine died: {exc}"
+            raise EpisodeError(FailureReason.ENGINE_DEAD, message, fatal=message) from None
+        except _SpuriousCancel:
+            error = "engine error: it raised CancelledError though nothing cancelled the request"
+            raise EpisodeError(FailureReason.ENGINE_ERROR, error) from None
+        except _Deadline:
+            await self._abort(request.request_id)
+            error = (
+                f"engine gave no answer within generate_timeout_s={self.config.generate_timeout_s}"
+            )
+            raise EpisodeError(FailureReason.ENGINE_DEADLINE, error) from None
+        except Exception as exc:
+            raise EpisodeError(FailureReason.ENGINE_ERROR, _engine_error(exc)) from None
+        except _NOT_ABSORBED:
+            raise
+        except BaseException as exc:
+            error = _engine_error(exc)
+            fatal = f"the engine raised {type(exc).__name__} (a BaseException): {error}"
+            raise EpisodeError(FailureReason.ENGINE_ERROR, error, fatal=fatal) from None
 
     async def _generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
         with anyio.move_on_after(self.config.generate_timeout_s) as scope:
@@ -223,6 +295,11 @@ class Attempts:
         if flight.generated is not None:
             error = "the run stopped while the group was being scored"
             return self.failed(group, flight, FailureReason.INTERRUPTED, error, flight.generated)
+        if self.rollout_fn is not None:  # episodes cannot resume half-way: restart the group
+            # No episode started (drained before it could): nothing was wasted, nothing restarts.
+            restart = None if flight.episodes is None else flight.episodes.tokens
+            samples = rollout.interrupted(rollout.fresh_samples(group.num_samples))
+            return Landing(self._finish(group, flight, samples, Status.ABORTED), restart=restart)
         samples = rollout.interrupted(group.samples)
         return Landing(self._finish(group, flight, samples, group_status(samples)))
 

@@ -36,8 +36,9 @@ these commands show it at work; `asyncroll COMMAND --help` describes one and its
 DEMO_DESCRIPTION = """\
 Build a 361k-parameter Llama and its tokenizer locally (nothing is downloaded), serve it with
 vLLM in this process and train it with GRPO on the "echo" task (prompt "q:", reward = share of
-response tokens equal to "q"). Generation overlaps training within --max-staleness versions.
-Writes metrics.jsonl, summary.txt, demo.png and engine.log to --out.
+response tokens equal to "q"), or with --task tool_echo on a multi-turn task. Generation
+overlaps training within --max-staleness versions. Writes metrics.jsonl, summary.txt, demo.png
+and engine.log to --out.
 
 The terminal shows the progress bar and the summary; vLLM's and the library's logs (and anything
 else the engine's processes print) go to OUT/engine.log. --verbose prints everything instead.
@@ -120,6 +121,12 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: never)"
     )
     demo.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    demo.add_argument(
+        "--task",
+        default=d.task,
+        help="echo (single turn) or tool_echo (multi-turn: a tool answers each turn with a "
+        "letter the policy must echo on its next turn; default %(default)s)",
+    )
     demo.add_argument(
         "--correction",
         default=d.correction,

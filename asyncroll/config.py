@@ -15,6 +15,12 @@ from asyncroll.engines.base import SamplingConfig
 
 # Encoded bytes per generated token: token id, logprob and version, 4 bytes each.
 BYTES_PER_TOKEN = 12
+# Encoded bytes per token of a multi-turn sample, at worst: the above, its loss-mask byte and
+# one turn boundary (4 bytes) per token (an environment turn holds one token at least; empty
+# policy turns, at most `max_turns`, are added on their own).
+BYTES_PER_EPISODE_TOKEN = BYTES_PER_TOKEN + 1 + 4
+# The loss mask and turn boundaries of a sample are two more arrays: headers and alignment.
+EPISODE_SAMPLE_OVERHEAD_BYTES = 256
 # Per-sample msgpack header and alignment padding in the codec (measured: ~150-250 bytes).
 SAMPLE_OVERHEAD_BYTES = 512
 # The group's own header (ids, task, versions...) and the prompt's alignment padding.
@@ -49,6 +55,12 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # does), and the least time between two WARNING summaries of failed groups (`asyncroll.logs`).
     on_drop_timeout_s: float = 10.0
     failure_log_interval_s: float = 60.0
+    # Multi-turn episodes (a `rollout_fn`): policy turns per episode, response tokens per
+    # episode (policy and environment together; None: max_turns x max_new_tokens), and the
+    # deadline of one episode (time parked by a pause or a weight update not counted).
+    max_turns: int = 16
+    max_episode_tokens: int | None = None
+    episode_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
         _at_least("group_size", self.group_size, 1, "generate at least one sample per prompt")
@@ -72,11 +84,14 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
                     "max_staleness needs batch_size (groups per produce_batch): admission keeps "
                     "accepted + running <= (max_staleness + version + 1) x batch_size"
                 )
+        _at_least("max_turns", self.max_turns, 1, "an episode needs one policy turn at least")
+        if self.max_episode_tokens is not None:
+            _at_least("max_episode_tokens", self.max_episode_tokens, 1, "or None")
         if not (math.isfinite(self.oversample) and self.oversample >= 1.0):
             raise ValueError(f"oversample={self.oversample}: must be >= 1.0 (1.0: no extra)")
         for name in (
             "generate_timeout_s", "reward_timeout_s", "abort_timeout_s", "update_timeout_s",
-            "prompt_timeout_s", "on_drop_timeout_s",
+            "prompt_timeout_s", "on_drop_timeout_s", "episode_timeout_s",
         ):  # fmt: skip
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
@@ -91,22 +106,51 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.pause_mode not in ("abort", "keep"):
             raise ValueError(f"pause_mode={self.pause_mode!r}: use 'abort' or 'keep'")
 
+    @property
+    def episode_tokens(self) -> int:
+        """Response tokens one multi-turn episode may hold (policy and environment)."""
+        if self.max_episode_tokens is not None:
+            return self.max_episode_tokens
+        return self.max_turns * self.sampling.max_new_tokens
+
     def group_bytes(
-        self, payload_bytes_per_sample: int, prompt_tokens: int = 0, metadata_bytes: int = 0
+        self,
+        payload_bytes_per_sample: int,
+        prompt_tokens: int = 0,
+        metadata_bytes: int = 0,
+        *,
+        episodes: bool = False,
     ) -> int:
         """Largest encoded size a group can reach: its samples at full length, its prompt
-        (4 bytes a token) and its metadata (its encoded size). Reserved before it starts."""
-        per_sample = (
-            self.sampling.max_new_tokens * BYTES_PER_TOKEN
-            + payload_bytes_per_sample
-            + SAMPLE_OVERHEAD_BYTES
-        )
+        (4 bytes a token) and its metadata (its encoded size). Reserved before it starts.
+        With `episodes` (a rollout function), a sample is an episode of up to
+        `episode_tokens` tokens with its loss mask and turn boundaries (no payload)."""
+        if episodes:
+            per_sample = (
+                self.episode_tokens * BYTES_PER_EPISODE_TOKEN
+                + 4 * self.max_turns
+                + SAMPLE_OVERHEAD_BYTES
+                + EPISODE_SAMPLE_OVERHEAD_BYTES
+            )
+        else:
+            per_sample = (
+                self.sampling.max_new_tokens * BYTES_PER_TOKEN
+                + payload_bytes_per_sample
+                + SAMPLE_OVERHEAD_BYTES
+            )
         prompt = 4 * prompt_tokens + metadata_bytes + GROUP_OVERHEAD_BYTES
         return self.group_size * per_sample + prompt
 
-    def check_fits(self, payload_bytes_per_sample: int) -> None:
+    def check_fits(self, payload_bytes_per_sample: int, *, episodes: bool = False) -> None:
         """Refuse a buffer smaller than one group can be."""
-        need = self.group_bytes(payload_bytes_per_sample)
+        need = self.group_bytes(payload_bytes_per_sample, episodes=episodes)
+        if episodes and self.max_buffer_bytes < need:
+            raise ValueError(
+                f"max_buffer_bytes={self.max_buffer_bytes} is smaller than one group of episodes "
+                f"can be ({self.group_size} samples x {self.episode_tokens} tokens x "
+                f"{BYTES_PER_EPISODE_TOKEN} B + overheads = {need} B): raise max_buffer_bytes "
+                "or lower group_size / max_episode_tokens / max_turns"
+            )
         if self.max_buffer_bytes < need:
             raise ValueError(
                 f"max_buffer_bytes={self.max_buffer_bytes} is smaller than one group can be "

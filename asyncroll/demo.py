@@ -34,6 +34,7 @@ from asyncroll.progress import ProduceBatchResult
 from asyncroll.types import Prompt, RolloutGroup
 
 LETTERS = "abcdefgh"
+TASKS = ("echo", "tool_echo")
 
 
 class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,6 +53,7 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     solved_reward: float = 0.98  # stop once the last 3 steps average this (0: never)
     batch_timeout_s: float = 120.0  # a batch that cannot fill (everything filtered) ends the run
     correction: str = "tis"  # off-policy correction, a key of asyncroll.training.CORRECTIONS
+    task: str = "echo"  # "echo" (single turn) or "tool_echo" (multi-turn, asyncroll.demo_tool)
 
     def __post_init__(self) -> None:
         for name in ("steps", "group_size", "batch_groups", "max_new_tokens"):
@@ -65,6 +67,8 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
 
         if self.correction not in CORRECTIONS:
             raise ValueError(f"--correction must be one of {', '.join(CORRECTIONS)}")
+        if self.task not in TASKS:
+            raise ValueError(f"--task must be one of {', '.join(TASKS)}")
 
 
 class StepRecord(msgspec.Struct, kw_only=True):
@@ -206,11 +210,24 @@ async def run_demo(
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens)
     trainer = Trainer(model_dir, cfg.lr, cfg.seed, sampling, cfg.correction)
     step = 0
+    if cfg.task == "tool_echo":
+        from asyncroll import demo_tool
+
+        prompts: Iterator[Prompt] = demo_tool.tool_echo_prompts(tokenizer, cfg.seed)
+        reward: Any = demo_tool.tool_echo_reward
+        episodes: dict[str, Any] = {
+            "rollout_fn": demo_tool.tool_echo_agent,
+            "max_turns": demo_tool.TURNS,
+            "max_episode_tokens": demo_tool.episode_tokens(cfg.max_new_tokens),
+        }
+    else:
+        prompts, reward, episodes = echo_prompts(tokenizer, cfg.seed), echo_reward, {}
     async with VLLMEngine(model_dir, seed=cfg.seed) as engine:
         producer = Producer(
             engine,
-            echo_prompts(tokenizer, cfg.seed),
-            echo_reward,
+            prompts,
+            reward,
+            **episodes,
             group_size=cfg.group_size,
             batch_size=cfg.batch_groups,
             max_staleness=cfg.max_staleness,
@@ -225,8 +242,9 @@ async def run_demo(
         records: list[StepRecord] = []
         staleness: Counter[int] = Counter()
         bar = tqdm(
-            total=cfg.steps, initial=step, disable=not progress, desc="GRPO echo", file=console
-        )
+            total=cfg.steps, initial=step, disable=not progress, desc=f"GRPO {cfg.task}",
+            file=console,
+        )  # fmt: skip
         async with producer:
             while step < cfg.steps and not _solved(records, cfg.solved_reward):
                 start = time.perf_counter()
@@ -256,7 +274,7 @@ async def run_demo(
                         await producer.save(out / "producer.ckpt")
         bar.close()
         producer.check_ledger()
-    _summarise(out, records, producer.progress.counters.copy(), staleness, console)
+    _summarise(out, records, producer.progress.counters.copy(), staleness, cfg.task, console)
     return records
 
 
@@ -326,6 +344,7 @@ def _summarise(
     records: list[StepRecord],
     counters: Any,
     staleness: Counter[int],
+    task: str,
     console: TextIO,
 ) -> None:
     if not records:
@@ -348,11 +367,17 @@ def _summarise(
         ("trained tokens by staleness", _shares(staleness)),
         ("KL(behaviour || trainer) by staleness", _mean_kl(records)),
     ]  # fmt: skip
+    if counters.episodes:
+        rows.append((
+            "policy / environment tokens, turns per episode",
+            f"{counters.policy_tokens} / {counters.environment_tokens}, "
+            f"{(counters.policy_turns + counters.environment_turns) / counters.episodes:.1f}",
+        ))  # fmt: skip
     width = max(len(str(r[0])) for r in rows)
     text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
     print(text, file=console)
     (out / "summary.txt").write_text(text + "\n")
-    _plot(out / "demo.png", records)
+    _plot(out / "demo.png", records, task)
 
 
 def _shares(counts: Counter[int]) -> str:
@@ -372,7 +397,7 @@ def _mean_kl(records: list[StepRecord]) -> str:
     return ", ".join(f"{k}: {np.mean(v):.2g}" for k, v in sorted(per.items()))
 
 
-def _plot(path: Path, records: list[StepRecord]) -> None:
+def _plot(path: Path, records: list[StepRecord], task: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -381,7 +406,7 @@ def _plot(path: Path, records: list[StepRecord]) -> None:
     steps = [r.step for r in records]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     axes[0].plot(steps, [r.reward for r in records])
-    axes[0].set(title="reward (echo task)", xlabel="step", ylim=(0, 1))
+    axes[0].set(title=f"reward ({task} task)", xlabel="step", ylim=(0, 1))
     for name in ("filtered_groups", "failed_groups", "expired_groups"):
         axes[1].plot(steps, [getattr(r, name) for r in records], label=name)
     axes[1].set(title="dropped groups (cumulative)", xlabel="step")

@@ -20,6 +20,8 @@ class FailureReason(enum.StrEnum):
     REWARD_ERROR = "reward_error"  # raised, or returned something that is not n finite numbers
     REWARD_DEADLINE = "reward_deadline"
     FILTER_ERROR = "filter_error"
+    ENVIRONMENT_ERROR = "environment_error"  # a rollout function raised or broke a limit
+    EPISODE_DEADLINE = "episode_deadline"  # an episode ran past episode_timeout_s
     INTERRUPTED = "interrupted"  # the run was cancelled while the group was being scored
     UNSTORABLE = "unstorable"  # the finished group could not be encoded
     INTERNAL = "internal"  # a bug in asyncroll (the producer stops too)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import inspect
 import logging
 import math
 import os
@@ -46,10 +47,16 @@ from asyncroll.buffer import PutOutcome, RolloutBuffer
 from asyncroll.config import ProducerConfig, make_config
 from asyncroll.drops import DropCallback, OnDrop
 from asyncroll.engines.base import Engine, EngineDeadError, Weights
+from asyncroll.episode import Parking, RolloutFn
 from asyncroll.lifecycle import Gate, Hold, Phase, Stage, move
 from asyncroll.logs import FailureWarnings
 from asyncroll.outcomes import FailureReason
-from asyncroll.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
+from asyncroll.progress import (
+    LatencyHistogram,
+    ProduceBatchResult,
+    ProduceProgress,
+    ProgressCounters,
+)
 from asyncroll.prompts import PromptSource, PromptStream, TaskMix
 from asyncroll.rewards import RewardFn, RewardRunner
 from asyncroll.state import STATE_FORMAT, CheckpointError, ProducerState, dumps, loads, write_atomic
@@ -117,6 +124,8 @@ class Ledger(msgspec.Struct, frozen=True, kw_only=True):
     resume_tokens: int
     consumed_tokens: int
     wasted_tokens: int
+    policy_tokens: int = 0
+    environment_tokens: int = 0
 
     def problems(self) -> list[str]:
         out = []
@@ -132,6 +141,11 @@ class Ledger(msgspec.Struct, frozen=True, kw_only=True):
         )  # fmt: skip
         if held != self.generated_tokens:
             out.append(f"generated_tokens={self.generated_tokens} but the states hold {held}")
+        if self.policy_tokens + self.environment_tokens != self.generated_tokens:
+            out.append(
+                f"generated_tokens={self.generated_tokens} but policy_tokens="
+                f"{self.policy_tokens} + environment_tokens={self.environment_tokens}"
+            )
         return out
 
 
@@ -187,6 +201,10 @@ class Producer:
     group, after the counters include it, e.g. to log which prompts failed and why. It may be
     `async def`: then it is awaited off the landing path, in order, each call within
     `on_drop_timeout_s` (`asyncroll.drops` says what a callback that raises or hangs does).
+
+    `rollout_fn` (`async def rollout_fn(episode: Episode) -> None`) makes each sample a
+    multi-turn episode driven by user code (see `asyncroll.episode`); without it each group is
+    one engine call, which is what `rollout_fn=single_turn` does one sample at a time.
     """
 
     def __init__(
@@ -198,16 +216,26 @@ class Producer:
         config: ProducerConfig | None = None,
         filter: str | filters.GroupFilter | None = None,
         on_drop: OnDrop[DropRecord] | None = None,
+        rollout_fn: RolloutFn | None = None,
         **options: Any,
     ) -> None:
         self.config = cfg = make_config(config, options)
+        if rollout_fn is not None and not (
+            inspect.iscoroutinefunction(rollout_fn)
+            or inspect.iscoroutinefunction(getattr(rollout_fn, "__call__", None))  # noqa: B004
+        ):
+            raise ValueError(
+                f"rollout_fn must be an async function `async def f(episode) -> None`, got "
+                f"{type(rollout_fn).__name__}"
+            )
+        self._episodes = rollout_fn is not None
         if cfg.pause_mode == "keep" and not engine.supports_keep_pause:
             raise ValueError(
                 f"pause_mode='keep' but {type(engine).__name__} cannot pause requests in place: "
                 "use pause_mode='abort'"
             )
         self._payload = engine.payload_bytes(cfg.sampling.max_new_tokens)
-        cfg.check_fits(self._payload)
+        cfg.check_fits(self._payload, episodes=self._episodes)
         self.engine = engine
         self.reward_fn = reward_fn
         self._rewards = RewardRunner(
@@ -220,7 +248,7 @@ class Producer:
         self.on_drop = on_drop
         self._drops = DropCallback(on_drop, timeout_s=cfg.on_drop_timeout_s)
         self._failure_log = FailureWarnings(log, cfg.failure_log_interval_s)
-        self._group_bytes = cfg.group_bytes(self._payload)
+        self._group_bytes = cfg.group_bytes(self._payload, episodes=self._episodes)
         self.buffer = RolloutBuffer(
             max_groups=cfg.max_buffer_groups,
             max_bytes=cfg.max_buffer_bytes,
@@ -229,7 +257,7 @@ class Producer:
             order=cfg.order,
         )
         self.progress = ProduceProgress()
-        self._attempts = Attempts(engine, cfg, self._rewards, self.filter)
+        self._attempts = Attempts(engine, cfg, self._rewards, self.filter, rollout_fn)
         self._prompts = PromptStream(prompts)
         self._version = 0
         self._next_uid = 0
@@ -484,7 +512,9 @@ class Producer:
             resume_tokens=b.resume_tokens,
             consumed_tokens=c.consumed_tokens,
             wasted_tokens=c.wasted_tokens_failed + c.wasted_tokens_filtered
-            + c.wasted_tokens_expired,
+            + c.wasted_tokens_expired + c.wasted_tokens_restarted,
+            policy_tokens=c.policy_tokens,
+            environment_tokens=c.environment_tokens,
         )  # fmt: skip
 
     def check_ledger(self) -> Ledger:
@@ -500,25 +530,45 @@ class Producer:
 
     def state_dict(self) -> ProducerState:
         """The run's state. Needs nothing in flight: call it before `async with`, after it, or
-        while paused in "abort" mode (or use `save`, which arranges that)."""
-        if self._inflight:
+        while paused in "abort" mode (or use `save`, which arranges that).
+
+        Groups of episodes (a `rollout_fn`) may be in flight: their episodes are user code and
+        cannot be stored, so the checkpoint holds each such group as one to restart from its
+        prompt (same uid) and counts what its episodes generated so far as wasted
+        (`wasted_tokens_restarted`). The running producer is not changed by this."""
+        if self._inflight and not self._episodes:
             raise RuntimeError(
                 f"state_dict() with {len(self._inflight)} groups in flight: pause first "
                 "(pause_mode='abort'), or use save()"
             )
         self._unstage()
         ready, resume = self.buffer.snapshot()
+        counters = self.progress.counters.copy()
+        resume = resume + self._restart_entries(counters)
         return ProducerState(
             format=STATE_FORMAT,
             version=self._version,
             next_uid=self._next_uid,
             group_size=self.config.group_size,
-            counters=self.progress.counters.copy(),
+            counters=counters,
             latency_counts=self.progress.latency.counts.tolist(),
             cursor=self._prompts.state(),
             ready=ready,
             resume=resume,
         )
+
+    def _restart_entries(self, counters: ProgressCounters) -> list[bytes]:
+        """Groups of episodes in flight, as resume entries that restart from their prompt, with
+        `counters` (a copy) counting their tokens as wasted: the checkpoint's ledger holds."""
+        entries = []
+        for flight in sorted(self._inflight.values(), key=lambda f: f.group.uid):
+            group = flight.group
+            samples = rollout.interrupted(rollout.fresh_samples(group.num_samples))
+            restart = msgspec.structs.replace(group, samples=samples, status=Status.ABORTED)
+            entries.append(codec.encode(restart))
+            if flight.episodes is not None:  # else it never started: nothing is wasted
+                counters.count_restart(*flight.episodes.tokens)
+        return entries
 
     def load_state_dict(self, state: ProducerState, *, weights: Weights | None = _UNSET) -> None:
         """Continue the run of `state`; only before `async with`. All or nothing.
@@ -651,7 +701,9 @@ class Producer:
         except codec.CodecError as exc:
             error = f"bad prompt: its metadata cannot be stored: {exc}"
             return _Staged(prompt, EMPTY_INT32, error, 0)
-        reserve = self.config.group_bytes(self._payload, len(tokens), metadata)
+        reserve = self.config.group_bytes(
+            self._payload, len(tokens), metadata, episodes=self._episodes
+        )
         return _Staged(prompt, tokens, None, reserve)
 
     def _unstage(self) -> None:
@@ -664,7 +716,9 @@ class Producer:
     def _reservation(self, group: RolloutGroup) -> int:
         """The bytes a group reserves while in flight (used for restored partial groups)."""
         metadata = len(codec.encode_value(group.metadata))
-        return self.config.group_bytes(self._payload, len(group.prompt_tokens), metadata)
+        return self.config.group_bytes(
+            self._payload, len(group.prompt_tokens), metadata, episodes=self._episodes
+        )
 
     def _within_capacity(self) -> bool:
         """AReaL's rule: accepted + running <= (max_staleness + version + 1) x batch_size, so
@@ -769,7 +823,9 @@ class Producer:
         landing: Landing | None = None
         try:
             with flight.scope:  # cancelled by a drain when the engine ignores an abort
-                landing = await self._attempts.run(group, flight, self._current_version)
+                landing = await self._attempts.run(
+                    group, flight, self._current_version, self._parking
+                )
         except anyio.get_cancelled_exc_class():
             self._land(self._attempts.interrupted(group, flight), flight)
             raise
@@ -804,6 +860,8 @@ class Producer:
             group = msgspec.structs.replace(group, status=Status.FAILED, error=error)
             outcome = self.buffer.put(group, flight.reserved)  # dropped: nothing to encode
         self.progress.count_landing(group, outcome, reason, flight.tokens, landing.rewards)
+        if landing.restart is not None:
+            self.progress.count_restart(*landing.restart)
         self._count_idle()
         if outcome is PutOutcome.DROPPED_EXPIRED:
             self._requeue(group)
@@ -891,6 +949,12 @@ class Producer:
             self.progress.counters.idle_s += now - self._idle_since
         self._idle_since = None if self._inflight else now
 
+    def _parking(self) -> Parking:
+        """Where episodes wait while the gate is closed (or the producer stops)."""
+        return Parking(
+            lambda: self._gate is Gate.OPEN and self._phase is Phase.RUNNING, self._changed
+        )
+
     # -- pausing ---------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
@@ -950,8 +1014,16 @@ class Producer:
         deadline); groups whose engine ignores the abort for `abort_timeout_s` are cancelled."""
         if not self._inflight:
             return
-        ids = []
+        stopping = self._phase is not Phase.RUNNING
+        ids: list[str] = []
         for flight in self._inflight.values():
+            episodes = flight.episodes
+            if episodes is not None and flight.stage is Stage.GENERATING:
+                if stopping:  # episodes cannot resume half-way: the group restarts
+                    flight.scope.cancel()
+                else:  # their turns park inside episode.generate until the gate opens
+                    ids.extend(episodes.open_requests)
+                continue
             match flight.stage:
                 case Stage.STARTING:
                     flight.move(Stage.CANCELLED)
@@ -960,12 +1032,23 @@ class Producer:
                     ids.append(flight.request_id)
         await self._abort(ids)
         generating = (Stage.STARTING, Stage.CANCELLED, Stage.GENERATING, Stage.ABORTING)
+
+        def parked(f: Flight) -> bool:  # episodes with nothing in the engine stay in flight
+            return (
+                not stopping
+                and f.episodes is not None
+                and f.stage is Stage.GENERATING
+                and f.episodes.quiet
+            )
+
         await self._land_within(
-            lambda f: f.stage in generating, self.config.abort_timeout_s, "generating"
+            lambda f: f.stage in generating and not parked(f),
+            self.config.abort_timeout_s,
+            "generating",
         )
         scoring_s = self.config.reward_timeout_s + self.config.abort_timeout_s
         await self._land_within(
-            lambda f: True, scoring_s, "being scored", futile=self._rewards.stuck_error
+            lambda f: not parked(f), scoring_s, "being scored", futile=self._rewards.stuck_error
         )
 
     async def _land_within(

@@ -58,6 +58,15 @@ class ProgressCounters(msgspec.Struct, kw_only=True):
     expired_groups_by_task: dict[str, int] = {}
     reward_sum_by_task: dict[str, float] = {}
     reward_count_by_task: dict[str, int] = {}
+    # Tokens by who wrote them (policy_tokens + environment_tokens == generated_tokens), and
+    # the turns of multi-turn episodes (a rollout function), counted when their group lands.
+    policy_tokens: int = 0
+    environment_tokens: int = 0
+    episodes: int = 0  # episodes (samples of multi-turn groups) that landed
+    policy_turns: int = 0
+    environment_turns: int = 0
+    restarted_groups: int = 0  # episodes cut off by a stop: the group restarts from its prompt
+    wasted_tokens_restarted: int = 0
 
     def minus(self, earlier: ProgressCounters) -> ProgressCounters:
         """The counts accumulated since `earlier` (a snapshot of the same counters)."""
@@ -69,6 +78,15 @@ class ProgressCounters(msgspec.Struct, kw_only=True):
             else:
                 out[f] = now - then
         return ProgressCounters(**out)
+
+    def count_restart(self, policy: int, environment: int) -> None:
+        """A group whose episodes were cut off restarts from its prompt: what they had
+        generated is wasted."""
+        self.restarted_groups += 1
+        self.generated_tokens += policy + environment
+        self.policy_tokens += policy
+        self.environment_tokens += environment
+        self.wasted_tokens_restarted += policy + environment
 
     def copy(self) -> ProgressCounters:
         dicts = {
@@ -119,8 +137,13 @@ class ProduceBatchResult(msgspec.Struct, kw_only=True):
     latency_p99_s: float
 
     def staleness_tokens(self) -> dict[int, int]:
-        """Tokens of the batch counted by staleness (`version` - the token's version)."""
-        versions = [s.versions for g in self.groups for s in g.samples]
+        """Policy tokens of the batch counted by staleness (`version` - the token's version);
+        environment tokens of multi-turn samples were not sampled and are not counted."""
+        versions = [
+            s.versions if s.loss_mask is None else s.versions[s.loss_mask.view(np.bool_)]
+            for g in self.groups
+            for s in g.samples
+        ]
         flat = np.concatenate(versions) if versions else np.zeros(0, dtype=np.int32)
         if not flat.size:
             return {}
@@ -160,6 +183,9 @@ class ProduceBatchResult(msgspec.Struct, kw_only=True):
             f"{prefix}batch_groups": len(self.groups),
             f"{prefix}reward_mean": d.reward_sum / d.reward_count if d.reward_count else math.nan,
             f"{prefix}failed_ratio": d.failed_groups / finished if finished else 0.0,
+            f"{prefix}turns_per_episode": (
+                (d.policy_turns + d.environment_turns) / d.episodes if d.episodes else 0.0
+            ),
             f"{prefix}filtered_ratio": d.filtered_groups / finished if finished else 0.0,
             f"{prefix}tokens_per_s": d.generated_tokens / self.window_s if self.window_s else 0.0,
             f"{prefix}wait_ratio": d.wait_s / self.window_s if self.window_s else 0.0,
@@ -223,6 +249,9 @@ class ProduceProgress:
             _add(c.reward_count_by_task, task, len(rewards))
         tokens = group.num_tokens
         c.generated_tokens += tokens - tokens_before
+        environment = self._count_turns(group)
+        c.policy_tokens += tokens - tokens_before - environment
+        c.environment_tokens += environment
         match outcome:
             case PutOutcome.STORED_READY:
                 c.completed_groups += 1
@@ -247,6 +276,25 @@ class ProduceProgress:
                 self.latency.record(group.latency_s)
             case PutOutcome.DROPPED_EXPIRED:
                 self.count_expired(group)
+
+    def _count_turns(self, group: RolloutGroup) -> int:
+        """Count the episodes and turns of a multi-turn group; its environment tokens."""
+        c, environment = self.counters, 0
+        for s in group.samples:
+            mask, ends = s.loss_mask, s.turn_ends
+            if mask is None or ends is None:
+                continue  # single turn: every token is the policy's
+            environment += len(mask) - int(np.count_nonzero(mask))
+            c.episodes += 1
+            starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+            nonempty = starts < ends
+            env_turns = int(np.count_nonzero(mask[starts[nonempty]] == 0))
+            c.environment_turns += env_turns
+            c.policy_turns += len(ends) - env_turns  # an empty turn is a policy turn
+        return environment
+
+    def count_restart(self, policy: int, environment: int) -> None:
+        self.counters.count_restart(policy, environment)
 
     def count_expired(self, group: RolloutGroup) -> None:
         c = self.counters
@@ -276,7 +324,9 @@ class ProduceProgress:
     def restore(self, counters: ProgressCounters, latency_counts: list[int]) -> None:
         """Continue from a checkpoint's totals (whose histogram layout the caller checked);
         the next window starts here."""
-        self.counters = counters.copy()
+        self.counters = counters = counters.copy()
+        if counters.policy_tokens + counters.environment_tokens == 0:
+            counters.policy_tokens = counters.generated_tokens  # a single-turn-only checkpoint
         self.latency.counts = np.asarray(latency_counts, dtype=np.int64)
         self._mark_counters = counters.copy()
         self._mark_latency = self.latency.snapshot()

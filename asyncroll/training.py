@@ -41,9 +41,9 @@ class TrainBatch(msgspec.Struct, frozen=True, kw_only=True):
 
     input_ids: torch.Tensor  # [B, L] int64
     attention_mask: torch.Tensor  # [B, L] bool: real tokens
-    loss_mask: torch.Tensor  # [B, L] bool: response tokens (the ones trained on)
+    loss_mask: torch.Tensor  # [B, L] bool: tokens the policy sampled (the ones trained on)
     old_logprobs: torch.Tensor  # [B, L] float32: behaviour policy's logprob, 0 off the mask
-    versions: torch.Tensor  # [B, L] int32: policy version per response token, -1 elsewhere
+    versions: torch.Tensor  # [B, L] int32: policy version per policy token, -1 elsewhere
     advantages: torch.Tensor  # [B] float32: one per sample
     rewards: torch.Tensor  # [B] float32
     group_index: torch.Tensor  # [B] int64: which group of the batch a row came from
@@ -81,7 +81,11 @@ def group_advantages(
 def to_batch(
     groups: list[RolloutGroup], *, advantage: Advantage = "grpo", pad_id: int = 0
 ) -> TrainBatch:
-    """Pack scored groups into padded tensors with per-sample advantages."""
+    """Pack scored groups into padded tensors with per-sample advantages.
+
+    Environment tokens of multi-turn samples (`loss_mask` 0) are in `input_ids` and
+    `attention_mask` (the policy saw them) but not in `loss_mask`; their `old_logprobs` are 0
+    and their `versions` -1, as for the prompt."""
     if not groups:
         raise ValueError("to_batch() of no groups")
     if len({g.num_samples for g in groups}) != 1:
@@ -101,9 +105,15 @@ def to_batch(
         ids[row, :p] = g.prompt_tokens
         ids[row, p : p + r] = s.tokens
         attention[row, : p + r] = True
-        trained[row, p : p + r] = True
-        old[row, p : p + r] = s.logprobs
-        versions[row, p : p + r] = s.versions
+        if s.loss_mask is None:  # single turn: every response token is the policy's
+            trained[row, p : p + r] = True
+            old[row, p : p + r] = s.logprobs
+            versions[row, p : p + r] = s.versions
+        else:  # environment tokens are context: not trained, no logprob, no version
+            policy = s.loss_mask.view(np.bool_)
+            trained[row, p : p + r] = policy
+            old[row, p : p + r] = np.where(policy, s.logprobs, np.float32(0))
+            versions[row, p : p + r] = np.where(policy, s.versions, np.int32(-1))
     adv = group_advantages(rewards, advantage).astype(np.float32).reshape(-1)
     return TrainBatch(
         input_ids=torch.from_numpy(ids),

@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 Int32Array = npt.NDArray[np.int32]
 Float32Array = npt.NDArray[np.float32]
+UInt8Array = npt.NDArray[np.uint8]
 
 EMPTY_INT32: Int32Array = np.zeros(0, dtype=np.int32)
 EMPTY_INT32.flags.writeable = False
@@ -42,6 +43,18 @@ class RolloutState(msgspec.Struct, frozen=True, array_like=True, weakref=True):
     log-probability `logprobs[i]` by policy version `versions[i]`. An aborted sample keeps its
     partial arrays so it can be continued; `finish_reason` is the engine's ("stop", "length",
     "abort"). A sample is only ever extended, so `versions` never decreases along it.
+
+    Multi-turn samples (built by an `Episode`) interleave policy and environment tokens:
+
+    * `loss_mask[i]` is 1 for a token the policy sampled (trained on), 0 for one the
+      environment or a tool appended (context only). None means every token is the policy's,
+      which is what a single-turn sample is: no mask is stored for it.
+    * `turn_ends` holds the end offset (exclusive) of each turn, one per `episode.generate` or
+      `episode.append` call, in order, the last equal to `len(tokens)`. None: one policy turn.
+    * An environment token has logprob 0.0 (it was not sampled: log 1) and the version of the
+      newest policy token before it (or the policy version when it was appended, if no policy
+      token precedes it), so `versions` stays non-decreasing and environment tokens never make
+      a sample look staler or fresher than the policy tokens around it.
     """
 
     tokens: Int32Array = EMPTY_INT32
@@ -53,6 +66,8 @@ class RolloutState(msgspec.Struct, frozen=True, array_like=True, weakref=True):
     error: str | None = None
     routed_experts: npt.NDArray[Any] | None = None
     extra: dict[str, Any] = {}
+    loss_mask: UInt8Array | None = None
+    turn_ends: Int32Array | None = None
 
     def __post_init__(self) -> None:
         tokens, logprobs, versions = self.tokens, self.logprobs, self.versions
@@ -67,10 +82,45 @@ class RolloutState(msgspec.Struct, frozen=True, array_like=True, weakref=True):
                 "RolloutState arrays must be 1-D and of one length: "
                 f"tokens {tokens.shape}, logprobs {logprobs.shape}, versions {versions.shape}"
             )
+        if self.loss_mask is not None or self.turn_ends is not None:
+            _check_turns(self.loss_mask, self.turn_ends, n)
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def num_policy_tokens(self) -> int:
+        """Tokens the policy sampled (all of them unless a `loss_mask` says otherwise)."""
+        mask = self.loss_mask
+        return len(self.tokens) if mask is None else int(np.count_nonzero(mask))
+
+    @property
+    def num_turns(self) -> int:
+        """Turns (policy and environment) that built the sample; 1 for a single-turn one."""
+        return 1 if self.turn_ends is None else len(self.turn_ends)
+
+
+def _check_turns(mask: UInt8Array | None, ends: Int32Array | None, n: int) -> None:
+    """Refuse a loss mask or turn boundaries that do not describe `n` tokens: a mask off by one
+    would train on the environment's tokens silently."""
+    if mask is not None and (mask.dtype != np.uint8 or mask.ndim != 1 or len(mask) != n):
+        raise ValueError(
+            f"RolloutState.loss_mask must be a 1-D uint8 array of {n} entries (one per token), "
+            f"got {mask.dtype} with shape {mask.shape}"
+        )
+    if ends is not None:
+        if ends.dtype != np.int32 or ends.ndim != 1:
+            raise TypeError(f"RolloutState.turn_ends must be 1-D int32, got {ends.dtype}")
+        if (
+            (len(ends) == 0 and n != 0)
+            or (len(ends) and (int(ends[-1]) != n or int(ends[0]) < 0))
+            or bool((ends[1:] < ends[:-1]).any())
+        ):
+            raise ValueError(
+                f"RolloutState.turn_ends must rise to the number of tokens ({n}), got "
+                f"{ends.tolist()}"
+            )
 
 
 _min = np.minimum.reduce  # the ufunc itself: ndarray.min adds a Python-level call

@@ -62,6 +62,7 @@ from _common import (
 from tqdm import tqdm
 
 from asyncroll import (
+    Episode,
     Producer,
     ProducerExhausted,
     PutOutcome,
@@ -101,6 +102,24 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True):
     tracemalloc: bool
     seed: int
     engine: str = "sim"
+    turns: int = 1  # > 1: every sample is an episode of this many policy turns (rollout_fn)
+
+
+TOOL_ANSWER = [5, 6]  # the multi-turn variant's environment tokens after each policy turn
+
+
+def make_agent(w: Workload) -> Any:
+    """The multi-turn variant's rollout function: `turns` policy turns sharing max_new_tokens,
+    a 2-token tool answer after each but the last."""
+    per_turn = max(1, w.max_new_tokens // w.turns)
+
+    async def agent(episode: Episode) -> None:
+        for turn in range(w.turns):
+            await episode.generate(max_new_tokens=per_turn)
+            if turn + 1 < w.turns:
+                episode.append(TOOL_ANSWER)
+
+    return agent
 
 
 class RewardFailure(RuntimeError):
@@ -208,6 +227,15 @@ def build_producer(w: Workload, variant: str, engine: Any) -> Producer:
         max_buffer_groups=max(1024, 4 * w.batch_size),
         max_buffer_bytes=w.max_buffer_bytes,
         reward_in_thread=False,  # the reward is trivial: a thread hop would cost more than it
+        **(
+            {
+                "rollout_fn": make_agent(w),
+                "max_turns": w.turns,
+                "max_episode_tokens": w.max_new_tokens + len(TOOL_ANSWER) * (w.turns - 1),
+            }
+            if w.turns > 1
+            else {}
+        ),
     )
     if variant == "baseline":
         producer.buffer = HoardingBuffer(producer.buffer)
@@ -404,8 +432,10 @@ def _workload_line(w: Workload) -> str:
         f"{w.payload_bytes / 1024:,.0f} KiB payload per sample; failed {w.failed:.0%}, "
         f"filtered {w.filtered:.0%}, aborted {w.aborted:.0%} of attempts; batch {w.batch_size}, "
         f"buffer max {w.max_buffer_bytes / MIB:,.0f} MiB, train {w.train_s * 1000:.0f} ms/step, "
-        f"tracemalloc {'on' if w.tracemalloc else 'off'}."
-    )
+        f"tracemalloc {'on' if w.tracemalloc else 'off'}"
+        + (f"; {w.turns}-turn episodes (no payload: episodes do not carry it)." if w.turns > 1
+           else ".")
+    )  # fmt: skip
 
 
 def _or_na(value: Any) -> Any:
@@ -495,6 +525,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tracemalloc", action="store_true", help="also sample the Python heap")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    p.add_argument("--turns", type=int, default=1, help="> 1: multi-turn episodes (rollout_fn)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for PNG/JSON/MD")
     p.add_argument("--child", nargs=3, metavar=("VARIANT", "SPEC", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -508,7 +539,7 @@ def workload(args: argparse.Namespace) -> Workload:
         groups=args.groups or default_groups,
         group_size=args.group_size,
         max_new_tokens=args.max_new_tokens or (64 if vllm else 512),
-        payload_bytes=0 if vllm else int(args.payload_kib * 1024),
+        payload_bytes=0 if vllm or args.turns > 1 else int(args.payload_kib * 1024),
         failed=args.failed,
         filtered=args.filtered,
         aborted=0.0 if vllm else args.aborted,
@@ -523,7 +554,10 @@ def workload(args: argparse.Namespace) -> Workload:
         tracemalloc=args.tracemalloc,
         seed=args.seed,
         engine=args.engine,
+        turns=args.turns,
     )
+    if w.turns < 1:
+        raise SystemExit("--turns must be >= 1")
     if w.group_size < 2:
         raise SystemExit("--group-size must be >= 2: the nonzero_std filter needs two rewards")
     if not (w.failed >= 0 and w.filtered >= 0 and w.failed + w.filtered <= 1):

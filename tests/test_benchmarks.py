@@ -72,3 +72,10 @@ def test_soak_quick_passes_every_check(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "soak.json").read_text())["summary"]
     assert summary["drained"] and summary["lost"] == 0 and summary["duplicated"] == 0
     assert (tmp_path / "soak.png").exists()
+
+
+def test_episodes_benchmark_quick_runs(tmp_path: Path) -> None:
+    proc = run_benchmark("episodes.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "episodes.json").read_text())
+    assert result["ratio"] > 0 and (tmp_path / "episodes.png").exists()

@@ -44,18 +44,25 @@ def check_run(final: dict[str, Any]) -> None:
     assert ledger["in_flight_groups"] == ledger["ready_groups"] == ledger["resume_groups"] == 0
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_killed_and_resumed_run_ends_every_prompt_once(tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "multi"), [(1, False), (2, False), (3, True)], ids=["1", "2", "multi-turn"]
+)
+def test_killed_and_resumed_run_ends_every_prompt_once(
+    tmp_path: Path, seed: int, multi: bool
+) -> None:
+    """With `multi`, the checkpoint holds episodes in flight (restarted on resume)."""
     rng = random.Random(seed)
     save_at = rng.randint(2, 12)
     kill_at = save_at + rng.randint(1, 4)
     straight, broken = tmp_path / "a", tmp_path / "b"
     straight.mkdir()
     broken.mkdir()
-    assert launch(straight) == 0
-    assert launch(broken, "--save-at", str(save_at), "--kill-at", str(kill_at)) == -signal.SIGKILL
+    extra = ["--multi"] if multi else []
+    assert launch(straight, *extra) == 0
+    killed = launch(broken, "--save-at", str(save_at), "--kill-at", str(kill_at), *extra)
+    assert killed == -signal.SIGKILL
     assert not (broken / "final.json").exists()  # it really died mid-run
-    assert launch(broken, "--resume") == 0
+    assert launch(broken, "--resume", *extra) == 0
     a = json.loads((straight / "final.json").read_text())
     b = json.loads((broken / "final.json").read_text())
     check_run(a)
@@ -65,3 +72,6 @@ def test_killed_and_resumed_run_ends_every_prompt_once(tmp_path: Path, seed: int
         ended = ledger["consumed_groups"] + ledger["failed_groups"] + ledger["filtered_groups"]
         assert ended == PROMPTS  # the counters agree: same prompts, each ended once
     assert b["ledger"]["started_groups"] >= PROMPTS
+    if multi:  # the checkpoint was taken with episodes in flight, and they restarted
+        assert json.loads((broken / "journal.json").read_text())["in_flight"] > 0
+        assert b["ledger"]["environment_tokens"] > 0

@@ -57,12 +57,17 @@ class SampleRequest(msgspec.Struct, frozen=True):
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     """The samples of one group that still need tokens. `request_id` is unique per attempt and
-    is what `abort` takes."""
+    is what `abort` takes.
+
+    `session` names the episode a request belongs to (None: a single-turn group). Every turn
+    of one multi-turn episode carries the same key, so an engine with several replicas can keep
+    the episode on one replica and reuse its prefix cache; an engine may ignore it."""
 
     request_id: str
     prompt_tokens: Int32Array
     samples: tuple[SampleRequest, ...]
     sampling: SamplingConfig
+    session: str | None = None
 
 
 class SampleOutput(msgspec.Struct, frozen=True, kw_only=True):

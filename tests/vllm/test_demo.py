@@ -43,3 +43,22 @@ def test_offpolicy_benchmark_quick_runs(tmp_path: Path) -> None:
     assert set(summary) == {"1/none", "1/tis"}
     assert all(np.isfinite(s["stale_kl"]) and s["stale_kl"] >= 0 for s in summary.values())
     assert (tmp_path / "offpolicy.png").exists()
+
+
+async def test_demo_learns_the_multi_turn_tool_echo_task(tmp_path: Path) -> None:
+    """Multi-turn: a tool answers each policy turn with a letter to echo on the next turn.
+    The reward counts only policy tokens and `to_batch` trains only them, so it rises only if
+    episodes, loss masks and turn boundaries work end to end with real vLLM."""
+    config = DemoConfig(
+        task="tool_echo", steps=30, max_new_tokens=4, out=str(tmp_path), solved_reward=0.0,
+        batch_timeout_s=60.0,
+    )  # fmt: skip
+    records = await run_demo(config, progress=False)
+    assert len(records) == 30
+    first = np.mean([r.reward for r in records[:5]])
+    last = np.mean([r.reward for r in records[-5:]])
+    assert first < 0.05  # a random policy almost never echoes the letter
+    assert last > 0.08 and last > 4 * first, (first, last)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "policy / environment tokens, turns per episode" in summary
+    assert ", 5.0" in summary  # 3 policy turns and 2 tool answers per episode

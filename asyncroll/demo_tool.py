@@ -1,0 +1,73 @@
+"""The demo's multi-turn task, "tool_echo": a tool answers each policy turn with a letter the
+policy must echo on its next turn.
+
+The prompt is a letter and a colon ("q:"), as in the single-turn echo task. After each policy
+turn the tool appends the next letter and a colon ("c:"), as environment tokens the policy sees
+but is not trained on. The reward is the fraction of the policy's tokens, over all its turns,
+equal to the letter just before that turn. A random policy scores ~1/500; echoing the most
+recent letter scores 1. Only the policy's tokens are scored and trained (`to_batch` masks the
+tool's), so the reward can only rise if the loss mask, the turn boundaries and token-level
+continuation across turns all work.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from asyncroll.episode import Episode, split_turns
+from asyncroll.types import Prompt, RolloutGroup
+
+LETTERS = "abcdefgh"
+TURNS = 3  # policy turns per episode
+ANSWER_TOKENS = 2  # the tool's answer: a letter and a colon
+
+
+def episode_tokens(max_new_tokens: int) -> int:
+    """Tokens an episode holds at most: every policy turn in full and every tool answer."""
+    return TURNS * max_new_tokens + (TURNS - 1) * ANSWER_TOKENS
+
+
+def tool_echo_prompts(tokenizer: Any, seed: int) -> Iterator[Prompt]:
+    """Endless seeded stream of prompts; the metadata holds the tool's answers (token ids, the
+    same for every sample of the group, so GRPO compares policies, not environments) and each
+    turn's target letter."""
+    rng = random.Random(seed)
+    bos = tokenizer.token_to_id("<|bos|>")
+    for index in range(1 << 62):
+        letters = [rng.choice(LETTERS) for _ in range(TURNS)]
+        yield Prompt(
+            tokens=[bos, *tokenizer.encode(f"{letters[0]}:").ids],
+            task="tool_echo",
+            prompt_id=f"tool_echo/{index}",
+            metadata={
+                "targets": [tokenizer.token_to_id(letter) for letter in letters],
+                "answers": [tokenizer.encode(f"{letter}:").ids for letter in letters[1:]],
+            },
+        )
+
+
+async def tool_echo_agent(episode: Episode) -> None:
+    """Policy turn, tool answer, policy turn, ...: `TURNS` policy turns."""
+    answers = episode.metadata["answers"]
+    for turn in range(TURNS):
+        await episode.generate()
+        if turn < len(answers):
+            episode.append(answers[turn])
+
+
+def tool_echo_reward(group: RolloutGroup) -> list[float]:
+    """Fraction of policy tokens equal to the letter given just before their turn."""
+    targets = group.metadata["targets"]
+    rewards = []
+    for sample in group.samples:
+        hits = total = 0
+        policy_turns = [tokens for policy, tokens in split_turns(sample) if policy]
+        for target, tokens in zip(targets, policy_turns, strict=False):
+            hits += int(np.count_nonzero(tokens == target))
+            total += len(tokens)
+        rewards.append(hits / total if total else 0.0)
+    return rewards

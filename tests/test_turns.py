@@ -1,0 +1,117 @@
+"""The multi-turn data model: a per-token loss mask and turn boundaries on `RolloutState`,
+carried by the codec and checkpoints, applied by `to_batch`."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from asyncroll.codec import decode, encode
+from asyncroll.config import ProducerConfig
+from asyncroll.engines.base import SamplingConfig
+from asyncroll.training import to_batch
+from asyncroll.types import RolloutGroup, RolloutState, Status
+from tests.factories import make_group
+
+
+def turned(sample: RolloutState, mask: list[int], ends: list[int]) -> RolloutState:
+    return msgspec.structs.replace(
+        sample,
+        loss_mask=np.array(mask, dtype=np.uint8),
+        turn_ends=np.array(ends, dtype=np.int32),
+    )
+
+
+def multi_group() -> RolloutGroup:
+    group = make_group(samples=2, tokens=5)
+    a, b = group.samples
+    samples = (turned(a, [1, 1, 0, 0, 1], [2, 4, 5]), b)  # b: single turn, no mask
+    return msgspec.structs.replace(group, samples=samples)
+
+
+def test_a_mask_or_boundaries_that_do_not_fit_the_tokens_are_refused() -> None:
+    sample = make_group(tokens=4).samples[0]
+    with pytest.raises(ValueError, match="loss_mask must be a 1-D uint8 array of 4"):
+        turned(sample, [1, 0, 1], [4])
+    with pytest.raises(ValueError, match="loss_mask must be a 1-D uint8"):
+        msgspec.structs.replace(sample, loss_mask=np.ones(4, dtype=np.int64))
+    with pytest.raises(ValueError, match="turn_ends must rise to the number of tokens"):
+        turned(sample, [1, 1, 0, 0], [2, 3])  # last turn ends before the last token
+    with pytest.raises(ValueError, match="turn_ends must rise"):
+        turned(sample, [1, 1, 0, 0], [3, 2, 4])
+    with pytest.raises(TypeError, match="turn_ends must be 1-D int32"):
+        msgspec.structs.replace(sample, turn_ends=np.array([4], dtype=np.int64))
+
+
+def test_counts_of_policy_tokens_and_turns() -> None:
+    group = multi_group()
+    a, b = group.samples
+    assert (a.num_policy_tokens, a.num_turns) == (3, 3)
+    assert (b.num_policy_tokens, b.num_turns) == (5, 1)  # single turn: every token, one turn
+
+
+def test_codec_round_trips_the_mask_and_boundaries_zero_copy() -> None:
+    group = multi_group()
+    data = encode(group)
+    out = decode(data)
+    a, b = out.samples
+    assert a.loss_mask is not None and a.turn_ends is not None
+    assert a.loss_mask.tolist() == [1, 1, 0, 0, 1] and a.loss_mask.dtype == np.uint8
+    assert a.turn_ends.tolist() == [2, 4, 5]
+    assert np.shares_memory(a.loss_mask, np.frombuffer(data, dtype=np.uint8))
+    assert b.loss_mask is None and b.turn_ends is None
+
+
+def test_single_turn_samples_store_no_mask() -> None:
+    """No mask is stored for single-turn samples (two nil fields on the wire, nothing more)."""
+    group = make_group(samples=3, tokens=7)
+    out = decode(encode(group))
+    assert all(s.loss_mask is None and s.turn_ends is None for s in out.samples)
+
+
+def test_to_batch_trains_only_policy_tokens() -> None:
+    group = multi_group()
+    group = msgspec.structs.replace(
+        group,
+        samples=tuple(
+            msgspec.structs.replace(s, reward=float(i)) for i, s in enumerate(group.samples)
+        ),
+        status=Status.COMPLETED,
+    )
+    batch = to_batch([decode(encode(group))])
+    p = len(group.prompt_tokens)
+    a = group.samples[0]
+    assert batch.loss_mask[0, p : p + 5].tolist() == [True, True, False, False, True]
+    assert batch.attention_mask[0, p : p + 5].all()  # the policy saw the environment's tokens
+    assert batch.input_ids[0, p : p + 5].tolist() == a.tokens.tolist()
+    old = batch.old_logprobs[0, p : p + 5].tolist()
+    assert old[2:4] == [0.0, 0.0] and old[4] == pytest.approx(float(a.logprobs[4]))
+    assert batch.versions[0, p + 2 : p + 4].tolist() == [-1, -1]
+    assert batch.loss_mask[1, p : p + 5].all()  # the single-turn row: every response token
+    assert batch.num_tokens == 3 + 5
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 1000])
+def test_an_episode_at_its_limits_encodes_within_its_reservation(tokens: int) -> None:
+    """The worst case for bytes: every token a turn of its own, plus max_turns empty policy
+    turns, in every sample, with the longest prompt-free group header."""
+    config = ProducerConfig(
+        group_size=3, max_turns=5, max_episode_tokens=tokens, sampling=SamplingConfig()
+    )
+    ends = np.concatenate([np.zeros(5, dtype=np.int32), np.arange(1, tokens + 1, dtype=np.int32)])
+    sample = RolloutState(
+        tokens=np.ones(tokens, dtype=np.int32),
+        logprobs=np.zeros(tokens, dtype=np.float32),
+        versions=np.zeros(tokens, dtype=np.int32),
+        status=Status.COMPLETED,
+        finish_reason="length",
+        reward=1.0,
+        loss_mask=(np.arange(tokens) % 2).astype(np.uint8),
+        turn_ends=ends.astype(np.int32),
+    )
+    group = RolloutGroup(
+        uid=2**40, prompt_id="t/123456", task="t", prompt_tokens=np.ones(9, dtype=np.int32),
+        samples=(sample,) * 3, status=Status.COMPLETED,
+    )  # fmt: skip
+    assert len(encode(group)) <= config.group_bytes(0, prompt_tokens=9, episodes=True)
