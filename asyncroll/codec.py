@@ -264,17 +264,17 @@ def encode_into(
     if out is None:
         return _joined(head, data)
     out[: len(prefix)] = np.frombuffer(prefix, np.uint8)
-    end = 0
-    region = out[len(prefix) : size]
+    end = len(prefix)
     for start, arrays, dtype, shape in data.segments:
-        region[end:start] = 0  # padding: the same bytes as `encode`, whatever was there before
-        end = start + math.prod(shape) * dtype.itemsize
-        if end > start:
-            target = region[start:end].view(dtype).reshape(shape)
-            if len(arrays) == 1:
-                target[...] = arrays[0]
-            else:
-                np.concatenate(arrays, out=target)
+        start += len(prefix)
+        if start > end:
+            out[end:start] = 0  # padding: the same bytes as `encode`, whatever was there before
+        target = np.ndarray(shape, dtype, buffer=out, offset=start)
+        end = start + target.nbytes
+        if len(arrays) == 1:
+            target[...] = arrays[0]
+        elif end > start:
+            np.concatenate(arrays, out=target)
     return out.data[:size].toreadonly()
 
 
@@ -488,6 +488,7 @@ def _value_ext_hook(code: int, payload: memoryview) -> npt.NDArray[Any]:
 
 _VALUE_ENCODER = msgspec.msgpack.Encoder(enc_hook=_value_hook)
 _VALUE_DECODER = msgspec.msgpack.Decoder(ext_hook=_value_ext_hook)
+_EMPTY_MAP = _VALUE_ENCODER.encode({})
 
 
 def encode_value(obj: Any) -> bytes:
@@ -499,6 +500,8 @@ def encode_value(obj: Any) -> bytes:
     Raises `CodecError` naming what it cannot carry; cheap enough to call on every prompt's
     metadata to refuse it before any work is spent on the prompt.
     """
+    if type(obj) is dict and not obj:
+        return _EMPTY_MAP  # most prompts' metadata, checked twice per group by the producer
     _check_depth(obj, "the value")
     try:
         return _VALUE_ENCODER.encode(obj)

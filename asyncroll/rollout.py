@@ -47,7 +47,7 @@ def prompt_array(tokens: Any, vocab_size: int, max_model_len: int | None) -> Int
         )
     if arr.dtype.kind not in "iu":
         raise RolloutError(f"prompt token ids must be integers, got dtype {arr.dtype}")
-    low, high = int(arr.min()), int(arr.max())
+    low, high = int(_min(arr)), int(_max(arr))
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise RolloutError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")

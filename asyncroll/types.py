@@ -132,7 +132,7 @@ class RolloutGroup(msgspec.Struct, frozen=True, array_like=True, weakref=True):
     @property
     def num_tokens(self) -> int:
         """Response tokens held by the group (prompt tokens not included)."""
-        return sum(len(s.tokens) for s in self.samples)
+        return sum([len(s.tokens) for s in self.samples])  # a list: no generator frames
 
     @property
     def min_version(self) -> int:
