@@ -18,7 +18,8 @@ array of its own (`codec.encode_into`); when the group leaves the buffer, the ar
 a spare and holds a later group once nothing references it any more (`_Spares`). A fresh
 allocation per group would fault in a fresh page every 4 KiB (glibc hands large freed blocks
 back to the kernel), which at 1 MiB groups cost more than encoding them. Spares count against
-`max_bytes`: what the buffer holds plus its spares stays within the bound.
+`max_bytes` (what the buffer holds plus its spares stays within the bound) and are kept only up
+to twice what one hand-out cycle stores, so a generous bound does not fill up with them.
 
 The buffer knows only what it holds. Counting what was dropped, and why, is the producer's job:
 `put` returns an explicit outcome and `set_version` returns the groups it expired.
@@ -189,6 +190,8 @@ class RolloutBuffer:
         self._reserved_bytes = 0
         self._seq = itertools.count()
         self._spares = _Spares()
+        self._recycled = 0  # bytes stored in recycled arrays since the last `take`
+        self._demand = 0  # the same, over the cycle before
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -325,6 +328,8 @@ class RolloutBuffer:
             return storage[0]
 
         data = encode_into(group, into)
+        if storage:
+            self._recycled += len(data)
         self._spares.trim(self.max_bytes - self.held_bytes - len(data))
         self.reserve_bytes = min(self.max_bytes, max(self.reserve_bytes, len(data)))
         entry = _Entry(data, group, next(self._seq), max(reserved, len(data)), *storage)
@@ -335,8 +340,16 @@ class RolloutBuffer:
         groups = [decode(entry.data) for entry in entries]
         for entry in entries:
             if entry.storage is not None:
-                self._spares.keep(entry.storage, self.max_bytes - self.held_bytes)
+                self._spares.keep(entry.storage, self._spare_room())
         return groups
+
+    def _spare_room(self) -> int:
+        """Bytes the spares may take: within `max_bytes` with what is held, and no more than
+        twice what one hand-out cycle stores (the trainer still holds the last batch's views
+        while the next one is stored), so that a buffer whose bound is far above its working
+        set does not grow to the bound with spares it never reuses."""
+        demand = max(self._demand, self._recycled)
+        return min(self.max_bytes - self.held_bytes, 2 * demand)
 
     # -- hand-out --------------------------------------------------------------------------------
 
@@ -344,6 +357,7 @@ class RolloutBuffer:
         """Remove and decode `n` ready groups (FIFO, or oldest `min_version` first)."""
         if n < 0 or n > len(self._ready):
             raise ValueError(f"take({n}) with {len(self._ready)} ready groups")
+        self._demand, self._recycled = self._recycled, 0
         if self.order == "fifo":
             chosen = list(itertools.islice(self._ready.values(), n))
         else:

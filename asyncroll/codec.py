@@ -9,16 +9,21 @@ region, each array starting on a 64-byte boundary::
 Keeping the bytes out of band is what makes decoding zero-copy *and* aligned: `decode` returns
 read-only numpy views into the message (an in-band extension payload could sit at any offset,
 which numpy tolerates but kernels and `torch.from_numpy` pay for). Encoding copies each array
-exactly once, into the final `bytes` object. Torch tensors are accepted and moved to the CPU.
+exactly once, into the final `bytes` object (`encode`) or into memory the caller recycles
+(`encode_into`). Torch tensors are accepted and moved to the CPU.
 
-The samples' token ids, logprobs and versions are written back to back as three arrays per
-group rather than three per sample: every extension value costs a Python callback on each side,
-and for groups of 8 samples that per-array cost, not the copy, dominated. Decoding slices them
-back into per-sample views.
+The work is per group, not per sample (format 3). The samples' token ids, logprobs and
+versions are written back to back as three arrays per group, and their routed experts as one
+more when every sample's rows line up (same dtype and row shape, one row per token; a sample
+then carries True in their place, otherwise its own array). `encode` builds those extension
+values itself, so no Python hook runs for them, and the samples go on the wire as plain
+lists; `decode` reuses one typed decoder per thread and slices the packed arrays back into
+per-sample views. Each extension value used to cost a Python callback on each side, and for
+groups of 8 samples that per-array cost, not the copy, dominated.
 
 Corrupt or truncated input raises `CodecError` after checking the frame, every extension's
 bounds and alignment and the typed schema; array *contents* are not checksummed (checkpoints add
-a checksum of their own, in-memory buffer entries are immutable `bytes`).
+a checksum of their own, in-memory buffer entries are read-only).
 
 Metadata and `extra` take what msgpack does plus numpy arrays, torch tensors and numpy scalars
 (which pandas and HF datasets hand out; they are stored as the Python scalar). Anything else,

@@ -381,3 +381,18 @@ def test_snapshot_of_recycled_storage_is_plain_bytes() -> None:
     ready, resume = buf.snapshot()
     assert [type(b) for b in ready] == [bytes] and resume == []
     assert ready[0] == encode(group)
+
+
+def test_spares_follow_what_a_cycle_stores_not_the_bound() -> None:
+    """A burst leaves many spares; once the cycles store one group each, the spares shrink
+    to two groups' worth (the batch the trainer still holds, and the next one)."""
+    buf = buffer(max_groups=16, max_bytes=1 << 30)
+    for uid in range(8):
+        put(buf, big_group(uid))
+    buf.take(8)
+    size = len(encode(big_group(0)))
+    assert buf._spares.nbytes >= 8 * size
+    for uid in range(8, 14):
+        put(buf, big_group(uid))
+        buf.take(1)
+    assert buf._spares.nbytes <= 2 * (size + size // 8)
