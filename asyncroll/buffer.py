@@ -13,6 +13,14 @@ reservations). A group waiting to resume takes its reservation again before it r
 Because every group that can arrive already holds its slot, `put` never waits and a drain never
 deadlocks.
 
+Memory is recycled. A stored group of `RECYCLE_MIN_BYTES` or more is written into a uint8
+array of its own (`codec.encode_into`); when the group leaves the buffer, the array is kept as
+a spare and holds a later group once nothing references it any more (`_Spares`). A fresh
+allocation per group would fault in a fresh page every 4 KiB (glibc hands large freed blocks
+back to the kernel), which at 1 MiB groups cost more than encoding them. Spares count against
+`max_bytes` (what the buffer holds plus its spares stays within the bound) and are kept only up
+to twice what one hand-out cycle stores, so a generous bound does not fill up with them.
+
 The buffer knows only what it holds. Counting what was dropped, and why, is the producer's job:
 `put` returns an explicit outcome and `set_version` returns the groups it expired.
 """
@@ -22,13 +30,16 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import sys
 from collections.abc import Callable
 from typing import Literal
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from asyncroll._signal import Signal
-from asyncroll.codec import decode, encode
+from asyncroll.codec import decode, encode_into
 from asyncroll.types import RolloutGroup, Status
 
 Order = Literal["fifo", "stalest"]
@@ -66,18 +77,71 @@ class BufferStats(msgspec.Struct, frozen=True, kw_only=True):
 
 class _Entry:
     """One stored group: its bytes plus what the buffer must know without decoding it.
-    `reserved` is the reservation it started with, which it takes again when it resumes."""
+    `reserved` is the reservation it started with, which it takes again when it resumes;
+    `storage` is the recycled array its bytes lie in (None: they are a `bytes` of their own)."""
 
-    __slots__ = ("data", "min_version", "reserved", "samples", "seq", "tokens", "uid")
+    __slots__ = ("data", "min_version", "reserved", "samples", "seq", "storage", "tokens", "uid")
 
-    def __init__(self, data: bytes, group: RolloutGroup, seq: int, reserved: int) -> None:
+    def __init__(
+        self,
+        data: bytes | memoryview,
+        group: RolloutGroup,
+        seq: int,
+        reserved: int,
+        storage: npt.NDArray[np.uint8] | None = None,
+    ) -> None:
         self.data = data
+        self.storage = storage
         self.reserved = reserved
         self.uid = group.uid
         self.min_version = group.min_version
         self.samples = group.num_samples
         self.tokens = group.num_tokens
         self.seq = seq
+
+
+RECYCLE_MIN_BYTES = 64 * 1024
+"""Groups at least this large are stored in recycled arrays; smaller ones come from the
+allocator's heap, which reuses freed memory well, and would only pay `encode_into`'s cost."""
+_SCAN = 16  # spares looked at per stored group: the oldest are the likeliest to be free
+_FREE_REFS = 3  # a free spare's references in `_Spares.take`: the list, `arr`, getrefcount's
+
+
+class _Spares:
+    """Arrays whose groups left the buffer, kept to store later groups in.
+
+    A decoded group's views reference the array its bytes lie in, so an array is handed out
+    again only while nothing but this list (and the scan's own name for it) references it:
+    whoever holds a view of a group taken earlier (the trainer, a checkpoint, an `on_drop`
+    callback) keeps its array out of reuse, and can never see its bytes change.
+    """
+
+    def __init__(self) -> None:
+        self._arrays: list[npt.NDArray[np.uint8]] = []
+        self.nbytes = 0
+
+    def take(self, size: int) -> npt.NDArray[np.uint8]:
+        """A free spare of at least `size` bytes (and not more than twice that), else a new
+        array with some room to spare, so that a slightly larger group can reuse it later."""
+        for i in range(min(len(self._arrays), _SCAN)):
+            arr = self._arrays[i]
+            if size <= len(arr) <= 2 * size and sys.getrefcount(arr) == _FREE_REFS:
+                del self._arrays[i]
+                self.nbytes -= len(arr)
+                return arr
+        return np.empty(size + size // 8, np.uint8)
+
+    def keep(self, arr: npt.NDArray[np.uint8], room: int) -> None:
+        """Keep `arr` as a spare if it fits in `room` bytes with the others."""
+        self.trim(room - len(arr))
+        if self.nbytes + len(arr) <= room:
+            self._arrays.append(arr)
+            self.nbytes += len(arr)
+
+    def trim(self, room: int) -> None:
+        """Drop the oldest spares until they take at most `room` bytes."""
+        while self._arrays and self.nbytes > max(room, 0):
+            self.nbytes -= len(self._arrays.pop(0))
 
 
 class RolloutBuffer:
@@ -125,6 +189,9 @@ class RolloutBuffer:
         self._reserved = 0
         self._reserved_bytes = 0
         self._seq = itertools.count()
+        self._spares = _Spares()
+        self._recycled = 0  # bytes stored in recycled arrays since the last `take`
+        self._demand = 0  # the same, over the cycle before
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -252,9 +319,37 @@ class RolloutBuffer:
     def _store(self, group: RolloutGroup, reserved: int) -> _Entry:
         if group.uid in self._ready or group.uid in self._resume:
             raise ValueError(f"group {group.uid} is already in the buffer")
-        data = encode(group)
+        storage: list[npt.NDArray[np.uint8]] = []
+
+        def into(size: int) -> npt.NDArray[np.uint8] | None:
+            if size < RECYCLE_MIN_BYTES:
+                return None
+            storage.append(self._spares.take(size))
+            return storage[0]
+
+        data = encode_into(group, into)
+        if storage:
+            self._recycled += len(data)
+        self._spares.trim(self.max_bytes - self.held_bytes - len(data))
         self.reserve_bytes = min(self.max_bytes, max(self.reserve_bytes, len(data)))
-        return _Entry(data, group, next(self._seq), max(reserved, len(data)))
+        entry = _Entry(data, group, next(self._seq), max(reserved, len(data)), *storage)
+        return entry
+
+    def _release(self, entries: list[_Entry]) -> list[RolloutGroup]:
+        """Decode entries that left the buffer and keep their arrays as spares."""
+        groups = [decode(entry.data) for entry in entries]
+        for entry in entries:
+            if entry.storage is not None:
+                self._spares.keep(entry.storage, self._spare_room())
+        return groups
+
+    def _spare_room(self) -> int:
+        """Bytes the spares may take: within `max_bytes` with what is held, and no more than
+        twice what one hand-out cycle stores (the trainer still holds the last batch's views
+        while the next one is stored), so that a buffer whose bound is far above its working
+        set does not grow to the bound with spares it never reuses."""
+        demand = max(self._demand, self._recycled)
+        return min(self.max_bytes - self.held_bytes, 2 * demand)
 
     # -- hand-out --------------------------------------------------------------------------------
 
@@ -262,6 +357,7 @@ class RolloutBuffer:
         """Remove and decode `n` ready groups (FIFO, or oldest `min_version` first)."""
         if n < 0 or n > len(self._ready):
             raise ValueError(f"take({n}) with {len(self._ready)} ready groups")
+        self._demand, self._recycled = self._recycled, 0
         if self.order == "fifo":
             chosen = list(itertools.islice(self._ready.values(), n))
         else:
@@ -271,7 +367,7 @@ class RolloutBuffer:
             self._ready_bytes -= len(entry.data)
         if chosen:
             self.changed.notify()
-        return [decode(entry.data) for entry in chosen]
+        return self._release(chosen)
 
     async def get_batch(self, n: int, timeout: float | None = None) -> list[RolloutGroup]:
         """Wait until `n` groups are ready and hand them out; `TimeoutError` (nothing taken)
@@ -299,7 +395,7 @@ class RolloutBuffer:
         self._reserved += 1
         self._reserved_bytes += entry.reserved
         self.changed.notify()
-        return decode(entry.data), entry.reserved
+        return self._release([entry])[0], entry.reserved
 
     def set_version(self, version: int) -> list[RolloutGroup]:
         """Move to policy `version`; remove and return the held groups that became stale."""
@@ -318,7 +414,7 @@ class RolloutBuffer:
         self._resume_bytes = sum(len(e.data) for e in self._resume.values())
         if expired:
             self.changed.notify()
-        return [decode(e.data) for e in expired]
+        return self._release(expired)
 
     # -- introspection and checkpoints -----------------------------------------------------------
 
@@ -339,7 +435,10 @@ class RolloutBuffer:
 
     def snapshot(self) -> tuple[list[bytes], list[bytes]]:
         """The encoded ready and resume groups, in hand-out order of arrival (for checkpoints)."""
-        return [e.data for e in self._ready.values()], [e.data for e in self._resume.values()]
+        return (
+            [bytes(e.data) for e in self._ready.values()],
+            [bytes(e.data) for e in self._resume.values()],
+        )
 
     def restore(
         self,

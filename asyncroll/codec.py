@@ -9,16 +9,21 @@ region, each array starting on a 64-byte boundary::
 Keeping the bytes out of band is what makes decoding zero-copy *and* aligned: `decode` returns
 read-only numpy views into the message (an in-band extension payload could sit at any offset,
 which numpy tolerates but kernels and `torch.from_numpy` pay for). Encoding copies each array
-exactly once, into the final `bytes` object. Torch tensors are accepted and moved to the CPU.
+exactly once, into the final `bytes` object (`encode`) or into memory the caller recycles
+(`encode_into`). Torch tensors are accepted and moved to the CPU.
 
-The samples' token ids, logprobs and versions are written back to back as three arrays per
-group rather than three per sample: every extension value costs a Python callback on each side,
-and for groups of 8 samples that per-array cost, not the copy, dominated. Decoding slices them
-back into per-sample views.
+The work is per group, not per sample (format 3). The samples' token ids, logprobs and
+versions are written back to back as three arrays per group, and their routed experts as one
+more when every sample's rows line up (same dtype and row shape, one row per token; a sample
+then carries True in their place, otherwise its own array). `encode` builds those extension
+values itself, so no Python hook runs for them, and the samples go on the wire as plain
+lists; `decode` reuses one typed decoder per thread and slices the packed arrays back into
+per-sample views. Each extension value used to cost a Python callback on each side, and for
+groups of 8 samples that per-array cost, not the copy, dominated.
 
 Corrupt or truncated input raises `CodecError` after checking the frame, every extension's
 bounds and alignment and the typed schema; array *contents* are not checksummed (checkpoints add
-a checksum of their own, in-memory buffer entries are immutable `bytes`).
+a checksum of their own, in-memory buffer entries are read-only).
 
 Metadata and `extra` take what msgpack does plus numpy arrays, torch tensors and numpy scalars
 (which pandas and HF datasets hand out; they are stored as the Python scalar). Anything else,
@@ -31,10 +36,11 @@ writable copies: that data is small and long-lived, so it must not pin the buffe
 
 from __future__ import annotations
 
-import itertools
 import math
 import struct
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -43,10 +49,18 @@ import numpy.typing as npt
 
 from asyncroll.types import RolloutGroup, RolloutState
 
-__all__ = ["MAX_DEPTH", "CodecError", "decode", "decode_value", "encode", "encode_value"]
+__all__ = [
+    "MAX_DEPTH",
+    "CodecError",
+    "decode",
+    "decode_value",
+    "encode",
+    "encode_into",
+    "encode_value",
+]
 
 MAGIC = b"ARGR"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ALIGN = 64
 _PREFIX = struct.Struct("<4sHHIQ")
 _EXT_ARRAY = 1  # in a group: the array's bytes lie in the data region
@@ -68,12 +82,15 @@ _SUPPORTED = (
 _ZEROS = memoryview(bytes(ALIGN))
 
 _DTYPES: tuple[np.dtype[Any], ...] = tuple(
-    np.dtype(t).newbyteorder("<")
+    np.dtype(t) if np.dtype(t).byteorder in "=|" and sys.byteorder == "little"
+    else np.dtype(t).newbyteorder("<")
     for t in (
         np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
         np.int64, np.uint64, np.float16, np.float32, np.float64,
     )
 )  # fmt: skip
+# (numpy's own dtype instances where they are little-endian: decoded arrays then pass the
+# identity checks of `RolloutState.__post_init__`)
 _DTYPE_CODE = {dt: code for code, dt in enumerate(_DTYPES)}
 
 
@@ -86,6 +103,8 @@ class CodecError(ValueError):
 # Built from the public structs' own field lists, so a field added there is carried here.
 
 _PACKED = ("tokens", "logprobs", "versions")  # RolloutState's first three fields
+_PACKED_DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.int32))
+_ROWS = "routed_experts"  # one row per token: packed as well when every sample's rows line up
 
 
 def _field_specs(cls: Any, skip: tuple[str, ...] = ()) -> list[tuple[Any, ...]]:
@@ -102,12 +121,21 @@ def _field_specs(cls: Any, skip: tuple[str, ...] = ()) -> list[tuple[Any, ...]]:
     return specs
 
 
-if [f.name for f in msgspec.structs.fields(RolloutState)][:3] != list(_PACKED):
-    raise ImportError("asyncroll.codec expects tokens, logprobs, versions first in RolloutState")
-_SAMPLE_REST = len(_PACKED)  # RolloutState fields after the packed ones go on the wire as is
+_STATE_FIELDS = [f.name for f in msgspec.structs.fields(RolloutState)]
+if _STATE_FIELDS[:3] != list(_PACKED) or _ROWS not in _STATE_FIELDS:
+    raise ImportError(
+        "asyncroll.codec expects tokens, logprobs, versions first in RolloutState, and "
+        f"{_ROWS} in it"
+    )
+_SAMPLE_REST = len(_PACKED)  # RolloutState fields after the packed ones go on the wire as is,
+_ROWS_AT = _STATE_FIELDS.index(_ROWS) - _SAMPLE_REST  # ...except the rows: True when packed
 _WireSample: Any = msgspec.defstruct(
     "_WireSample",
-    [("length", int), *_field_specs(RolloutState, _PACKED)],
+    [("length", int)]
+    + [
+        (_ROWS, Any, None) if spec[0] == _ROWS else spec
+        for spec in _field_specs(RolloutState, _PACKED)
+    ],
     array_like=True,
     frozen=True,
 )
@@ -116,6 +144,7 @@ _SAMPLES_AT = _GROUP_FIELDS.index("samples")
 _WireGroup: Any = msgspec.defstruct(
     "_WireGroup",
     [(name, npt.NDArray[Any]) for name in _PACKED]
+    + [(_ROWS, npt.NDArray[Any] | None)]
     + [
         (spec[0], tuple[_WireSample, ...]) if spec[0] == "samples" else spec
         for spec in _field_specs(RolloutGroup)
@@ -123,15 +152,7 @@ _WireGroup: Any = msgspec.defstruct(
     array_like=True,
     frozen=True,
 )
-
-
-class _Packed:
-    """One per-sample array field of every sample, written back to back as one array."""
-
-    __slots__ = ("arrays",)
-
-    def __init__(self, arrays: list[Any]) -> None:
-        self.arrays = arrays
+_WIRE_GROUP_HEAD = len(_PACKED) + 1  # packed arrays, then the group's own fields
 
 
 def _to_numpy(obj: Any) -> npt.NDArray[Any]:
@@ -193,57 +214,143 @@ def _encode_failed(exc: TypeError | OverflowError | RecursionError, what: str) -
     return CodecError(f"cannot encode {what}: {exc}")
 
 
-def encode(group: RolloutGroup) -> bytes:
-    """Encode a group to one immutable `bytes` message (one copy of each array's data)."""
-    parts: list[Any] = []
-    offset = 0
+class _Data:
+    """The data region being laid out: its parts (arrays, padding), its length so far, and its
+    segments (offset, arrays, dtype, shape: one per extension value) for `encode_into`."""
 
-    def place(arrays: list[npt.NDArray[Any]]) -> int:
-        """Queue arrays back to back at the next aligned offset; return that offset.
-        (`bytes.join` reads contiguous numpy arrays through the buffer protocol.)"""
-        nonlocal offset
-        pad = -offset % ALIGN
+    __slots__ = ("offset", "parts", "segments")
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self.segments: list[tuple[int, list[Any], np.dtype[Any], tuple[int, ...]]] = []
+        self.offset = 0
+
+    def ext(self, arrays: list[Any], dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
+        """The extension value of `arrays` (of one dtype) laid out back to back as one array
+        at the next aligned offset. (`bytes.join` reads contiguous numpy arrays through the
+        buffer protocol.)"""
+        pad = -self.offset % ALIGN
         if pad:
-            parts.append(_ZEROS[:pad])
-        start = offset + pad
-        parts.extend(arrays)
-        offset = start + sum(a.nbytes for a in arrays)
-        return start
-
-    def hook(obj: Any) -> Any:
-        if type(obj) is _Packed:
-            arrays = [_to_numpy(a) for a in obj.arrays]
-            dtype = arrays[0].dtype
-            if any(a.dtype != dtype for a in arrays):
-                raise CodecError(f"samples hold {dtype} and other dtypes in one field")
-            count = sum(len(a) for a in arrays)
-            head = _EXT_LAYOUT[1].pack(_DTYPE_CODE[dtype], 1, place(arrays), count)
-        elif isinstance(obj, np.generic):
-            return obj.item()  # a numpy scalar, stored as the Python scalar
-        else:
-            arr = _to_numpy(obj)
-            head = _EXT_LAYOUT[arr.ndim].pack(
-                _DTYPE_CODE[arr.dtype], arr.ndim, place([arr]), *arr.shape
-            )
+            self.parts.append(_ZEROS[:pad])
+        start = self.offset + pad
+        self.parts.extend(arrays)
+        self.segments.append((start, arrays, dtype, shape))
+        self.offset = start + math.prod(shape) * dtype.itemsize
+        head = _EXT_LAYOUT[len(shape)].pack(_DTYPE_CODE[dtype], len(shape), start, *shape)
         return msgspec.msgpack.Ext(_EXT_ARRAY, head)
 
-    _check_depth(group.metadata, f"group {group.uid}'s metadata")
-    for s in group.samples:
+
+def encode(group: RolloutGroup) -> bytes:
+    """Encode a group to one immutable `bytes` message (one copy of each array's data)."""
+    head, data = _layout(group)
+    return _joined(head, data)
+
+
+def _joined(head: list[Any], data: _Data) -> bytes:
+    try:
+        return b"".join([*head, *data.parts])
+    except TypeError:  # a strided view (a sample built by hand): copy it to contiguous first
+        return b"".join([*head, *(_contiguous(p) for p in data.parts)])
+
+
+def encode_into(
+    group: RolloutGroup, storage: Callable[[int], npt.NDArray[np.uint8] | None]
+) -> bytes | memoryview:
+    """Encode a group into memory of the caller's: `storage(size)` returns a writable uint8
+    array of at least `size` bytes, and the message is the read-only view of its first `size`
+    bytes (the same bytes `encode` returns); or it returns None, and the message is a new
+    `bytes` as from `encode`. A buffer that recycles its storage this way writes into pages
+    that are already mapped instead of faulting in fresh ones for every group.
+    """
+    head, data = _layout(group)
+    prefix = b"".join(head)
+    size = len(prefix) + data.offset
+    out = storage(size)
+    if out is None:
+        return _joined(head, data)
+    out[: len(prefix)] = np.frombuffer(prefix, np.uint8)
+    end = len(prefix)
+    for start, arrays, dtype, shape in data.segments:
+        start += len(prefix)
+        if start > end:
+            out[end:start] = 0  # padding: the same bytes as `encode`, whatever was there before
+        target = np.ndarray(shape, dtype, buffer=out, offset=start)
+        end = start + target.nbytes
+        if len(arrays) == 1:
+            target[...] = arrays[0]
+        elif end > start:
+            np.concatenate(arrays, out=target)
+    return out.data[:size].toreadonly()
+
+
+def _layout(group: RolloutGroup) -> tuple[list[Any], _Data]:
+    """The message's head (frame prefix, msgpack header, padding) and its data region.
+
+    The per-group cost is fixed, not per sample: no Python callback runs for the samples'
+    token ids, logprobs, versions and routed experts (their extension values are built here,
+    and the samples go on the wire as plain lists); only arrays elsewhere (metadata, `extra`,
+    routed experts that do not line up) go through the encoder's hook.
+    """
+    data = _Data()
+
+    def hook(obj: Any) -> Any:
+        if isinstance(obj, np.generic):
+            return obj.item()  # a numpy scalar, stored as the Python scalar
+        arr = _to_numpy(obj)
+        return data.ext([arr], arr.dtype, arr.shape)
+
+    samples = group.samples
+    if group.metadata:
+        _check_depth(group.metadata, f"group {group.uid}'s metadata")
+    for s in samples:
         if s.extra:
             _check_depth(s.extra, f"group {group.uid}'s sample extra")
+    states = [msgspec.structs.astuple(s) for s in samples]
+    lengths = [len(state[0]) for state in states]
+    total = sum(lengths)
+    packed = [
+        data.ext([state[i] for state in states], dtype, (total,))
+        for i, dtype in enumerate(_PACKED_DTYPES)
+    ]
+    rows = _pack_rows(data, [state[_SAMPLE_REST + _ROWS_AT] for state in states], lengths)
+    wire_samples = []
+    for state, n in zip(states, lengths, strict=True):
+        wire = [n, *state[_SAMPLE_REST:]]
+        if rows is not None and wire[1 + _ROWS_AT] is not None:
+            wire[1 + _ROWS_AT] = True  # its rows are the next n of the packed array
+        wire_samples.append(wire)
     fields = list(msgspec.structs.astuple(group))
-    samples = fields[_SAMPLES_AT]
-    fields[_SAMPLES_AT] = tuple(
-        _WireSample(len(s.tokens), *msgspec.structs.astuple(s)[_SAMPLE_REST:]) for s in samples
-    )
-    packed = (_Packed([getattr(s, name) for s in samples]) for name in _PACKED)
+    fields[_SAMPLES_AT] = wire_samples
     try:
-        header = msgspec.msgpack.Encoder(enc_hook=hook).encode(_WireGroup(*packed, *fields))
+        header = msgspec.msgpack.Encoder(enc_hook=hook).encode([*packed, rows, *fields])
     except (TypeError, OverflowError, RecursionError) as exc:
         raise _encode_failed(exc, f"group {group.uid}") from None
     start = _PREFIX.size + len(header)
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), offset)
-    return b"".join([prefix, header, _ZEROS[: -start % ALIGN], *parts])
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), data.offset)
+    return [prefix, header, _ZEROS[: -start % ALIGN]], data
+
+
+def _contiguous(part: Any) -> Any:
+    return np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part
+
+
+def _pack_rows(data: _Data, rows: list[Any], lengths: list[int]) -> Any:
+    """The extension value of every sample's routed experts as one array, or None when no
+    sample has any or they do not line up (then each sample carries its own, through the
+    hook): packed rows must be numpy arrays of one dtype and row shape, one row per token."""
+    present = [r for r in rows if r is not None]
+    if not present:
+        return None
+    first = present[0]
+    if type(first) is not np.ndarray or first.ndim == 0 or first.dtype not in _DTYPE_CODE:
+        return None
+    dtype, row = first.dtype, first.shape[1:]
+    for r, n in zip(rows, lengths, strict=True):
+        if r is not None and (
+            type(r) is not np.ndarray or r.dtype != dtype or r.shape[1:] != row or len(r) != n
+        ):
+            return None
+    return data.ext(present, dtype, (sum(len(r) for r in present), *row))
 
 
 def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
@@ -265,10 +372,38 @@ def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
             f"truncated or padded message: {len(data)} bytes, the frame says "
             f"{data_start + data_len}"
         )
+    reader = _READER
     # Views of a mutable buffer would be writable: read through a read-only view instead.
-    buf = data if isinstance(data, bytes) else memoryview(data).toreadonly()
+    reader.buf = data if isinstance(data, bytes) else memoryview(data).toreadonly()
+    reader.start, reader.size = data_start, data_len
+    try:
+        wire = reader.decoder.decode(memoryview(data)[_PREFIX.size : header_end])
+        return _unpack(msgspec.structs.astuple(wire))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CodecError(f"corrupt group header: {exc}") from None
+    except RecursionError:
+        raise CodecError("corrupt group header: nested too deep") from None
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, CodecError):
+            raise
+        raise CodecError(f"corrupt group: {exc}") from None
+    finally:
+        reader.buf = None  # the reader must not keep the message alive
 
-    def ext_hook(code: int, payload: memoryview) -> npt.NDArray[Any]:
+
+class _Reader(threading.local):
+    """One per thread: a typed decoder made once (making one costs about as much as decoding
+    a small header) and the message its extension hook reads arrays from, set only while one
+    `decode` runs (a decode never starts another in the same thread)."""
+
+    def __init__(self) -> None:
+        self.buf: Any = None
+        self.start = 0  # where the data region starts in `buf`
+        self.size = 0  # its length
+        self.decoder = msgspec.msgpack.Decoder(_WireGroup, ext_hook=self.array)
+
+    def array(self, code: int, payload: memoryview) -> npt.NDArray[Any]:
+        """An array of the data region from its extension value, after checking its bounds."""
         if code != _EXT_ARRAY or len(payload) < _EXT_LAYOUT[0].size:
             raise CodecError(f"unknown extension value (code {code}, {len(payload)} bytes)")
         ndim = payload[1]
@@ -279,49 +414,47 @@ def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
             raise CodecError(f"bad array header (dtype code {dtype_code})")
         dtype = _DTYPES[dtype_code]
         count = math.prod(shape)
-        if min(shape, default=0) < 0 or offset + count * dtype.itemsize > data_len:
+        if min(shape, default=0) < 0 or offset + count * dtype.itemsize > self.size:
             raise CodecError(f"array of shape {shape} at {offset} lies outside the data region")
         if offset % ALIGN:
             raise CodecError(f"array at offset {offset} is not aligned to {ALIGN} bytes")
-        arr = np.frombuffer(buf, dtype=dtype, count=count, offset=data_start + offset)
+        arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.start + offset)
         return arr if ndim == 1 else arr.reshape(shape)
 
-    decoder = msgspec.msgpack.Decoder(_WireGroup, ext_hook=ext_hook)
-    try:
-        wire = decoder.decode(memoryview(data)[_PREFIX.size : header_end])
-        return _unpack(msgspec.structs.astuple(wire))
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise CodecError(f"corrupt group header: {exc}") from None
-    except RecursionError:
-        raise CodecError("corrupt group header: nested too deep") from None
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, CodecError):
-            raise
-        raise CodecError(f"corrupt group: {exc}") from None
+
+_READER = _Reader()
 
 
 def _unpack(wire: tuple[Any, ...]) -> RolloutGroup:
     """Rebuild the group: slice the packed arrays back into each sample's views."""
-    tokens, logprobs, versions = wire[: len(_PACKED)]
-    fields = list(wire[len(_PACKED) :])
-    wire_samples = fields[_SAMPLES_AT]
-    lengths = [ws.length for ws in wire_samples]
+    tokens, logprobs, versions, rows = wire[:_WIRE_GROUP_HEAD]
+    fields = list(wire[_WIRE_GROUP_HEAD:])
+    states = [msgspec.structs.astuple(ws) for ws in fields[_SAMPLES_AT]]
+    lengths = [state[0] for state in states]
     total = sum(lengths)
     if min(lengths, default=0) < 0 or not total == len(tokens) == len(logprobs) == len(versions):
         raise CodecError(
             f"sample lengths {lengths} do not match the packed arrays "
             f"({len(tokens)}, {len(logprobs)}, {len(versions)})"
         )
-    ends = list(itertools.accumulate(lengths))
-    fields[_SAMPLES_AT] = tuple(
-        RolloutState(
-            tokens[end - n : end],
-            logprobs[end - n : end],
-            versions[end - n : end],
-            *msgspec.structs.astuple(ws)[1:],
+    samples = []
+    end = row_end = 0
+    for state, n in zip(states, lengths, strict=True):
+        start, end = end, end + n
+        rest: Any = state[1:]
+        mine = rest[_ROWS_AT]
+        if mine is True and rows is not None:
+            rest = list(rest)
+            rest[_ROWS_AT] = rows[row_end : row_end + n]
+            row_end += n
+        elif mine is not None and type(mine) is not np.ndarray:
+            raise CodecError(f"bad routed experts of a sample: {type(mine).__name__}")
+        samples.append(
+            RolloutState(tokens[start:end], logprobs[start:end], versions[start:end], *rest)
         )
-        for ws, n, end in zip(wire_samples, lengths, ends, strict=True)
-    )
+    if rows is not None and row_end != len(rows):
+        raise CodecError(f"the samples use {row_end} of {len(rows)} packed routed-expert rows")
+    fields[_SAMPLES_AT] = tuple(samples)
     return RolloutGroup(*fields)
 
 
@@ -360,6 +493,7 @@ def _value_ext_hook(code: int, payload: memoryview) -> npt.NDArray[Any]:
 
 _VALUE_ENCODER = msgspec.msgpack.Encoder(enc_hook=_value_hook)
 _VALUE_DECODER = msgspec.msgpack.Decoder(ext_hook=_value_ext_hook)
+_EMPTY_MAP = _VALUE_ENCODER.encode({})
 
 
 def encode_value(obj: Any) -> bytes:
@@ -371,6 +505,8 @@ def encode_value(obj: Any) -> bytes:
     Raises `CodecError` naming what it cannot carry; cheap enough to call on every prompt's
     metadata to refuse it before any work is spent on the prompt.
     """
+    if type(obj) is dict and not obj:
+        return _EMPTY_MAP  # most prompts' metadata, checked twice per group by the producer
     _check_depth(obj, "the value")
     try:
         return _VALUE_ENCODER.encode(obj)

@@ -7,6 +7,7 @@ a FAILED group. Nothing here awaits or keeps state, so each step is tested on it
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ import numpy as np
 
 from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest, SamplingConfig
 from asyncroll.types import (
+    Float32Array,
     Int32Array,
     RolloutGroup,
     RolloutState,
@@ -25,6 +27,8 @@ from asyncroll.types import (
 )
 
 _LOGPROB_TOLERANCE = 1e-4  # float rounding can put log(1) a hair above 0
+_min = np.minimum.reduce  # the ufuncs themselves: ndarray.min/max add a Python-level call
+_max = np.maximum.reduce
 
 
 class RolloutError(ValueError):
@@ -43,7 +47,7 @@ def prompt_array(tokens: Any, vocab_size: int, max_model_len: int | None) -> Int
         )
     if arr.dtype.kind not in "iu":
         raise RolloutError(f"prompt token ids must be integers, got dtype {arr.dtype}")
-    low, high = int(arr.min()), int(arr.max())
+    low, high = int(_min(arr)), int(_max(arr))
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise RolloutError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
@@ -98,47 +102,121 @@ def merge_outputs(
     Checks what a buggy engine could get wrong: the number of outputs, array types and lengths,
     token ids outside the vocabulary, logprobs that are NaN, infinite or positive, versions that
     decrease or run ahead of `version`, more tokens than the budget, unknown finish reasons.
+
+    The work is per group, not per sample: each field of the outputs is joined into one new
+    array (the only copy, so nothing the engine returned stays referenced), every check is one
+    vectorised reduction over the whole group, and each sample's new tokens are a view into
+    the joined arrays. This is the boundary where engine output is validated.
     """
     todo = unfinished(group)
     if len(outputs) != len(todo):
         raise RolloutError(f"engine returned {len(outputs)} samples for {len(todo)} requested")
+    if not todo:
+        return group.samples
+    tokens, logprobs, versions, ends = _joined(outputs)
+    _check_group(group, todo, request, tokens, logprobs, versions, ends, vocab_size, version)
     samples = list(group.samples)
-    for idx, req, out in zip(todo, request.samples, outputs, strict=True):
-        samples[idx] = _extend(samples[idx], req, out, vocab_size, version)
+    start = 0
+    for idx, req, out, end in zip(todo, request.samples, outputs, ends, strict=True):
+        chunk = (tokens[start:end], logprobs[start:end], versions[start:end])
+        samples[idx] = _extended(samples[idx], req, out, *chunk)
+        start = end
     return tuple(samples)
 
 
-def _extend(
-    sample: RolloutState, req: SampleRequest, out: SampleOutput, vocab_size: int, version: int
-) -> RolloutState:
+def _joined(
+    outputs: Sequence[SampleOutput],
+) -> tuple[Int32Array, Float32Array, Int32Array, list[int]]:
+    """Each field of the outputs joined into one new 1-D array of its dtype, and where each
+    output ends in them; `RolloutError` for arrays of the wrong rank, kind or length."""
     try:
-        tokens = _as(out.tokens, np.int32, "i")
-        logprobs = _as(out.logprobs, np.float32, "f")
-        versions = _as(out.versions, np.int32, "i")
+        tokens = _join([out.tokens for out in outputs], np.int32, "i")
+        logprobs = _join([out.logprobs for out in outputs], np.float32, "f")
+        versions = _join([out.versions for out in outputs], np.int32, "i")
     except (TypeError, ValueError) as exc:
         raise RolloutError(str(exc)) from None
-    n = len(tokens)
-    if len(logprobs) != n or len(versions) != n:
-        raise RolloutError(f"{n} tokens, {len(logprobs)} logprobs, {len(versions)} versions")
-    if n > req.max_new_tokens:
-        raise RolloutError(f"engine returned {n} tokens for a budget of {req.max_new_tokens}")
-    if n:
-        if int(tokens.view(np.uint32).max()) >= vocab_size:  # negative ids wrap to huge
+    lengths = [len(out.tokens) for out in outputs]  # each part is a 1-D sequence by now
+    for out, n in zip(outputs, lengths, strict=True):
+        if len(out.logprobs) != n or len(out.versions) != n:
             raise RolloutError(
-                f"engine returned a token id outside the vocabulary [0, {vocab_size})"
+                f"{n} tokens, {len(out.logprobs)} logprobs, {len(out.versions)} versions"
             )
-        if not math.isfinite(float(logprobs.sum())) or logprobs.max() > _LOGPROB_TOLERANCE:
-            raise RolloutError("engine returned a logprob that is NaN, infinite or positive")
-        # Non-decreasing first, so that the ends bound every entry: a version that dips or
-        # jumps mid-chunk would make the sample look fresher (or staler) than it is.
-        if n > 1 and bool((versions[1:] < versions[:-1]).any()):
+    return tokens, logprobs, versions, list(itertools.accumulate(lengths))
+
+
+def _join(parts: list[Any], dtype: type[np.generic], kind: str) -> Any:
+    """`parts` joined into one new 1-D array of `dtype`: one `np.concatenate` when they are
+    1-D arrays of that dtype (what engines return), else each converted as `_as` does."""
+    try:
+        joined = np.concatenate(parts)
+    except (TypeError, ValueError):
+        joined = None  # 0-d parts, mixed ranks, ragged lists: `_as` says which
+    if joined is not None and joined.dtype == dtype and joined.ndim == 1:
+        return joined
+    return np.concatenate([_as(part, dtype, kind) for part in parts])
+
+
+def _check_group(
+    group: RolloutGroup,
+    todo: list[int],
+    request: GenerateRequest,
+    tokens: Int32Array,
+    logprobs: Float32Array,
+    versions: Int32Array,
+    ends: list[int],
+    vocab_size: int,
+    version: int,
+) -> None:
+    """The checks of `merge_outputs`, each over the whole group at once."""
+    start = 0
+    for req, end in zip(request.samples, ends, strict=True):
+        if end - start > req.max_new_tokens:
+            raise RolloutError(
+                f"engine returned {end - start} tokens for a budget of {req.max_new_tokens}"
+            )
+        start = end
+    if not len(tokens):
+        return
+    if int(_max(tokens.view(np.uint32))) >= vocab_size:  # negative ids wrap to huge
+        raise RolloutError(f"engine returned a token id outside the vocabulary [0, {vocab_size})")
+    if not (_min(logprobs) > -np.inf and _max(logprobs) <= _LOGPROB_TOLERANCE):  # NaN: False
+        raise RolloutError("engine returned a logprob that is NaN, infinite or positive")
+    low, high = int(_min(versions)), int(_max(versions))
+    # Non-decreasing first, so that each sample's ends bound its entries: a version that dips
+    # or jumps mid-chunk would make the sample look fresher (or staler) than it is. All equal
+    # (the common case) is non-decreasing.
+    if low != high:
+        drops = versions[1:] < versions[:-1]
+        for end in ends[:-1]:  # a step from one sample to the next is not a decrease
+            if 0 < end < len(versions):
+                drops[end - 1] = False
+        if bool(drops.any()):
             raise RolloutError("engine stamped versions that decrease within a sample")
-        previous = int(sample.versions[-1]) if len(sample.versions) else 0
-        if int(versions[0]) < previous or int(versions[-1]) > version:
+    resumed = any(len(group.samples[idx].versions) for idx in todo)
+    if low >= 0 and high <= version and not resumed:
+        return  # every fresh sample lies within [0, version]
+    start = 0
+    for idx, end in zip(todo, ends, strict=True):
+        prefix = group.samples[idx].versions
+        previous = int(prefix[-1]) if len(prefix) else 0
+        if end > start and (int(versions[start]) < previous or int(versions[end - 1]) > version):
             raise RolloutError(
-                f"engine stamped versions {int(versions[0])}..{int(versions[-1])} outside "
-                f"[{previous}, {version}]"
+                f"engine stamped versions {int(versions[start])}..{int(versions[end - 1])} "
+                f"outside [{previous}, {version}]"
             )
+        start = end
+
+
+def _extended(
+    sample: RolloutState,
+    req: SampleRequest,
+    out: SampleOutput,
+    tokens: Int32Array,
+    logprobs: Float32Array,
+    versions: Int32Array,
+) -> RolloutState:
+    """`sample` extended by its checked new arrays, with the status its finish reason gives."""
+    n = len(tokens)
     try:
         status = sample_status(out.finish_reason)
     except ValueError as exc:

@@ -19,6 +19,8 @@ Int32Array = npt.NDArray[np.int32]
 Float32Array = npt.NDArray[np.float32]
 UInt8Array = npt.NDArray[np.uint8]
 
+_INT32 = np.dtype(np.int32)
+_FLOAT32 = np.dtype(np.float32)
 EMPTY_INT32: Int32Array = np.zeros(0, dtype=np.int32)
 EMPTY_INT32.flags.writeable = False
 EMPTY_FLOAT32: Float32Array = np.zeros(0, dtype=np.float32)
@@ -70,6 +72,23 @@ class RolloutState(msgspec.Struct, frozen=True, array_like=True, weakref=True):
     turn_ends: Int32Array | None = None
 
     def __post_init__(self) -> None:
+        # Runs for every state built (merged, scored, decoded: 24 per group of 8), so the
+        # common case is one expression of identity checks; `_refuse` sorts out the rest.
+        tokens, logprobs, versions = self.tokens, self.logprobs, self.versions
+        shape = tokens.shape
+        if not (
+            tokens.dtype is _INT32
+            and versions.dtype is _INT32
+            and logprobs.dtype is _FLOAT32
+            and len(shape) == 1
+            and logprobs.shape == shape
+            and versions.shape == shape
+        ):
+            self._refuse()
+
+    def _refuse(self) -> None:
+        """Raise for arrays of the wrong dtype or shape (dtypes equal to int32/float32 but not
+        numpy's own instances, such as a decoded little-endian int32, pass)."""
         tokens, logprobs, versions = self.tokens, self.logprobs, self.versions
         if tokens.dtype != np.int32 or versions.dtype != np.int32 or logprobs.dtype != np.float32:
             raise TypeError(
@@ -163,7 +182,7 @@ class RolloutGroup(msgspec.Struct, frozen=True, array_like=True, weakref=True):
     @property
     def num_tokens(self) -> int:
         """Response tokens held by the group (prompt tokens not included)."""
-        return sum(len(s.tokens) for s in self.samples)
+        return sum([len(s.tokens) for s in self.samples])  # a list: no generator frames
 
     @property
     def min_version(self) -> int:

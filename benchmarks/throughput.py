@@ -294,7 +294,8 @@ def _put_take(
 ) -> tuple[float, float, float]:
     """Best seconds per group of `put` (after `try_reserve`) and of `take`, over rounds that
     each fill the buffer with `groups` and empty it again; and the minor page faults per `put`
-    (fresh memory touched for the first time, which a warm encode loop never pays)."""
+    in the steady state, the rounds after the first (fresh memory touched for the first time,
+    which a warm encode loop never pays)."""
     best_put = best_take = float("inf")
     faults = 0
     deadline = time.perf_counter() + min_time_s
@@ -310,9 +311,9 @@ def _put_take(
         del taken
         best_put = min(best_put, (t1 - t0) / len(groups))
         best_take = min(best_take, (t2 - t1) / len(groups))
-        faults += f1 - f0
+        faults += (f1 - f0) if rounds else 0  # the first round fills the buffer from nothing
         rounds += 1
-    return best_put, best_take, faults / (rounds * len(groups))
+    return best_put, best_take, faults / ((rounds - 1) * len(groups))
 
 
 def buffer_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:

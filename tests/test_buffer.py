@@ -3,9 +3,10 @@ import gc
 import weakref
 
 import msgspec
+import numpy as np
 import pytest
 
-from asyncroll.buffer import PutOutcome, RolloutBuffer
+from asyncroll.buffer import RECYCLE_MIN_BYTES, PutOutcome, RolloutBuffer
 from asyncroll.codec import CodecError, encode
 from asyncroll.types import RolloutGroup, Status
 from tests.factories import make_group
@@ -319,3 +320,79 @@ def test_bad_config_is_refused_with_the_field_named(
 def test_take_more_than_ready_is_an_error() -> None:
     with pytest.raises(ValueError, match="ready"):
         buffer().take(1)
+
+
+# -- recycled storage: reuse mapped memory, never under a view someone still holds ---------------
+
+
+def big_group(uid: int, seed: int = 0) -> RolloutGroup:
+    """A group above `RECYCLE_MIN_BYTES`, whose token ids depend on `seed`."""
+    group = make_group(uid, samples=2, tokens=4096, payload=16)
+    samples = tuple(
+        msgspec.structs.replace(s, tokens=np.full(4096, seed, np.int32)) for s in group.samples
+    )
+    return msgspec.structs.replace(group, samples=samples)
+
+
+def test_a_taken_group_is_never_overwritten_by_later_groups() -> None:
+    """The trainer keeps a batch while the buffer stores and hands out more: the storage under
+    its views is not reused, whatever comes after."""
+    buf = buffer(max_bytes=1 << 30)
+    put(buf, big_group(0, seed=1))
+    (kept,) = buf.take(1)
+    assert len(encode(kept)) >= RECYCLE_MIN_BYTES
+    for uid in range(1, 6):
+        put(buf, big_group(uid, seed=100 + uid))
+        (other,) = buf.take(1)
+        assert not np.shares_memory(other.samples[0].tokens, kept.samples[0].tokens)
+        del other
+    assert all((s.tokens == 1).all() for s in kept.samples)
+
+
+def test_storage_is_reused_once_every_view_is_gone() -> None:
+    buf = buffer(max_bytes=1 << 30)
+    put(buf, big_group(0, seed=1))
+    (first,) = buf.take(1)
+    address = first.samples[0].tokens.ctypes.data
+    del first  # the trainer lets go: its storage becomes free
+    put(buf, big_group(1, seed=2))
+    (second,) = buf.take(1)
+    assert second.samples[0].tokens.ctypes.data == address  # the same memory, written again
+    assert (second.samples[0].tokens == 2).all()
+
+
+def test_spares_stay_within_the_byte_bound() -> None:
+    size = len(encode(big_group(0)))
+    buf = buffer(max_groups=16, max_bytes=4 * size + size // 2, reserve_bytes=size)
+    for round_ in range(3):
+        for uid in range(4):
+            put(buf, big_group(10 * round_ + uid))
+            assert buf._spares.nbytes + buf.held_bytes <= buf.max_bytes
+        held = buf.take(2)  # half the batch stays referenced, half is let go at once
+        buf.take(2)
+        assert buf._spares.nbytes + buf.held_bytes <= buf.max_bytes
+        del held
+
+
+def test_snapshot_of_recycled_storage_is_plain_bytes() -> None:
+    buf = buffer(max_bytes=1 << 30)
+    group = big_group(0, seed=3)
+    put(buf, group)
+    ready, resume = buf.snapshot()
+    assert [type(b) for b in ready] == [bytes] and resume == []
+    assert ready[0] == encode(group)
+
+
+def test_spares_follow_what_a_cycle_stores_not_the_bound() -> None:
+    """A burst leaves many spares; once the cycles store one group each, the spares shrink
+    to two groups' worth (the batch the trainer still holds, and the next one)."""
+    buf = buffer(max_groups=16, max_bytes=1 << 30)
+    for uid in range(8):
+        put(buf, big_group(uid))
+    buf.take(8)
+    size = len(encode(big_group(0)))
+    assert buf._spares.nbytes >= 8 * size
+    for uid in range(8, 14):
+        put(buf, big_group(uid))
+        buf.take(1)
+    assert buf._spares.nbytes <= 2 * (size + size // 8)

@@ -20,6 +20,7 @@ from asyncroll.codec import (
     decode,
     decode_value,
     encode,
+    encode_into,
     encode_value,
 )
 from asyncroll.types import RolloutGroup, RolloutState, Status
@@ -457,3 +458,33 @@ def test_property_corruption_raises_codec_error_or_decodes(
     assert isinstance(out, RolloutGroup)
     for s in out.samples:
         assert len(s.tokens) == len(s.logprobs) == len(s.versions)
+
+
+# -- encode_into: the same message, written into recycled memory ---------------------------------
+
+
+def test_encode_into_dirty_storage_writes_the_same_bytes_as_encode() -> None:
+    """Storage that held another group before: every byte of the message is rewritten
+    (padding included), so recycled memory gives exactly `encode`'s bytes."""
+    group = make_group(samples=3, tokens=37, payload=5, metadata={"arr": np.arange(3)})
+    expected = encode(group)
+    storage = np.full(len(expected) + 100, 0xAB, np.uint8)
+    asked: list[int] = []
+
+    def give(size: int) -> np.ndarray:
+        asked.append(size)
+        return storage
+
+    view = encode_into(group, give)
+    assert asked == [len(expected)]
+    assert bytes(view) == expected
+    assert view.readonly
+    assert_groups_equal(group, decode(view))
+
+
+@settings(max_examples=100, deadline=None)
+@given(groups())
+def test_property_encode_into_matches_encode(group: RolloutGroup) -> None:
+    expected = encode(group)
+    storage = np.full(len(expected), 0x5A, np.uint8)
+    assert bytes(encode_into(group, lambda size: storage)) == expected

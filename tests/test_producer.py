@@ -764,9 +764,12 @@ async def test_malformed_continuation_fails_the_group_not_the_producer() -> None
 
 
 def test_routed_experts_merge_rules() -> None:
-    from asyncroll.engines.base import SampleRequest
-    from asyncroll.rollout import RolloutError, _extend
+    from asyncroll.rollout import RolloutError
     from asyncroll.types import RolloutState
+    from tests.test_rollout import extend_one
+
+    def _extend(sample: RolloutState, out: SampleOutput) -> RolloutState:
+        return extend_one(sample, out, vocab_size=VOCAB, version=0, budget=8)
 
     def out(n: int, experts: Any) -> SampleOutput:
         return SampleOutput(
@@ -774,19 +777,18 @@ def test_routed_experts_merge_rules() -> None:
             versions=np.zeros(n, np.int32), finish_reason="length", routed_experts=experts,
         )  # fmt: skip
 
-    req = SampleRequest(np.zeros(0, np.int32), 8)
-    fresh = _extend(RolloutState(), req, out(3, np.ones((3, 2), np.uint8)), VOCAB, 0)
+    fresh = _extend(RolloutState(), out(3, np.ones((3, 2), np.uint8)))
     assert fresh.routed_experts is not None and fresh.routed_experts.shape == (3, 2)
     partial = msgspec_replace(fresh, status=Status.ABORTED)
-    more = _extend(partial, req, out(2, np.zeros((2, 2), np.uint8)), VOCAB, 0)
+    more = _extend(partial, out(2, np.zeros((2, 2), np.uint8)))
     assert more.routed_experts is not None and more.routed_experts.shape == (5, 2)
     with pytest.raises(RolloutError, match="only part"):
-        _extend(partial, req, out(2, None), VOCAB, 0)
+        _extend(partial, out(2, None))
     with pytest.raises(RolloutError, match="change shape"):
-        _extend(partial, req, out(2, np.zeros((2, 5), np.uint8)), VOCAB, 0)
+        _extend(partial, out(2, np.zeros((2, 5), np.uint8)))
     with pytest.raises(RolloutError, match="for 1 of 2 tokens"):
-        _extend(partial, req, out(2, np.zeros((1, 2), np.uint8)), VOCAB, 0)
-    assert _extend(partial, req, out(0, None), VOCAB, 0).routed_experts.shape == (3, 2)
+        _extend(partial, out(2, np.zeros((1, 2), np.uint8)))
+    assert _extend(partial, out(0, None)).routed_experts.shape == (3, 2)
 
 
 def msgspec_replace(obj: Any, **changes: Any) -> Any:

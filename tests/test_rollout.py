@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncroll.engines.base import SampleOutput, SampleRequest
-from asyncroll.rollout import RolloutError, _extend, check_rewards
+from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest, SamplingConfig
+from asyncroll.rollout import RolloutError, check_rewards, merge_outputs
 from asyncroll.types import RolloutGroup, RolloutState, Status
 
 
@@ -33,7 +33,23 @@ def extend(prefix: list[int], new: list[int], version: int) -> RolloutState:
         versions=np.array(new, dtype=np.int32),
         finish_reason="stop",
     )
-    return _extend(sample, SampleRequest(sample.tokens, 100), out, vocab_size=10, version=version)
+    return extend_one(sample, out, vocab_size=10, version=version)
+
+
+def extend_one(
+    sample: RolloutState, out: SampleOutput, *, vocab_size: int, version: int, budget: int = 100
+) -> RolloutState:
+    """`sample` merged with one engine output, through the group-level `merge_outputs`."""
+    request = GenerateRequest(
+        request_id="r",
+        prompt_tokens=np.zeros(1, np.int32),
+        samples=(SampleRequest(sample.tokens, budget),),
+        sampling=SamplingConfig(),
+    )
+    (merged,) = merge_outputs(
+        group_of(sample), request, [out], vocab_size=vocab_size, version=version
+    )
+    return merged
 
 
 # -- versions ------------------------------------------------------------------------------------
@@ -140,3 +156,79 @@ def test_rewards_as_numbers_scalars_arrays_and_tensors(values: Any) -> None:
 def test_bad_rewards_are_refused_clearly(values: Any, message: str) -> None:
     with pytest.raises(RolloutError, match=message):
         check_rewards(values, 3)
+
+
+# -- one group, several samples: the vectorised checks keep each sample's own bounds ------------
+
+
+def merge_group(
+    prefixes: list[list[int]], news: list[list[int]], version: int
+) -> tuple[RolloutState, ...]:
+    samples = tuple(sample_with_versions(p) for p in prefixes)
+    request = GenerateRequest(
+        request_id="r",
+        prompt_tokens=np.zeros(1, np.int32),
+        samples=tuple(SampleRequest(s.tokens, 100) for s in samples),
+        sampling=SamplingConfig(),
+    )
+    outputs = [
+        SampleOutput(
+            tokens=np.full(len(new), 5, np.int32),
+            logprobs=np.full(len(new), -0.5, np.float32),
+            versions=np.array(new, dtype=np.int32),
+            finish_reason="stop",
+        )
+        for new in news
+    ]
+    return merge_outputs(group_of(*samples), request, outputs, vocab_size=10, version=version)
+
+
+@pytest.mark.parametrize(
+    ("prefixes", "news", "version"),
+    [
+        ([[], []], [[0, 1, 1], [0, 0]], 1),  # the step 1 -> 0 between two samples is no decrease
+        ([[], [], []], [[2, 2], [], [1, 2]], 2),  # an empty sample between them
+        ([[3], []], [[3, 4], [0, 4]], 4),  # a resumed sample next to a fresh one
+    ],
+)
+def test_group_versions_are_checked_per_sample(
+    prefixes: list[list[int]], news: list[list[int]], version: int
+) -> None:
+    merged = merge_group(prefixes, news, version)
+    assert [s.versions.tolist() for s in merged] == [
+        p + n for p, n in zip(prefixes, news, strict=True)
+    ]
+    assert [s.status for s in merged] == [Status.COMPLETED] * len(news)
+
+
+@pytest.mark.parametrize(
+    ("prefixes", "news", "version", "message"),
+    [
+        ([[], []], [[0, 0], [1, 0, 1]], 1, "decrease"),  # only the second sample dips
+        ([[], [], []], [[1], [], [1, 0]], 1, "decrease"),  # after an empty sample
+        ([[], [2]], [[0, 0], [1, 2]], 2, r"outside \[2, 2\]"),  # the resumed one starts early
+        ([[], []], [[0, 0], [0, 3]], 2, r"outside \[0, 2\]"),  # runs ahead in the last sample
+        ([[], []], [[0, 0], [-1, -1]], 2, r"outside \[0, 2\]"),  # a negative version
+    ],
+)
+def test_group_versions_that_break_one_sample_are_malformed(
+    prefixes: list[list[int]], news: list[list[int]], version: int, message: str
+) -> None:
+    with pytest.raises(RolloutError, match=message):
+        merge_group(prefixes, news, version)
+
+
+def test_merged_samples_hold_none_of_the_engine_arrays() -> None:
+    """The group's new tokens are copied once into arrays of its own: an engine that reuses
+    its output buffers cannot change a merged sample afterwards."""
+    tokens = np.full(3, 5, np.int32)
+    out = SampleOutput(
+        tokens=tokens,
+        logprobs=np.full(3, -0.5, np.float32),
+        versions=np.zeros(3, np.int32),
+        finish_reason="stop",
+    )
+    merged = extend_one(sample_with_versions([]), out, vocab_size=10, version=0)
+    tokens[:] = 7
+    assert merged.tokens.tolist() == [5, 5, 5]
+    assert not np.shares_memory(merged.tokens, tokens)

@@ -16,6 +16,7 @@ from typing import Literal
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from asyncroll.engines.base import (
     EngineDeadError,
@@ -194,10 +195,7 @@ class SimEngine:
         if self._closed:
             raise EngineDeadError("SimEngine was closed during the request")
         width = -(-cfg.payload_bytes_per_sample // request.sampling.max_new_tokens)
-        outputs = [
-            self._output(target, s.max_new_tokens, live.segments, width)
-            for target, s in zip(live.targets, request.samples, strict=True)
-        ]
+        outputs = self._outputs(live.targets, request.samples, live.segments, width)
         self._generated += sum(len(out.tokens) for out in outputs)
         return self._corrupt(outputs) if malformed else outputs
 
@@ -317,39 +315,66 @@ class SimEngine:
                 pass
             live.stop()
 
-    def _output(
-        self, target: int, budget: int, segments: list[tuple[int, int]], width: int
-    ) -> SampleOutput:
-        """Sample output of `target` tokens (of a `budget`), cut short if aborted earlier, with
-        `width` payload bytes per token (so a full-length sample carries about
-        `payload_bytes_per_sample`)."""
-        n = min(target, segments[-1][0] if segments else 0)
-        start = int(self._rng.integers(0, _POOL - n)) if n < _POOL else 0
-        tokens = self._token_pool[start : start + n].copy()
-        if n < target:
-            finish = "abort"
-        elif n < budget:
-            finish = "stop"
-            tokens[-1] = self.config.eos_token_id
-        else:
-            finish = "length"
+    def _outputs(
+        self,
+        targets: list[int],
+        samples: Sequence[SampleRequest],
+        segments: list[tuple[int, int]],
+        width: int,
+    ) -> list[SampleOutput]:
+        """The outputs of one request: sample i has `targets[i]` tokens (of its budget), cut
+        short if aborted earlier, with `width` payload bytes per token (so a full-length sample
+        carries about `payload_bytes_per_sample`).
+
+        One draw from the pools per request, not per sample, so that the simulation's own cost
+        stays small next to the producer's it is used to measure; the samples' arrays are views
+        into the request's copies."""
+        done = segments[-1][0] if segments else 0
+        counts = [min(target, done) for target in targets]
+        total = sum(counts)
+        if total < _POOL:
+            start = int(self._rng.integers(0, _POOL - total))
+            tokens = self._token_pool[start : start + total].copy()
+            logprobs = self._logprob_pool[start : start + total].copy()
+        else:  # more than the pools hold: repeat them
+            tokens = np.resize(self._token_pool, total)
+            logprobs = np.resize(self._logprob_pool, total)
+        by_position = self._versions(segments, max(counts, default=0))
+        outputs = []
+        end = 0
+        for n, target, sample in zip(counts, targets, samples, strict=True):
+            begin, end = end, end + n
+            if n < target:
+                finish = "abort"
+            elif n < sample.max_new_tokens:
+                finish = "stop"
+                tokens[end - 1] = self.config.eos_token_id
+            else:
+                finish = "length"
+            outputs.append(
+                SampleOutput(
+                    tokens=tokens[begin:end],
+                    logprobs=logprobs[begin:end],
+                    versions=by_position[:n],
+                    finish_reason=finish,
+                    routed_experts=np.full((n, width), n % 251, np.uint8) if width else None,
+                )
+            )
+        return outputs
+
+    @staticmethod
+    def _versions(segments: list[tuple[int, int]], n: int) -> npt.NDArray[np.int32]:
+        """The version that sampled each of the first `n` token positions (the same for every
+        sample of a request: they advance in lockstep)."""
         if len(segments) == 1:
-            versions = np.full(n, segments[0][1], dtype=np.int32)
-        else:
-            versions = np.empty(n, dtype=np.int32)
-            done = 0
-            for upto, version in segments:
-                end = min(upto, n)
-                versions[done:end] = version
-                done = max(done, end)
-        experts = np.full((n, width), n % 251, dtype=np.uint8) if width else None
-        return SampleOutput(
-            tokens=tokens,
-            logprobs=self._logprob_pool[start : start + n].copy(),
-            versions=versions,
-            finish_reason=finish,
-            routed_experts=experts,
-        )
+            return np.full(n, segments[0][1], dtype=np.int32)
+        versions = np.empty(n, dtype=np.int32)
+        done = 0
+        for upto, version in segments:
+            end = min(upto, n)
+            versions[done:end] = version
+            done = max(done, end)
+        return versions
 
     def _corrupt(self, outputs: list[SampleOutput]) -> list[SampleOutput]:
         """Break one output in one of the ways a buggy engine could."""
