@@ -73,7 +73,7 @@ class RolloutState(msgspec.Struct, frozen=True, array_like=True, weakref=True):
 
     def __post_init__(self) -> None:
         # Runs for every state built (merged, scored, decoded: 24 per group of 8), so the
-        # common case is one expression of identity checks; `_refuse` sorts out the rest.
+        # common case is one expression of identity checks; `_check` sorts out the rest.
         tokens, logprobs, versions = self.tokens, self.logprobs, self.versions
         shape = tokens.shape
         if not (
@@ -83,12 +83,15 @@ class RolloutState(msgspec.Struct, frozen=True, array_like=True, weakref=True):
             and len(shape) == 1
             and logprobs.shape == shape
             and versions.shape == shape
+            and self.loss_mask is None
+            and self.turn_ends is None
         ):
-            self._refuse()
+            self._check()
 
-    def _refuse(self) -> None:
+    def _check(self) -> None:
         """Raise for arrays of the wrong dtype or shape (dtypes equal to int32/float32 but not
-        numpy's own instances, such as a decoded little-endian int32, pass)."""
+        numpy's own instances, such as a decoded little-endian int32, pass), or for a loss mask
+        or turn boundaries that do not fit the tokens (multi-turn samples always come here)."""
         tokens, logprobs, versions = self.tokens, self.logprobs, self.versions
         if tokens.dtype != np.int32 or versions.dtype != np.int32 or logprobs.dtype != np.float32:
             raise TypeError(
