@@ -78,6 +78,7 @@ from asyncroll import (
     SimEngine,
     StalledError,
 )
+from asyncroll.outcomes import FailureReason
 from asyncroll.state import loads
 
 T = TypeVar("T")
@@ -309,7 +310,11 @@ class Soak:
         self.timeouts_reported += TIMEOUT_MARKER in error
         if "reward_timeout_s" in error:
             self.reward_deadlines[session] += 1
-        elif record.outcome is PutOutcome.DROPPED_FAILED and record.uid in rewards.valid:
+        elif (
+            record.outcome is PutOutcome.DROPPED_FAILED
+            and record.reason is not FailureReason.INTERRUPTED  # a stop while it was scored
+            and record.uid in rewards.valid
+        ):
             self.fail("valid_rewards", f"{record.prompt_id}: {error}")
         if session == self.alive:
             self.journal.append((record.prompt_id, record.outcome.value))
