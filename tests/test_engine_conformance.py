@@ -1,8 +1,10 @@
 """The `Engine` contract (`asyncroll/engines/base.py`), checked the same way on every engine.
 
 Each test runs once per engine: `SimEngine` (a simulation, slowed down per token so a long
-request is certainly still running when an abort or a cancellation lands) and `VLLMEngine`
-(the tiny local model on the session's shared engine; marked `vllm`, skipped without vllm).
+request is certainly still running when an abort or a cancellation lands), `VLLMEngine`
+(the tiny local model on the session's shared engine; marked `vllm`, skipped without vllm) and
+`VLLMServerEngine` (the same model behind the session's one `vllm serve`, started only when a
+"server" case runs; marked `vllm`).
 A new engine joins by adding a `Subject` to `make_subject`.
 
 Progress is observed, never slept for: engines under test expose `generated_tokens`,
@@ -119,8 +121,9 @@ def make_subject(kind: str, vllm_engine: object = None) -> Subject:
     if kind == "sim":
         return Subject(SimEngine(vocab_size=512, per_token_latency_s=SIM_TOKEN_S), 1 << 20)
     from asyncroll.engines.vllm import VLLMEngine
+    from asyncroll.engines.vllm_server import VLLMServerEngine
 
-    assert isinstance(vllm_engine, VLLMEngine)
+    assert isinstance(vllm_engine, VLLMEngine | VLLMServerEngine)
     engine = vllm_engine
 
     @contextlib.contextmanager
@@ -141,12 +144,16 @@ def skip_without_vllm() -> None:
         pytest.skip(f"vllm is not importable: {type(exc).__name__}: {exc}")
 
 
-ENGINES = ["sim", pytest.param("vllm", marks=pytest.mark.vllm)]
+ENGINES = [
+    "sim",
+    pytest.param("vllm", marks=pytest.mark.vllm),
+    pytest.param("server", marks=pytest.mark.vllm),
+]
 
 
 @pytest.fixture(params=ENGINES)
 def engine_kind(request: pytest.FixtureRequest) -> str:
-    if request.param == "vllm":
+    if request.param != "sim":
         skip_without_vllm()
     return str(request.param)
 
@@ -156,6 +163,8 @@ def new_subject(request: pytest.FixtureRequest, engine_kind: str) -> Subject:
     """Synchronous, so that it may set up the session's vLLM engine only when it is needed."""
     if engine_kind == "sim":
         return make_subject("sim")
+    if engine_kind == "server":
+        return make_subject("server", request.getfixturevalue("server_engine"))
     return make_subject("vllm", request.getfixturevalue("vllm_engine"))
 
 
@@ -175,6 +184,17 @@ async def own_subject(request: pytest.FixtureRequest, engine_kind: str) -> Async
     """An engine of the test's own, for tests that close it (vLLM: a second engine start)."""
     if engine_kind == "sim":
         yield make_subject("sim")
+        return
+    if engine_kind == "server":  # a client of its own on the shared server
+        from tests.vllm.server import server_engine_on
+
+        server = request.getfixturevalue("vllm_server")
+        weights = request.getfixturevalue("server_weights_dir")
+        client = server_engine_on(server.url, weights)
+        try:
+            yield make_subject("server", client)
+        finally:
+            await asyncio.wait_for(client.close(), DEADLINE_S)
         return
     from asyncroll.engines.vllm import VLLMEngine
 
