@@ -41,6 +41,8 @@ class Replica:
         self.state = ReplicaState.UNSYNCED
         self.error: str | None = None  # why it went down
         self.retry_at = 0.0  # loop time of the next health probe while DOWN
+        self.streams = 0  # generate requests open on it now
+        self.sent = 0  # generate requests sent to it so far
         self.syncing = asyncio.Lock()
 
     def mark_down(self, error: str, retry_at: float) -> None:

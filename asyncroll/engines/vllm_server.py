@@ -369,7 +369,12 @@ class VLLMServerEngine:
 
     async def wait_held(self, requests: int, timeout: float) -> None:
         """Return once `held_requests >= requests`; `TimeoutError` after `timeout` s."""
-        await self._progress.wait_until(lambda: self._held >= requests or self._closed, timeout)
+        await self.wait_progress(lambda: self._held >= requests, timeout)
+
+    async def wait_progress(self, predicate: Callable[[], bool], timeout: float) -> None:
+        """Return once `predicate()` holds, checked whenever requests are held, sent, stream
+        tokens or end (e.g. on `replicas[i].streams`); `TimeoutError` after `timeout` s."""
+        await self._progress.wait_until(lambda: predicate() or self._closed, timeout)
         self._check_open()
 
     # -- routing and replica health --------------------------------------------------------------
@@ -619,6 +624,9 @@ class VLLMServerEngine:
         }
         part.started = True
         self._open_streams += 1
+        replica.streams += 1
+        replica.sent += 1
+        self._progress.notify()
         try:
             async with self._session().post(
                 f"{replica.url}/inference/v1/generate", json=body
@@ -642,6 +650,7 @@ class VLLMServerEngine:
             raise ReplicaError(replica.url, f"generate: {type(exc).__name__}: {exc}") from None
         finally:
             self._open_streams -= 1
+            replica.streams -= 1
             self._progress.notify()
 
     def _sampling_params(self, sampling: SamplingConfig, part: _Part) -> dict[str, Any]:
