@@ -379,6 +379,14 @@ class VLLMServerEngine:
 
     # -- routing and replica health --------------------------------------------------------------
 
+    async def check_replicas(self) -> None:
+        """Probe every replica that is not up now (routing does it every `health_interval_s`),
+        and bring back those that answer, with the current weights and version label."""
+        self._check_open()
+        await asyncio.gather(
+            *(self._sync(r) for r in self.replicas if r.state is not ReplicaState.UP)
+        )
+
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
             connector = aiohttp.TCPConnector(
