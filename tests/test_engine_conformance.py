@@ -134,6 +134,10 @@ def make_subject(kind: str, vllm_engine: object = None) -> Subject:
         finally:
             engine.stream_interval = saved
 
+    if isinstance(engine, VLLMServerEngine):  # HTTP round trips: a longer request
+        from tests.vllm.server import SERVER_MAX_MODEL_LEN
+
+        return Subject(engine, SERVER_MAX_MODEL_LEN - len(PROMPT) - 8, each_token)
     return Subject(engine, VLLM_MAX_MODEL_LEN - len(PROMPT) - 8, each_token)
 
 

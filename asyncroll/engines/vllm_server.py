@@ -328,6 +328,13 @@ class VLLMServerEngine:
             return
         self._closed = True
         self._progress.notify()
+        # Abort on the replicas first: a closed connection alone reaches vLLM only when it
+        # next writes to the stream, which may be at the request's end.
+        started = [
+            (live.replica, [p.server_id for p in live.parts if p.started])
+            for live in self._live.values()
+        ]
+        await asyncio.gather(*(self._abort_on(r, ids) for r, ids in started if ids))
         streams = [task for live in self._live.values() for task in live.tasks]
         for task in streams:
             task.cancel()
@@ -541,11 +548,12 @@ class VLLMServerEngine:
         await self._call(replica, "POST", "/update_weight_version", {"new_version": str(version)})
 
     async def _abort_on(self, replica: Replica, server_ids: list[str]) -> None:
-        """Abort requests on `replica`; a failure is only logged by the caller's outcome (the
-        stream's own end or deadline still bounds the request)."""
+        """Abort requests on `replica`, through the RL route that returns once vLLM has
+        aborted them (`/inference/v1/abort_requests` only starts a task that will). A failure
+        is ignored: the stream's own end or deadline still bounds the request."""
         ids = [_SERVER_PREFIX + s for s in server_ids]
         with contextlib.suppress(ReplicaError):
-            await self._call(replica, "POST", "/inference/v1/abort_requests", {"request_ids": ids})
+            await self._call(replica, "POST", "/abort_requests", {"request_ids": ids})
 
     # -- generation ------------------------------------------------------------------------------
 

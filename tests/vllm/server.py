@@ -19,7 +19,7 @@ import pytest_asyncio
 from asyncroll.engines.vllm_serve import ServerProcess
 from asyncroll.engines.vllm_server import VLLMServerEngine
 
-SERVER_MAX_MODEL_LEN = 256
+SERVER_MAX_MODEL_LEN = 1024  # the tiny model's longest: a long request outlives HTTP round trips
 SERVER_DEADLINE_S = 60.0
 
 
