@@ -391,7 +391,7 @@ class VLLMServerEngine:
         and bring back those that answer, with the current weights and version label."""
         self._check_open()
         await asyncio.gather(
-            *(self._sync(r) for r in self.replicas if r.state is not ReplicaState.UP)
+            *(self._sync(r, now=True) for r in self.replicas if r.state is not ReplicaState.UP)
         )
 
     def _session(self) -> aiohttp.ClientSession:
@@ -423,26 +423,32 @@ class VLLMServerEngine:
         if due:
             await asyncio.gather(*(self._sync(r) for r in due))
 
-    async def _sync(self, replica: Replica) -> None:
+    async def _sync(self, replica: Replica, *, now: bool = False) -> None:
         """Bring `replica` into the rotation: healthy, serving the current weights under the
         current label, paused if the engine is. Any failure leaves it down until the next
-        probe. Under the control lock, so that no update runs half-way through it."""
-        if replica.syncing.locked():
-            return  # another caller is on it
-        async with replica.syncing, self._control:
+        probe (`now`: probe even before `retry_at`). Concurrent callers wait for the one sync
+        in progress rather than route without it. Under the control lock, so that no update
+        runs half-way through it."""
+        async with replica.syncing:
+            due = now or asyncio.get_running_loop().time() >= replica.retry_at
             if replica.state is ReplicaState.UP or self._closed:
                 return
-            try:
-                if not await rp.healthy(self._session(), replica, self.health_timeout_s):
-                    raise ReplicaError(replica.url, "GET /health failed")
-                if self._paused:
-                    await self._call(replica, "POST", "/pause?mode=keep&clear_cache=false")
-                await self._load_on(replica, self._weights_path, self._version)
-            except ReplicaError as exc:
-                self._down(replica, exc)
-                return
-            replica.state = ReplicaState.UP
-            replica.error = None
+            if replica.state is ReplicaState.DOWN and not due:
+                return  # probed while this caller waited
+            async with self._control:
+                if _up(replica) or self._closed:  # synced by an update that held the lock
+                    return
+                try:
+                    if not await rp.healthy(self._session(), replica, self.health_timeout_s):
+                        raise ReplicaError(replica.url, "GET /health failed")
+                    if self._paused:
+                        await self._call(replica, "POST", "/pause?mode=keep&clear_cache=false")
+                    await self._load_on(replica, self._weights_path, self._version)
+                except ReplicaError as exc:
+                    self._down(replica, exc)
+                    return
+                replica.state = ReplicaState.UP
+                replica.error = None
 
     def _down(self, replica: Replica, exc: BaseException) -> None:
         loop = asyncio.get_running_loop()
@@ -745,6 +751,12 @@ class VLLMServerEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineDeadError("VLLMServerEngine is closed")
+
+
+def _up(replica: Replica) -> bool:
+    """Whether `replica` is up, read through a call: its state changes across awaits, which
+    mypy's narrowing does not know."""
+    return replica.state is ReplicaState.UP
 
 
 def _aborted(live: _Live) -> bool:

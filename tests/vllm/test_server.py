@@ -95,3 +95,24 @@ async def test_update_from_a_path_the_trainer_wrote(
         assert (out.versions == 4).all() and not np.array_equal(out.tokens, before)
     finally:
         await engine.update_weights(original_weights(tiny_model), version=0)
+
+
+async def test_many_first_requests_at_once_wait_for_the_replica_sync(
+    vllm_server: ServerProcess, server_weights_dir: Path
+) -> None:
+    """A fresh engine's first requests arrive together (a producer admits many groups at once):
+    all wait for the one sync of the replica instead of finding no replica up."""
+    from tests.vllm.server import server_engine_on
+
+    engine = server_engine_on(vllm_server.url, server_weights_dir)
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            results = await asyncio.gather(
+                *(
+                    engine.generate(request(f"first{i}-0", PROMPT, n=2, max_new_tokens=4))
+                    for i in range(16)
+                )
+            )
+        assert all(o.finish_reason == "length" and len(o.tokens) == 4 for r in results for o in r)
+    finally:
+        await engine.close()
