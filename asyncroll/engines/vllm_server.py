@@ -236,7 +236,10 @@ class VLLMServerEngine:
             self._remember(rid, aborted_early=False)
             return [self._aborted_output() for _ in samples]
         replica = await self._route(self.session_of(rid))
+        if rid in self._live:  # started by another call while this one was routed
+            raise ValueError(f"request id {rid!r} is already running")
         live = self._live[rid] = _Live(parts, replica)
+        live.aborted = self._recent.pop(rid, False)  # aborted while it was routed
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 await self._run_parts(live, samples, request.sampling)
