@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,12 +63,18 @@ class Subject:
     """Within it, `generated_tokens` counts every token as it is sampled (engines that report
     progress in chunks switch to one token per chunk)."""
 
+    samples_started: Callable[[GenerateRequest], Awaitable[None]] | None = None
+    """Waits until each sample of a request has a token (engines whose requests may start late,
+    behind other running ones; others: the engine's token count rises by one per sample)."""
+
     async def start(self, request: GenerateRequest) -> asyncio.Task[Sequence[SampleOutput]]:
         """Start `request` and return once each of its samples has its first token."""
         before = self.engine.generated_tokens
         task = asyncio.create_task(self.engine.generate(request))
         waiting = asyncio.create_task(
-            self.engine.wait_generated(before + len(request.samples), DEADLINE_S)
+            self.samples_started(request)
+            if self.samples_started is not None
+            else self.engine.wait_generated(before + len(request.samples), DEADLINE_S)
         )
         await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
         if not waiting.done():  # generate ended first: let its error (or result) show
@@ -137,7 +143,14 @@ def make_subject(kind: str, vllm_engine: object = None) -> Subject:
     if isinstance(engine, VLLMServerEngine):  # HTTP round trips: a longer request
         from tests.vllm.server import SERVER_MAX_MODEL_LEN
 
-        return Subject(engine, SERVER_MAX_MODEL_LEN - len(PROMPT) - 8, each_token)
+        server = engine
+
+        async def samples_started(request: GenerateRequest) -> None:
+            rid, k = request.request_id, len(request.samples)
+            await server.wait_progress(lambda: server.samples_started(rid) >= k, DEADLINE_S)
+
+        budget = SERVER_MAX_MODEL_LEN - len(PROMPT) - 8
+        return Subject(engine, budget, each_token, samples_started)
     return Subject(engine, VLLM_MAX_MODEL_LEN - len(PROMPT) - 8, each_token)
 
 

@@ -84,20 +84,29 @@ async def control(
     connection is not reused: after a 500 from vLLM's RL routes the next request on the same
     connection was measured to fail."""
     url = f"{replica.url}{path}"
-    try:
-        async with (
-            asyncio.timeout(timeout_s),
-            session.request(method, url, json=json, headers={"Connection": "close"}) as reply,
-        ):
-            body = await reply.read()
-            if reply.status != 200:
-                text = body[:500].decode(errors="replace")
-                raise ReplicaError(replica.url, f"{method} {path} -> HTTP {reply.status}: {text}")
-    except TimeoutError:
-        raise ReplicaError(replica.url, f"{method} {path}: no reply within {timeout_s} s") from None
-    except TRANSPORT_ERRORS as exc:
-        raise ReplicaError(replica.url, f"{method} {path}: {type(exc).__name__}: {exc}") from None
-    return msgspec.json.decode(body) if body.strip() else None
+    for attempt in (1, 2):
+        try:
+            async with (
+                asyncio.timeout(timeout_s),
+                session.request(method, url, json=json, headers={"Connection": "close"}) as reply,
+            ):
+                body = await reply.read()
+                if reply.status != 200:
+                    text = body[:500].decode(errors="replace")
+                    message = f"{method} {path} -> HTTP {reply.status}: {text}"
+                    raise ReplicaError(replica.url, message)
+        except TimeoutError:
+            message = f"{method} {path}: no reply within {timeout_s} s"
+            raise ReplicaError(replica.url, message) from None
+        except TRANSPORT_ERRORS as exc:
+            # Once more on a fresh connection: a pooled one may have been closed by the
+            # server's keep-alive timeout just as it was reused. These calls are idempotent.
+            if attempt == 2:
+                message = f"{method} {path}: {type(exc).__name__}: {exc}"
+                raise ReplicaError(replica.url, message) from None
+            continue
+        return msgspec.json.decode(body) if body.strip() else None
+    raise AssertionError("unreachable")
 
 
 async def healthy(session: aiohttp.ClientSession, replica: Replica, timeout_s: float) -> bool:

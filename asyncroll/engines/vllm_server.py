@@ -110,10 +110,11 @@ class _Part:
 class _Live:
     """A running group: its replica, its requests and the tasks streaming them."""
 
-    __slots__ = ("aborted", "parts", "replica", "tasks")
+    __slots__ = ("aborted", "parts", "replica", "samples", "tasks")
 
-    def __init__(self, parts: list[_Part], replica: Replica) -> None:
+    def __init__(self, parts: list[_Part], replica: Replica, samples: list[_Sample]) -> None:
         self.parts = parts
+        self.samples = samples
         self.replica = replica
         self.aborted = False
         self.tasks: list[asyncio.Task[None]] = []
@@ -238,7 +239,7 @@ class VLLMServerEngine:
         replica = await self._route(self.session_of(rid))
         if rid in self._live:  # started by another call while this one was routed
             raise ValueError(f"request id {rid!r} is already running")
-        live = self._live[rid] = _Live(parts, replica)
+        live = self._live[rid] = _Live(parts, replica, samples)
         live.aborted = self._recent.pop(rid, False)  # aborted while it was routed
         try:
             async with asyncio.timeout(self.request_timeout_s):
@@ -361,6 +362,11 @@ class VLLMServerEngine:
     def running_requests(self) -> int:
         """HTTP generate requests open now (sent, not ended)."""
         return self._open_streams
+
+    def samples_started(self, request_id: str) -> int:
+        """How many samples of the running request `request_id` have received a token."""
+        live = self._live.get(request_id)
+        return 0 if live is None else sum(1 for s in live.samples if s.tokens)
 
     @property
     def held_requests(self) -> int:

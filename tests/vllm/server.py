@@ -19,7 +19,7 @@ import pytest_asyncio
 from asyncroll.engines.vllm_serve import ServerProcess
 from asyncroll.engines.vllm_server import VLLMServerEngine
 
-SERVER_MAX_MODEL_LEN = 1024  # the tiny model's longest: a long request outlives HTTP round trips
+SERVER_MAX_MODEL_LEN = 4096  # long requests outlive HTTP round trips on a loaded machine
 SERVER_DEADLINE_S = 60.0
 
 
@@ -35,10 +35,18 @@ def start_server(model: Path) -> ServerProcess:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tiny_model: Path) -> Iterator[ServerProcess]:
+def server_model() -> Path:
+    """The tiny model with room for `SERVER_MAX_MODEL_LEN` positions (the default has 1,024)."""
+    from asyncroll.models import build_tiny_model
+
+    return build_tiny_model(max_position_embeddings=SERVER_MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(server_model: Path) -> Iterator[ServerProcess]:
     """The one `vllm serve` of the session (stopped by process group at the end)."""
     skip_without_vllm()
-    server = start_server(tiny_model)
+    server = start_server(server_model)
     try:
         yield server
     finally:

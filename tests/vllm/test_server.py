@@ -43,7 +43,7 @@ async def tracked_by_server(url: str) -> int:
 
 
 async def test_request_made_while_paused_is_held_and_runs_on_the_new_weights(
-    server_engine: VLLMServerEngine, vllm_server: ServerProcess, tiny_model: Path
+    server_engine: VLLMServerEngine, vllm_server: ServerProcess, server_model: Path
 ) -> None:
     engine = server_engine
     before = await greedy(engine, "before-update")
@@ -58,7 +58,7 @@ async def test_request_made_while_paused_is_held_and_runs_on_the_new_weights(
             )
             await engine.wait_held(1, DEADLINE_S)
             assert await tracked_by_server(vllm_server.url) == 0  # nothing reached the server
-            await engine.update_weights(changed_weights(tiny_model), version=1)
+            await engine.update_weights(changed_weights(server_model), version=1)
         finally:
             await engine.resume_generation()
         async with asyncio.timeout(DEADLINE_S):
@@ -70,13 +70,13 @@ async def test_request_made_while_paused_is_held_and_runs_on_the_new_weights(
         assert np.array_equal(held.tokens, after)  # and served the held request, all of it
         assert len(list(engine.weights_dir.iterdir())) == 1  # type: ignore[union-attr]
     finally:
-        await engine.update_weights(original_weights(tiny_model), version=0)
+        await engine.update_weights(original_weights(server_model), version=0)
     assert np.array_equal(await greedy(engine, "restored"), before)
     assert len(list(engine.weights_dir.iterdir())) == 1  # type: ignore[union-attr]
 
 
 async def test_update_from_a_path_the_trainer_wrote(
-    server_engine: VLLMServerEngine, tiny_model: Path, tmp_path: Path
+    server_engine: VLLMServerEngine, server_model: Path, tmp_path: Path
 ) -> None:
     """The trainer writes the checkpoint folder itself; a folder without safetensors is refused
     before vLLM sees it (a failed reload kills a vLLM engine)."""
@@ -86,7 +86,7 @@ async def test_update_from_a_path_the_trainer_wrote(
     before = await greedy(engine, "path-before")
     with pytest.raises(ValueError, match="safetensors"):
         await engine.update_weights_from_path(tmp_path / "missing", version=4)
-    save_file(dict(changed_weights(tiny_model)), str(tmp_path / "model.safetensors"))  # type: ignore[arg-type]
+    save_file(dict(changed_weights(server_model)), str(tmp_path / "model.safetensors"))  # type: ignore[arg-type]
     try:
         await engine.update_weights_from_path(tmp_path, version=4)
         (out,) = await engine.generate(
@@ -94,7 +94,7 @@ async def test_update_from_a_path_the_trainer_wrote(
         )
         assert (out.versions == 4).all() and not np.array_equal(out.tokens, before)
     finally:
-        await engine.update_weights(original_weights(tiny_model), version=0)
+        await engine.update_weights(original_weights(server_model), version=0)
 
 
 async def test_many_first_requests_at_once_wait_for_the_replica_sync(

@@ -43,9 +43,9 @@ async def served_by(engine: VLLMServerEngine, rid: str) -> int:
 
 
 async def test_sticky_sessions_a_killed_replica_and_its_return(
-    vllm_server: ServerProcess, tiny_model: Path, server_weights_dir: Path
+    vllm_server: ServerProcess, server_model: Path, server_weights_dir: Path
 ) -> None:
-    second = await start_replica(tiny_model)
+    second = await start_replica(server_model)
     engine = server_engine_on(
         [vllm_server.url, second.url], server_weights_dir, health_interval_s=60.0
     )
@@ -89,7 +89,7 @@ async def test_sticky_sessions_a_killed_replica_and_its_return(
         # Back on its port, it rejoins once probed, labelled with the engine's version.
         await engine.update_weights(None, version=2)  # only the first replica hears it
         second.stop()
-        second = await start_replica(tiny_model, port=int(second.url.rsplit(":", 1)[1]))
+        second = await start_replica(server_model, port=int(second.url.rsplit(":", 1)[1]))
         await engine.check_replicas()
         assert killed.state is ReplicaState.UP, killed.error
         session = next(k for k, home in homes.items() if home == 1)
