@@ -9,6 +9,12 @@ from asyncroll.engines.vllm import VLLMEngine
 from asyncroll.models import build_tiny_model
 from asyncroll.types import RolloutGroup
 from tests.factories import make_group
+from tests.vllm.server import (  # noqa: F401
+    server_engine,
+    server_model,
+    server_weights_dir,
+    vllm_server,
+)
 
 VLLM_MAX_MODEL_LEN = 256
 VLLM_DEADLINE_S = 60.0  # for any single wait on vLLM in tests; generation takes well under 5 s

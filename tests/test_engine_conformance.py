@@ -1,8 +1,10 @@
 """The `Engine` contract (`asyncroll/engines/base.py`), checked the same way on every engine.
 
 Each test runs once per engine: `SimEngine` (a simulation, slowed down per token so a long
-request is certainly still running when an abort or a cancellation lands) and `VLLMEngine`
-(the tiny local model on the session's shared engine; marked `vllm`, skipped without vllm).
+request is certainly still running when an abort or a cancellation lands), `VLLMEngine`
+(the tiny local model on the session's shared engine; marked `vllm`, skipped without vllm) and
+`VLLMServerEngine` (the same model behind the session's one `vllm serve`, started only when a
+"server" case runs; marked `vllm`).
 A new engine joins by adding a `Subject` to `make_subject`.
 
 Progress is observed, never slept for: engines under test expose `generated_tokens`,
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,12 +64,18 @@ class Subject:
     """Within it, `generated_tokens` counts every token as it is sampled (engines that report
     progress in chunks switch to one token per chunk)."""
 
+    samples_started: Callable[[GenerateRequest], Awaitable[None]] | None = None
+    """Waits until each sample of a request has a token (engines whose requests may start late,
+    behind other running ones; others: the engine's token count rises by one per sample)."""
+
     async def start(self, request: GenerateRequest) -> asyncio.Task[Sequence[SampleOutput]]:
         """Start `request` and return once each of its samples has its first token."""
         before = self.engine.generated_tokens
         task = asyncio.create_task(self.engine.generate(request))
         waiting = asyncio.create_task(
-            self.engine.wait_generated(before + len(request.samples), DEADLINE_S)
+            self.samples_started(request)
+            if self.samples_started is not None
+            else self.engine.wait_generated(before + len(request.samples), DEADLINE_S)
         )
         await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
         if not waiting.done():  # generate ended first: let its error (or result) show
@@ -125,8 +133,9 @@ def make_subject(kind: str, vllm_engine: object = None) -> Subject:
     if kind == "sim":
         return Subject(SimEngine(vocab_size=512, per_token_latency_s=SIM_TOKEN_S), 1 << 20)
     from asyncroll.engines.vllm import VLLMEngine
+    from asyncroll.engines.vllm_server import VLLMServerEngine
 
-    assert isinstance(vllm_engine, VLLMEngine)
+    assert isinstance(vllm_engine, VLLMEngine | VLLMServerEngine)
     engine = vllm_engine
 
     @contextlib.contextmanager
@@ -137,6 +146,17 @@ def make_subject(kind: str, vllm_engine: object = None) -> Subject:
         finally:
             engine.stream_interval = saved
 
+    if isinstance(engine, VLLMServerEngine):  # HTTP round trips: a longer request
+        from tests.vllm.server import SERVER_MAX_MODEL_LEN
+
+        server = engine
+
+        async def samples_started(request: GenerateRequest) -> None:
+            rid, k = request.request_id, len(request.samples)
+            await server.wait_progress(lambda: server.samples_started(rid) >= k, DEADLINE_S)
+
+        budget = SERVER_MAX_MODEL_LEN - len(PROMPT) - 8
+        return Subject(engine, budget, each_token, samples_started)
     return Subject(engine, VLLM_MAX_MODEL_LEN - len(PROMPT) - 8, each_token)
 
 
@@ -147,12 +167,16 @@ def skip_without_vllm() -> None:
         pytest.skip(f"vllm is not importable: {type(exc).__name__}: {exc}")
 
 
-ENGINES = ["sim", pytest.param("vllm", marks=pytest.mark.vllm)]
+ENGINES = [
+    "sim",
+    pytest.param("vllm", marks=pytest.mark.vllm),
+    pytest.param("server", marks=pytest.mark.vllm),
+]
 
 
 @pytest.fixture(params=ENGINES)
 def engine_kind(request: pytest.FixtureRequest) -> str:
-    if request.param == "vllm":
+    if request.param != "sim":
         skip_without_vllm()
     return str(request.param)
 
@@ -162,6 +186,8 @@ def new_subject(request: pytest.FixtureRequest, engine_kind: str) -> Subject:
     """Synchronous, so that it may set up the session's vLLM engine only when it is needed."""
     if engine_kind == "sim":
         return make_subject("sim")
+    if engine_kind == "server":
+        return make_subject("server", request.getfixturevalue("server_engine"))
     return make_subject("vllm", request.getfixturevalue("vllm_engine"))
 
 
@@ -181,6 +207,17 @@ async def own_subject(request: pytest.FixtureRequest, engine_kind: str) -> Async
     """An engine of the test's own, for tests that close it (vLLM: a second engine start)."""
     if engine_kind == "sim":
         yield make_subject("sim")
+        return
+    if engine_kind == "server":  # a client of its own on the shared server
+        from tests.vllm.server import server_engine_on
+
+        server = request.getfixturevalue("vllm_server")
+        weights = request.getfixturevalue("server_weights_dir")
+        client = server_engine_on(server.url, weights)
+        try:
+            yield make_subject("server", client)
+        finally:
+            await asyncio.wait_for(client.close(), DEADLINE_S)
         return
     from asyncroll.engines.vllm import VLLMEngine
 

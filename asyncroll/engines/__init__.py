@@ -1,4 +1,5 @@
-"""Generation backends. `VLLMEngine` is imported on first use: importing vLLM takes seconds."""
+"""Generation backends. `VLLMEngine` and `VLLMServerEngine` are imported on first use:
+importing vLLM takes seconds, and the server engine needs aiohttp (the `server` extra)."""
 
 from typing import TYPE_CHECKING, Any
 
@@ -14,12 +15,15 @@ from asyncroll.engines.base import (
 from asyncroll.engines.sim import SimConfig, SimEngine, SimEngineError
 
 if TYPE_CHECKING:
+    from asyncroll.engines.replicas import ReplicaError
     from asyncroll.engines.vllm import VLLMEngine
+    from asyncroll.engines.vllm_server import VLLMServerEngine
 
 __all__ = [
     "Engine",
     "EngineDeadError",
     "GenerateRequest",
+    "ReplicaError",
     "SampleOutput",
     "SampleRequest",
     "SamplingConfig",
@@ -27,6 +31,7 @@ __all__ = [
     "SimEngine",
     "SimEngineError",
     "VLLMEngine",
+    "VLLMServerEngine",
     "Weights",
 ]
 
@@ -36,4 +41,12 @@ def __getattr__(name: str) -> Any:
         from asyncroll.engines.vllm import VLLMEngine
 
         return VLLMEngine
+    if name == "VLLMServerEngine":
+        from asyncroll.engines.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine
+    if name == "ReplicaError":
+        from asyncroll.engines.replicas import ReplicaError
+
+        return ReplicaError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,169 @@
+"""The `vllm serve` replicas behind `VLLMServerEngine`: their states, routing, and HTTP calls.
+
+A replica is UNSYNCED until the engine has given it the current weights and version label
+(at first use, and again after it came back), UP while it serves, and DOWN after it failed
+until a health probe finds it answering again. Routing is rendezvous hashing of a session key
+over the UP replicas: a session stays on its replica while that replica is up, and only the
+sessions of a replica that went down move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import aiohttp
+import msgspec
+
+
+class ReplicaState(enum.Enum):
+    UNSYNCED = "unsynced"  # not yet given the engine's weights and version label
+    UP = "up"
+    DOWN = "down"  # failed; probed again once `retry_at` has passed
+
+
+class ReplicaError(RuntimeError):
+    """A call to one replica failed; the message starts with the replica's URL."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(f"replica {url}: {message}")
+        self.url = url
+
+
+class Replica:
+    """One `vllm serve` base URL and what the engine knows of it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.state = ReplicaState.UNSYNCED
+        self.error: str | None = None  # why it went down
+        self.retry_at = 0.0  # loop time of the next health probe while DOWN
+        self.streams = 0  # generate requests open on it now
+        self.sent = 0  # generate requests sent to it so far
+        self.syncing = asyncio.Lock()
+
+    def mark_down(self, error: str, retry_at: float) -> None:
+        self.state = ReplicaState.DOWN
+        self.error = error
+        self.retry_at = retry_at
+
+    def __repr__(self) -> str:
+        return f"Replica({self.url!r}, {self.state.value})"
+
+
+def pick(replicas: Sequence[Replica], session: str) -> Replica | None:
+    """The UP replica that `session` maps to (rendezvous hashing), or None when none is up."""
+    best: tuple[bytes, Replica] | None = None
+    for replica in replicas:
+        if replica.state is not ReplicaState.UP:
+            continue
+        score = hashlib.blake2b(f"{session}\0{replica.url}".encode(), digest_size=8).digest()
+        if best is None or score > best[0]:
+            best = (score, replica)
+    return None if best is None else best[1]
+
+
+TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
+"""What a replica whose process died (or that stopped answering) looks like to aiohttp."""
+
+
+async def control(
+    session: aiohttp.ClientSession,
+    replica: Replica,
+    method: str,
+    path: str,
+    *,
+    timeout_s: float,
+    json: Any = None,
+) -> Any:
+    """One control call (`/pause`, `/collective_rpc`, ...) within `timeout_s`; its JSON reply
+    (None for an empty body). Any failure raises `ReplicaError` naming the replica. The
+    connection is not reused: after a 500 from vLLM's RL routes the next request on the same
+    connection was measured to fail."""
+    url = f"{replica.url}{path}"
+    for attempt in (1, 2):
+        try:
+            async with (
+                asyncio.timeout(timeout_s),
+                session.request(method, url, json=json, headers={"Connection": "close"}) as reply,
+            ):
+                body = await reply.read()
+                if reply.status != 200:
+                    text = body[:500].decode(errors="replace")
+                    message = f"{method} {path} -> HTTP {reply.status}: {text}"
+                    raise ReplicaError(replica.url, message)
+        except TimeoutError:
+            message = f"{method} {path}: no reply within {timeout_s} s"
+            raise ReplicaError(replica.url, message) from None
+        except TRANSPORT_ERRORS as exc:
+            # Once more on a fresh connection: a pooled one may have been closed by the
+            # server's keep-alive timeout just as it was reused. These calls are idempotent.
+            if attempt == 2:
+                message = f"{method} {path}: {type(exc).__name__}: {exc}"
+                raise ReplicaError(replica.url, message) from None
+            continue
+        return msgspec.json.decode(body) if body.strip() else None
+    raise AssertionError("unreachable")
+
+
+async def healthy(session: aiohttp.ClientSession, replica: Replica, timeout_s: float) -> bool:
+    """Whether `GET /health` answers 200 within `timeout_s`."""
+    try:
+        await control(session, replica, "GET", "/health", timeout_s=timeout_s)
+    except ReplicaError:
+        return False
+    return True
+
+
+class StreamEvent(msgspec.Struct):
+    """One server-sent event of `/inference/v1/generate` (only the fields used here)."""
+
+    choices: list[StreamChoice] = []
+    error: dict[str, Any] | None = None
+
+
+class LogprobEntry(msgspec.Struct):
+    token_id: int
+    logprob: float
+
+
+class Logprobs(msgspec.Struct):
+    content: list[LogprobEntry] = []
+
+
+class Span(msgspec.Struct):
+    version: str
+    start: int
+    end: int
+
+
+class StreamChoice(msgspec.Struct):
+    index: int
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    logprobs: Logprobs | None = None
+    weight_versions: list[Span] | None = None
+
+
+_DECODER = msgspec.json.Decoder(StreamEvent)
+
+
+async def events(reply: aiohttp.ClientResponse, url: str) -> AsyncIterator[StreamEvent]:
+    """The events of a generate stream until `[DONE]`. An error event (the engine core died
+    mid-request, vLLM's own errors) raises `ReplicaError`; a stream that ends without `[DONE]`
+    too (the API server died)."""
+    async for raw in reply.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        event = _DECODER.decode(data)
+        if event.error is not None:
+            raise ReplicaError(url, f"generate stream error: {event.error.get('message')}")
+        yield event
+    raise ReplicaError(url, "generate stream ended without [DONE] (the server went away)")

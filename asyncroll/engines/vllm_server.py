@@ -1,0 +1,820 @@
+"""`VLLMServerEngine`: the `Engine` protocol over `vllm serve` replicas, token ids in and out.
+
+When rollout outgrows one machine, the distributed engine users already run is vLLM itself:
+`vllm serve` replicas (each with its own tensor/data parallelism). The producer stays in this
+process; this engine speaks to every replica over HTTP. What it builds on (vLLM >= 0.32, servers
+started with `VLLM_SERVER_DEV_MODE=1 ... --enable-scale-out --logprobs-mode processed_logprobs`,
+see `asyncroll.engines.vllm_serve.serve_args`; measured in `vllm-serve-cpu.md` of the team's
+reference notes):
+
+* **One HTTP request per group** (`POST /inference/v1/generate`, token ids in, streamed token
+  ids, logprobs and per-token weight-version spans out): fresh samples travel together as `n`,
+  continued samples (their prefixes differ) one request each. On 2 CPU cores one request
+  carrying a group ran at offline speed, while many single-sample requests starved.
+* **Versions come from the server.** Every replica is given the version label
+  (`/update_weight_version`) with its weights, and each token's version is the label of the
+  weights that sampled it, as vLLM reports it. A label the engine never set (a replica that
+  restarted and was not synced) fails the request instead of being trusted.
+* **No request straddles a weight update.** vLLM queues requests that arrive while it is paused
+  and runs them later on whatever weights it then has. So admission stops *here* first: while
+  paused (or updating), `generate` holds new requests before they are sent, and lets them go
+  after the resume.
+* **Weights through a shared path.** `update_weights` writes one safetensors file under
+  `weights_dir` (a folder every replica can read: the same machine, or a shared filesystem),
+  and every replica reloads it (`/collective_rpc reload_weights`). A reload of a missing path
+  kills a vLLM engine, so the folder is checked first.
+* **Several replicas.** Control calls go to every replica. A group's requests carry a session
+  key (by default the request id without its last "-attempt" part, which is how the producer
+  names attempts) and go to one replica (rendezvous hashing). A replica that fails leaves the
+  rotation and fails only the requests it had; it is probed again every `health_interval_s`,
+  given the current weights and label, and comes back. With no replica up, `EngineDeadError`.
+* **A bounded client.** One aiohttp session with at most `max_connections` connections, a
+  deadline on every request (`request_timeout_s` for a generate, `control_timeout_s` for the
+  rest), errors that name the replica (`ReplicaError`).
+
+aiohttp rather than httpx: it is already a vLLM dependency, and its connection pool is the
+cheaper of the two per request (`benchmarks/server_throughput.py` has the numbers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import shutil
+import uuid
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from asyncroll._signal import Signal
+from asyncroll.engines import replicas as rp
+from asyncroll.engines.base import (
+    EngineDeadError,
+    GenerateRequest,
+    SampleOutput,
+    SamplingConfig,
+    Weights,
+    check_token_ids,
+)
+from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState
+
+_FINISH_REASONS = frozenset({"stop", "length", "abort"})
+_RECENT_IDS = 4096  # ended or early-aborted request ids remembered (see `Engine.abort`)
+_SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
+
+
+class Admission(enum.Enum):
+    """Whether `generate` may send requests to the replicas now."""
+
+    OPEN = "open"
+    HELD = "held"  # paused or updating weights: requests wait here, not in a paused vLLM
+
+
+def attempt_session(request_id: str) -> str:
+    """The default session key: the request id without its last "-" part. The producer names
+    attempts `<run>-<group uid>-<attempt>`, so every attempt of a group meets the same replica
+    (and its prefix cache)."""
+    return request_id.rsplit("-", 1)[0]
+
+
+class _Sample:
+    __slots__ = ("finish", "logprobs", "spans", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: str | None = None
+        self.spans: list[rp.Span] | None = None
+
+
+class _Part:
+    """One HTTP request of a group: `n` samples continuing the same prompt + prefix."""
+
+    __slots__ = ("indices", "max_tokens", "prompt", "server_id", "started")
+
+    def __init__(self, server_id: str, prompt: list[int], max_tokens: int, indices: list[int]):
+        self.server_id = server_id  # the request_id sent; vLLM prefixes it (_SERVER_PREFIX)
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.indices = indices  # positions in the group's request.samples
+        self.started = False  # sent to the replica (so an abort has to reach it there)
+
+
+class _Live:
+    """A running group: its replica, its requests and the tasks streaming them."""
+
+    __slots__ = ("aborted", "parts", "replica", "samples", "tasks")
+
+    def __init__(self, parts: list[_Part], replica: Replica, samples: list[_Sample]) -> None:
+        self.parts = parts
+        self.samples = samples
+        self.replica = replica
+        self.aborted = False
+        self.tasks: list[asyncio.Task[None]] = []
+
+
+class VLLMServerEngine:
+    """The `Engine` protocol on `vllm serve` replicas (see the module docstring).
+
+    `urls`: the replicas' base URLs (`http://host:port`), each a `vllm serve` started with
+    `VLLM_SERVER_DEV_MODE=1` and `--enable-scale-out`. `vocab_size` (the model's; token ids
+    are checked against it before anything is sent) and `max_model_len` are the served model's.
+
+    `weights_dir`: a folder that this process writes and every replica reads, where
+    `update_weights` puts the new weights (None: only `update_weights(None, ...)` and
+    `update_weights_from_path` are available). A request's `session` (every turn of an
+    episode carries one) picks its replica; without one, `session_of` maps the request id to
+    a session key (default `attempt_session`). `stream_interval`: also receive a sample's
+    tokens every that many tokens (None: its first token, then the rest at the end, the
+    fastest).
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        vocab_size: int,
+        max_model_len: int | None = None,
+        weights_dir: str | os.PathLike[str] | None = None,
+        session_of: Callable[[str], str] = attempt_session,
+        stream_interval: int | None = None,
+        request_timeout_s: float = 3600.0,
+        control_timeout_s: float = 120.0,
+        connect_timeout_s: float = 10.0,
+        health_timeout_s: float = 5.0,
+        health_interval_s: float = 5.0,
+        max_connections: int = 512,
+    ) -> None:
+        url_list = [urls] if isinstance(urls, str) else list(urls)
+        if not url_list:
+            raise ValueError("urls is empty: give at least one `vllm serve` base URL")
+        for url in url_list:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"url {url!r}: give a base URL like http://127.0.0.1:8000")
+        cleaned = [u.rstrip("/") for u in url_list]
+        if len(set(cleaned)) != len(cleaned):
+            raise ValueError(f"urls {url_list}: each replica must appear once")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size={vocab_size}: must be the served model's (>= 1)")
+        if stream_interval is not None and stream_interval < 1:
+            raise ValueError(f"stream_interval={stream_interval}: must be >= 1 (or None)")
+        timeouts = {
+            "request_timeout_s": request_timeout_s,
+            "control_timeout_s": control_timeout_s,
+            "connect_timeout_s": connect_timeout_s,
+            "health_timeout_s": health_timeout_s,
+            "health_interval_s": health_interval_s,
+        }
+        for name, value in timeouts.items():
+            if not value > 0:
+                raise ValueError(f"{name}={value}: must be > 0")
+        if max_connections < 1:
+            raise ValueError(f"max_connections={max_connections}: must be >= 1")
+        if weights_dir is not None and not Path(weights_dir).is_dir():
+            raise ValueError(f"weights_dir={weights_dir}: not a folder (create it first)")
+        self.replicas = [Replica(u) for u in cleaned]
+        self._vocab_size = vocab_size
+        self._max_model_len = max_model_len
+        self.weights_dir = None if weights_dir is None else Path(weights_dir)
+        self.session_of = session_of
+        self.stream_interval = stream_interval
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.health_timeout_s = health_timeout_s
+        self.health_interval_s = health_interval_s
+        self.max_connections = max_connections
+        self._http: aiohttp.ClientSession | None = None  # made in the loop that first uses it
+        self._version = 0
+        self._weights_path: Path | None = None  # what every replica serves (None: its own)
+        self._written: Path | None = None  # the last folder this engine wrote (deleted later)
+        self._admission = Admission.OPEN
+        self._paused = False
+        self._live: dict[str, _Live] = {}
+        self._recent: OrderedDict[str, bool] = OrderedDict()  # id -> aborted before it started
+        self._generated = 0
+        self._open_streams = 0
+        self._held = 0
+        self._progress = Signal()
+        self._control = asyncio.Lock()
+        self._closed = False
+
+    # -- Engine protocol -------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_model_len
+
+    @property
+    def supports_keep_pause(self) -> bool:
+        return True
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def payload_bytes(self, max_new_tokens: int) -> int:
+        return 0
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        self._check_open()
+        rid = request.request_id
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} is already running")
+        parts = self._split(request)
+        aborted_early = self._recent.pop(rid, False)
+        samples = [_Sample() for _ in request.samples]
+        if aborted_early:
+            self._remember(rid, aborted_early=False)
+            return [self._aborted_output() for _ in samples]
+        # an episode names its session; a single-turn group's attempts share their id's stem
+        replica = await self._route(request.session or self.session_of(rid))
+        if rid in self._live:  # started by another call while this one was routed
+            raise ValueError(f"request id {rid!r} is already running")
+        live = self._live[rid] = _Live(parts, replica, samples)
+        live.aborted = self._recent.pop(rid, False)  # aborted while it was routed
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                await self._run_parts(live, samples, request.sampling)
+        except TimeoutError:
+            self._check_open()
+            raise ReplicaError(
+                replica.url,
+                f"{rid} not finished within request_timeout_s={self.request_timeout_s}"
+                " (its requests were aborted)",
+            ) from None
+        finally:
+            del self._live[rid]
+            self._remember(rid, aborted_early=False)
+            self._progress.notify()
+        return [self._output(s, rid, replica) for s in samples]
+
+    async def abort(self, request_id: str) -> None:
+        """Abort every request of the group on its replica; its `generate` then returns the
+        partial samples, finish reason "abort". A request still held for admission is never
+        sent; an id not seen yet is remembered; an ended one is left alone."""
+        if self._closed:
+            return
+        live = self._live.get(request_id)
+        if live is None:
+            if request_id not in self._recent:
+                self._remember(request_id, aborted_early=True)
+            return
+        if live.aborted:
+            return
+        live.aborted = True
+        self._progress.notify()  # wakes parts held for admission
+        started = [p.server_id for p in live.parts if p.started]
+        if started:
+            await self._abort_on(live.replica, started)
+
+    async def pause_generation(self) -> None:
+        """Hold new requests here, then freeze the running ones on every replica (keep mode:
+        they keep their tokens and KV cache until resumed)."""
+        async with self._control:
+            self._check_open()
+            self._admission = Admission.HELD
+            self._paused = True
+            await self._each_replica("POST", "/pause?mode=keep&clear_cache=false")
+
+    async def resume_generation(self) -> None:
+        async with self._control:
+            self._check_open()
+            await self._each_replica("POST", "/resume")
+            self._paused = False
+            self._admission = Admission.OPEN
+            self._progress.notify()
+
+    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+        """Write `weights` under `weights_dir` and load them on every replica (None: weights
+        unchanged), and label later tokens `version` there; see `update_weights_from_path`."""
+        self._check_open()
+        if weights is None:
+            await self._update(None, version)
+            return
+        if self.weights_dir is None:
+            raise ValueError(
+                "update_weights with tensors needs weights_dir (a folder every replica reads);"
+                " or write the checkpoint yourself and call update_weights_from_path"
+            )
+        folder = self.weights_dir / f"asyncroll-v{version}-{uuid.uuid4().hex[:8]}"
+        folder.mkdir()
+        try:
+            await asyncio.to_thread(_write_weights, list(weights), folder)
+            await self._update(folder, version)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        previous, self._written = self._written, folder
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+
+    async def update_weights_from_path(self, path: str | os.PathLike[str], *, version: int) -> None:
+        """Load the safetensors checkpoint folder `path` (written by the trainer, readable by
+        every replica) on every replica, and label later tokens `version`. Requests are held
+        and running ones frozen meanwhile; running ones continue on the new weights (their
+        KV cache recomputed), their later tokens labelled `version`."""
+        self._check_open()
+        await self._update(_checkpoint(path), version)
+
+    async def close(self) -> None:
+        """Stop serving: running `generate` calls raise `EngineDeadError` (their streams are
+        closed, which makes vLLM abort them), later calls too; the replicas keep running."""
+        if self._closed:
+            return
+        self._closed = True
+        self._progress.notify()
+        # Abort on the replicas first: a closed connection alone reaches vLLM only when it
+        # next writes to the stream, which may be at the request's end.
+        started = [
+            (live.replica, [p.server_id for p in live.parts if p.started])
+            for live in self._live.values()
+        ]
+        await asyncio.gather(*(self._abort_on(r, ids) for r, ids in started if ids))
+        streams = [task for live in self._live.values() for task in live.tasks]
+        for task in streams:
+            task.cancel()
+        if streams:
+            await asyncio.wait(streams, timeout=self.control_timeout_s)
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        if self._written is not None:
+            shutil.rmtree(self._written, ignore_errors=True)
+
+    async def __aenter__(self) -> VLLMServerEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- progress --------------------------------------------------------------------------------
+
+    @property
+    def running_requests(self) -> int:
+        """HTTP generate requests open now (sent, not ended)."""
+        return self._open_streams
+
+    def samples_started(self, request_id: str) -> int:
+        """How many samples of the running request `request_id` have received a token."""
+        live = self._live.get(request_id)
+        return 0 if live is None else sum(1 for s in live.samples if s.tokens)
+
+    @property
+    def held_requests(self) -> int:
+        """Requests waiting for admission (the engine is paused or updating weights)."""
+        return self._held
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens received from the replicas since the engine started."""
+        return self._generated
+
+    async def wait_generated(self, tokens: int, timeout: float) -> None:
+        """Return once `generated_tokens >= tokens`; `TimeoutError` after `timeout` s."""
+        await self._progress.wait_until(lambda: self._generated >= tokens or self._closed, timeout)
+        self._check_open()
+
+    async def wait_held(self, requests: int, timeout: float) -> None:
+        """Return once `held_requests >= requests`; `TimeoutError` after `timeout` s."""
+        await self.wait_progress(lambda: self._held >= requests, timeout)
+
+    async def wait_progress(self, predicate: Callable[[], bool], timeout: float) -> None:
+        """Return once `predicate()` holds, checked whenever requests are held, sent, stream
+        tokens or end (e.g. on `replicas[i].streams`); `TimeoutError` after `timeout` s."""
+        await self._progress.wait_until(lambda: predicate() or self._closed, timeout)
+        self._check_open()
+
+    # -- routing and replica health --------------------------------------------------------------
+
+    async def check_replicas(self) -> None:
+        """Probe every replica that is not up now (routing does it every `health_interval_s`),
+        and bring back those that answer, with the current weights and version label."""
+        self._check_open()
+        await asyncio.gather(
+            *(self._sync(r, now=True) for r in self.replicas if r.state is not ReplicaState.UP)
+        )
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            connector = aiohttp.TCPConnector(
+                limit=self.max_connections, limit_per_host=self.max_connections
+            )
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
+            self._http = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        return self._http
+
+    async def _route(self, session: str) -> Replica:
+        """The replica for `session`, after syncing replicas due for it."""
+        await self._revive_due()
+        replica = rp.pick(self.replicas, session)
+        if replica is None:
+            raise EngineDeadError(f"no replica is up: {self._states()}")
+        return replica
+
+    async def _revive_due(self) -> None:
+        """Sync every replica that is new, or down and due for a probe (concurrently)."""
+        now = asyncio.get_running_loop().time()
+        due = [
+            r
+            for r in self.replicas
+            if r.state is ReplicaState.UNSYNCED
+            or (r.state is ReplicaState.DOWN and r.retry_at <= now)
+        ]
+        if due:
+            await asyncio.gather(*(self._sync(r) for r in due))
+
+    async def _sync(self, replica: Replica, *, now: bool = False) -> None:
+        """Bring `replica` into the rotation: healthy, serving the current weights under the
+        current label, paused if the engine is. Any failure leaves it down until the next
+        probe (`now`: probe even before `retry_at`). Concurrent callers wait for the one sync
+        in progress rather than route without it. Under the control lock, so that no update
+        runs half-way through it."""
+        async with replica.syncing:
+            due = now or asyncio.get_running_loop().time() >= replica.retry_at
+            if replica.state is ReplicaState.UP or self._closed:
+                return
+            if replica.state is ReplicaState.DOWN and not due:
+                return  # probed while this caller waited
+            async with self._control:
+                if _up(replica) or self._closed:  # synced by an update that held the lock
+                    return
+                try:
+                    if not await rp.healthy(self._session(), replica, self.health_timeout_s):
+                        raise ReplicaError(replica.url, "GET /health failed")
+                    if self._paused:
+                        await self._call(replica, "POST", "/pause?mode=keep&clear_cache=false")
+                    await self._load_on(replica, self._weights_path, self._version)
+                except ReplicaError as exc:
+                    self._down(replica, exc)
+                    return
+                replica.state = ReplicaState.UP
+                replica.error = None
+
+    def _down(self, replica: Replica, exc: BaseException) -> None:
+        loop = asyncio.get_running_loop()
+        replica.mark_down(str(exc), loop.time() + self.health_interval_s)
+
+    async def _failed(self, replica: Replica, exc: ReplicaError) -> None:
+        """A request to `replica` failed: it leaves the rotation unless it still answers its
+        health probe (then only the request failed)."""
+        if replica.state is ReplicaState.UP and not await rp.healthy(
+            self._session(), replica, self.health_timeout_s
+        ):
+            self._down(replica, exc)
+
+    def _states(self) -> str:
+        return "; ".join(f"{r.url} {r.state.value} ({r.error})" for r in self.replicas)
+
+    # -- control calls ---------------------------------------------------------------------------
+
+    async def _call(self, replica: Replica, method: str, path: str, json: Any = None) -> Any:
+        return await rp.control(
+            self._session(), replica, method, path, timeout_s=self.control_timeout_s, json=json
+        )
+
+    async def _each_replica(self, method: str, path: str, json: Any = None) -> None:
+        """One control call on every UP replica at once; one that fails leaves the rotation.
+        None up afterwards: `EngineDeadError`."""
+        await self._revive_due_locked()
+        up = [r for r in self.replicas if r.state is ReplicaState.UP]
+        results = await asyncio.gather(
+            *(self._call(r, method, path, json) for r in up), return_exceptions=True
+        )
+        for replica, result in zip(up, results, strict=True):
+            if isinstance(result, ReplicaError):
+                self._down(replica, result)
+            elif isinstance(result, BaseException):
+                raise result
+        if not any(r.state is ReplicaState.UP for r in self.replicas):
+            raise EngineDeadError(f"no replica is up: {self._states()}")
+
+    async def _revive_due_locked(self) -> None:
+        """`_revive_due` for callers that hold the control lock: new replicas are synced
+        inline (under the held lock), down ones wait for the next request's probe."""
+        for replica in self.replicas:
+            if replica.state is not ReplicaState.UNSYNCED:
+                continue
+            try:
+                if not await rp.healthy(self._session(), replica, self.health_timeout_s):
+                    raise ReplicaError(replica.url, "GET /health failed")
+                await self._load_on(replica, self._weights_path, self._version)
+            except ReplicaError as exc:
+                self._down(replica, exc)
+            else:
+                replica.state = ReplicaState.UP
+
+    async def _update(self, folder: Path | None, version: int) -> None:
+        """Hold admission, freeze every replica, load `folder` (None: keep the weights),
+        recompute running requests' KV cache, label `version`, resume (unless the caller
+        paused), release admission."""
+        if folder is None and version == self._version:
+            return
+        async with self._control:
+            self._check_open()
+            paused_before = self._paused
+            self._admission = Admission.HELD
+            try:
+                if not paused_before:
+                    await self._each_replica("POST", "/pause?mode=keep&clear_cache=false")
+                weights = folder if folder is not None else self._weights_path
+                up = [r for r in self.replicas if r.state is ReplicaState.UP]
+                results = await asyncio.gather(
+                    *(self._load_on(r, folder, version) for r in up), return_exceptions=True
+                )
+                for replica, result in zip(up, results, strict=True):
+                    if isinstance(result, ReplicaError):
+                        self._down(replica, result)
+                    elif isinstance(result, BaseException):
+                        raise result
+                if not any(r.state is ReplicaState.UP for r in self.replicas):
+                    raise EngineDeadError(f"no replica is up: {self._states()}")
+                self._weights_path = weights
+                self._version = version
+            finally:
+                if not paused_before and not self._closed:
+                    with contextlib.suppress(EngineDeadError):
+                        await self._each_replica("POST", "/resume")
+                    self._admission = Admission.OPEN
+                    self._progress.notify()
+
+    async def _load_on(self, replica: Replica, folder: Path | None, version: int) -> None:
+        """Reload `folder` on one (paused or idle) replica, drop its KV cache (running requests
+        are recomputed under the new weights), and set its label to `version`."""
+        if folder is not None:
+            _checkpoint(folder)  # a reload of a missing path would kill the vLLM engine
+            await self._call(
+                replica,
+                "POST",
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+            )
+        reply = await self._call(replica, "POST", "/reset_prefix_cache?reset_running_requests=true")
+        if not (isinstance(reply, dict) and reply.get("success")):
+            raise ReplicaError(replica.url, f"could not reset its prefix cache: {reply}")
+        await self._call(replica, "POST", "/update_weight_version", {"new_version": str(version)})
+
+    async def _abort_on(self, replica: Replica, server_ids: list[str]) -> None:
+        """Abort requests on `replica`, through the RL route that returns once vLLM has
+        aborted them (`/inference/v1/abort_requests` only starts a task that will). A failure
+        is ignored: the stream's own end or deadline still bounds the request."""
+        ids = [_SERVER_PREFIX + s for s in server_ids]
+        with contextlib.suppress(ReplicaError):
+            await self._call(replica, "POST", "/abort_requests", {"request_ids": ids})
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def _split(self, request: GenerateRequest) -> list[_Part]:
+        """Fresh samples of one budget travel together as `n` (not when greedy: vLLM refuses
+        n > 1 then), continued samples one request each. Token ids are checked first."""
+        prompt = _token_list(request.prompt_tokens, self._vocab_size, "prompt")
+        rid = request.request_id
+        together = request.sampling.temperature > 0
+        parts: list[_Part] = []
+        fresh: dict[int, list[int]] = {}
+        for i, sample in enumerate(request.samples):
+            if together and len(sample.prefix) == 0:
+                fresh.setdefault(sample.max_new_tokens, []).append(i)
+                continue
+            prefix = _token_list(sample.prefix, self._vocab_size, f"sample {i} prefix")
+            parts.append(_Part(f"{rid}/{i}", prompt + prefix, sample.max_new_tokens, [i]))
+        for max_tokens, indices in fresh.items():
+            parts.append(_Part(f"{rid}/n{indices[0]}", prompt, max_tokens, indices))
+        return parts
+
+    async def _run_parts(
+        self, live: _Live, samples: list[_Sample], sampling: SamplingConfig
+    ) -> None:
+        """Stream every part; on the first error (or a cancellation) end the others, abort
+        what was sent, and raise."""
+        tasks = live.tasks = [
+            asyncio.ensure_future(self._stream(live, part, samples, sampling))
+            for part in live.parts
+        ]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()  # closing a stream makes vLLM abort its request
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            unfinished = [
+                p.server_id
+                for p, r in zip(live.parts, results, strict=True)
+                if p.started and isinstance(r, BaseException)
+            ]
+            if unfinished and not self._closed:  # do not rely on the disconnect alone
+                await asyncio.shield(self._abort_on(live.replica, unfinished))
+        errors = [r for r in results if isinstance(r, BaseException)]
+        errors.sort(key=lambda e: isinstance(e, asyncio.CancelledError))  # the cause first
+        if self._closed:
+            raise EngineDeadError("VLLMServerEngine is closed")
+        if errors:
+            error = errors[0]
+            if isinstance(error, ReplicaError):
+                await self._failed(live.replica, error)
+            raise error
+
+    async def _admit(self, live: _Live) -> None:
+        """Wait while admission is held (a pause or weight update); an abort or close ends
+        the wait."""
+        if self._admission is Admission.OPEN:
+            return
+        self._held += 1
+        self._progress.notify()
+        try:
+            await self._progress.wait_until(
+                lambda: self._admission is Admission.OPEN or live.aborted or self._closed
+            )
+        finally:
+            self._held -= 1
+
+    async def _stream(
+        self, live: _Live, part: _Part, samples: list[_Sample], sampling: SamplingConfig
+    ) -> None:
+        await self._admit(live)
+        if self._closed:
+            raise EngineDeadError("VLLMServerEngine is closed")
+        if live.aborted:
+            for i in part.indices:
+                samples[i].finish = "abort"
+            return
+        replica = live.replica
+        body = {
+            "request_id": part.server_id,
+            "token_ids": part.prompt,
+            "stream": True,
+            "sampling_params": self._sampling_params(sampling, part),
+        }
+        part.started = True
+        self._open_streams += 1
+        replica.streams += 1
+        replica.sent += 1
+        self._progress.notify()
+        try:
+            async with self._session().post(
+                f"{replica.url}/inference/v1/generate", json=body
+            ) as reply:
+                if reply.status != 200:
+                    text = (await reply.read())[:500].decode(errors="replace")
+                    error = ReplicaError(replica.url, f"generate -> HTTP {reply.status}: {text}")
+                    if 400 <= reply.status < 500:
+                        raise ValueError(str(error))
+                    raise error
+                first = True
+                async for event in rp.events(reply, replica.url):
+                    for choice in event.choices:
+                        got = _append(samples[part.indices[choice.index]], choice, replica.url)
+                        self._generated += got
+                    self._progress.notify()
+                    if first and _aborted(live):  # the abort may have beaten the request there
+                        await self._abort_on(replica, [part.server_id])
+                    first = False
+        except rp.TRANSPORT_ERRORS as exc:
+            raise ReplicaError(replica.url, f"generate: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._open_streams -= 1
+            replica.streams -= 1
+            self._progress.notify()
+
+    def _sampling_params(self, sampling: SamplingConfig, part: _Part) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "n": len(part.indices),
+            "max_tokens": part.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "ignore_eos": sampling.ignore_eos,
+            "logprobs": 0,  # the sampled token's logprob only
+            "stream_interval": self.stream_interval or part.max_tokens,
+        }
+        if sampling.top_k is not None:
+            params["top_k"] = sampling.top_k
+        if sampling.seed is not None:  # reproducible, yet distinct per group and sample
+            params["seed"] = zlib.crc32(f"{sampling.seed}:{part.server_id}".encode())
+        return params
+
+    def _output(self, sample: _Sample, request_id: str, replica: Replica) -> SampleOutput:
+        n = len(sample.tokens)
+        if sample.finish not in _FINISH_REASONS:
+            raise ReplicaError(
+                replica.url, f"finished a sample of {request_id} with reason {sample.finish!r}"
+            )
+        if len(sample.logprobs) != n:
+            raise ReplicaError(
+                replica.url, f"returned {len(sample.logprobs)} logprobs for {n} tokens"
+            )
+        versions = np.empty(n, dtype=np.int32)
+        covered = 0
+        for span in sample.spans or ():
+            versions[span.start : span.end] = self._label(span.version, replica)
+            covered += span.end - span.start
+        if covered != n:
+            raise ReplicaError(
+                replica.url, f"labelled {covered} of {n} tokens of {request_id} with a version"
+            )
+        return SampleOutput(
+            tokens=np.array(sample.tokens, dtype=np.int32),
+            logprobs=np.array(sample.logprobs, dtype=np.float32),
+            versions=versions,
+            finish_reason=sample.finish,
+        )
+
+    def _label(self, label: str, replica: Replica) -> int:
+        """A version label as this engine set it; anything else (vLLM's initial "default":
+        a replica restarted behind the engine's back) fails the request."""
+        try:
+            return int(label)
+        except ValueError:
+            raise ReplicaError(
+                replica.url,
+                f"served tokens labelled {label!r}, a version this engine never set "
+                "(did it restart without the current weights?)",
+            ) from None
+
+    @staticmethod
+    def _aborted_output() -> SampleOutput:
+        empty = np.zeros(0, dtype=np.int32)
+        return SampleOutput(
+            tokens=empty,
+            logprobs=np.zeros(0, dtype=np.float32),
+            versions=empty.copy(),
+            finish_reason="abort",
+        )
+
+    def _remember(self, request_id: str, *, aborted_early: bool) -> None:
+        """Note how `request_id` ended, or that it was aborted before it started; only the most
+        recent `_RECENT_IDS` ids are kept, so memory stays bounded however many ids pass."""
+        self._recent[request_id] = aborted_early
+        self._recent.move_to_end(request_id)
+        if len(self._recent) > _RECENT_IDS:
+            self._recent.popitem(last=False)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineDeadError("VLLMServerEngine is closed")
+
+
+def _up(replica: Replica) -> bool:
+    """Whether `replica` is up, read through a call: its state changes across awaits, which
+    mypy's narrowing does not know."""
+    return replica.state is ReplicaState.UP
+
+
+def _aborted(live: _Live) -> bool:
+    """`live.aborted`, read through a call: it changes across awaits, which mypy's narrowing
+    does not know."""
+    return live.aborted
+
+
+def _append(sample: _Sample, choice: rp.StreamChoice, url: str) -> int:
+    """Add one streamed delta of a sample; the number of new tokens."""
+    tokens = choice.token_ids or []
+    entries = choice.logprobs.content if choice.logprobs is not None else []
+    if len(entries) != len(tokens) or any(
+        e.token_id != t for e, t in zip(entries, tokens, strict=True)
+    ):
+        raise ReplicaError(url, "streamed logprobs do not line up with the token ids")
+    sample.tokens.extend(tokens)
+    sample.logprobs.extend(e.logprob for e in entries)
+    if choice.finish_reason is not None:
+        sample.finish = choice.finish_reason
+        sample.spans = choice.weight_versions
+    return len(tokens)
+
+
+def _checkpoint(path: str | os.PathLike[str]) -> Path:
+    """`path` resolved, once checked to be a folder with safetensors files: vLLM treats a
+    missing path as a Hugging Face repo id, fails, and its engine dies on the next request."""
+    folder = Path(path)
+    if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder}: not a folder with *.safetensors files")
+    return folder.resolve()
+
+
+def _token_list(tokens: Any, vocab_size: int, what: str) -> list[int]:
+    check_token_ids(tokens, vocab_size, what)
+    return [int(t) for t in np.asarray(tokens).tolist()]
+
+
+def _write_weights(named: list[tuple[str, Any]], folder: Path) -> None:
+    """One `model.safetensors` in `folder`, the only file vLLM's `reload_weights` needs."""
+    from asyncroll.engines.vllm import _write_safetensors
+
+    _write_safetensors([(name, _as_tensor(t)) for name, t in named], folder / "model.safetensors")
+
+
+def _as_tensor(value: Any) -> Any:
+    import torch
+
+    return torch.as_tensor(value).detach()

@@ -1,0 +1,85 @@
+"""`VLLMServerEngine` without a server: configuration errors, routing, and replicas that are
+not there (the real `vllm serve` tests are in tests/vllm/test_server*.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncroll.engines import EngineDeadError, GenerateRequest, SampleRequest, SamplingConfig
+from asyncroll.engines.replicas import Replica, ReplicaState, pick
+from asyncroll.engines.vllm_serve import free_port
+from asyncroll.engines.vllm_server import VLLMServerEngine, attempt_session
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"urls": []}, "at least one"),
+        ({"urls": "127.0.0.1:8000"}, "base URL like http://"),
+        ({"urls": ["http://a:1", "http://a:1/"]}, "appear once"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"stream_interval": 0}, "stream_interval"),
+        ({"request_timeout_s": 0}, "request_timeout_s"),
+        ({"max_connections": 0}, "max_connections"),
+        ({"weights_dir": "/nonexistent/asyncroll"}, "weights_dir"),
+    ],
+)
+def test_bad_config_fails_at_construction_saying_what_to_change(
+    kwargs: dict[str, object], message: str
+) -> None:
+    args: dict[str, object] = {"urls": "http://127.0.0.1:1", "vocab_size": 512, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        VLLMServerEngine(**args)  # type: ignore[arg-type]
+
+
+def test_sessions_stay_put_and_only_a_down_replicas_sessions_move() -> None:
+    replicas = [Replica(f"http://r{i}:1") for i in range(3)]
+    for r in replicas:
+        r.state = ReplicaState.UP
+    sessions = [f"run-{k}" for k in range(300)]
+    before = {s: pick(replicas, s) for s in sessions}
+    assert {pick(replicas, s) for s in sessions for _ in range(3)} == set(replicas)  # spread
+    assert all(pick(replicas, s) is before[s] for s in sessions)  # deterministic
+    replicas[1].mark_down("killed", retry_at=0.0)
+    after = {s: pick(replicas, s) for s in sessions}
+    moved = [s for s in sessions if after[s] is not before[s]]
+    assert moved and all(before[s] is replicas[1] for s in moved)
+    assert all(after[s] is not replicas[1] for s in sessions)
+    for r in replicas:
+        r.mark_down("gone", retry_at=0.0)
+    assert pick(replicas, "run-0") is None
+
+
+def test_attempts_of_a_group_share_a_session() -> None:
+    assert attempt_session("abc123-7-0") == attempt_session("abc123-7-3") == "abc123-7"
+    assert attempt_session("abc123-7-0") != attempt_session("abc123-8-0")
+
+
+def _request(rid: str, prompt: list[int] | None = None) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid,
+        prompt_tokens=np.array(prompt or [0, 5], np.int32),
+        samples=(SampleRequest(np.zeros(0, np.int32), 4),),
+        sampling=SamplingConfig(max_new_tokens=4),
+    )
+
+
+async def test_no_replica_answering_is_a_dead_engine_naming_each_replica(tmp_path: Path) -> None:
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there
+    engine = VLLMServerEngine(urls, vocab_size=512, health_timeout_s=5.0, weights_dir=tmp_path)
+    try:
+        with pytest.raises(EngineDeadError) as caught:
+            await engine.generate(_request("r-0"))
+        assert all(url in str(caught.value) for url in urls)
+        with pytest.raises(EngineDeadError, match="no replica is up"):
+            await engine.pause_generation()
+        with pytest.raises(ValueError, match="vocabulary"):  # checked before any HTTP
+            await engine.generate(_request("r-1", prompt=[0, 512]))
+    finally:
+        await engine.close()
+    with pytest.raises(EngineDeadError, match="closed"):
+        await engine.generate(_request("r-2"))
+    await engine.abort("r-2")  # harmless after close
