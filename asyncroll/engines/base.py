@@ -8,6 +8,7 @@ the policy version it was sampled under; the producer tells it the version in `u
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -92,6 +93,40 @@ def check_token_ids(tokens: npt.ArrayLike, vocab_size: int, what: str) -> None:
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
         raise ValueError(f"{what} has token id {bad} outside the vocabulary [0, {vocab_size})")
+
+
+class RecentIds:
+    """The request ids an engine saw end, and those aborted before their `generate` started.
+
+    The abort contract (see `Engine`) tells three states of an id apart: running (the engine
+    knows it), not started yet (the abort must wait for its `generate`), ended (the abort must
+    do nothing). Only the last two need memory; the newest `limit` ids are kept, so memory stays
+    bounded however many ids pass (callers give every attempt a fresh id, so a forgotten early
+    abort of an old id never matters)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._ids: OrderedDict[str, bool] = OrderedDict()  # id -> aborted before it started
+
+    def ended(self, request_id: str) -> None:
+        """`request_id` returned (or was answered as aborted): a later abort leaves it alone."""
+        self._note(request_id, aborted_early=False)
+
+    def abort_unknown(self, request_id: str) -> None:
+        """An abort of an id that is not running: remembered for its coming `generate`, unless
+        it has already ended."""
+        if request_id not in self._ids:
+            self._note(request_id, aborted_early=True)
+
+    def take_early_abort(self, request_id: str) -> bool:
+        """Whether `request_id` was aborted before it started (and forget that it was)."""
+        return self._ids.pop(request_id, False)
+
+    def _note(self, request_id: str, *, aborted_early: bool) -> None:
+        self._ids[request_id] = aborted_early
+        self._ids.move_to_end(request_id)
+        if len(self._ids) > self.limit:
+            self._ids.popitem(last=False)
 
 
 @runtime_checkable

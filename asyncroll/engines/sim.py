@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
 
@@ -21,6 +20,7 @@ import numpy.typing as npt
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
+    RecentIds,
     SampleOutput,
     SampleRequest,
     Weights,
@@ -28,7 +28,6 @@ from asyncroll.engines.base import (
 )
 
 _POOL = 1 << 20  # random tokens/logprobs drawn once and sliced, so zero latency costs ~nothing
-_RECENT_IDS = 4096  # ended or early-aborted request ids remembered (see `Engine.abort`)
 
 
 class SimEngineError(RuntimeError):
@@ -137,7 +136,7 @@ class SimEngine:
         self._logprob_pool = -self._rng.exponential(2.0, _POOL).astype(np.float32) - 1e-3
         self._version = 0
         self._live: dict[str, _Live] = {}
-        self._recent: OrderedDict[str, bool] = OrderedDict()  # id -> aborted before it started
+        self._recent = RecentIds()
         self._generated = 0
         self._running = asyncio.Event()  # cleared while paused in place
         self._running.set()
@@ -174,7 +173,7 @@ class SimEngine:
         for i, sample in enumerate(request.samples):
             check_token_ids(sample.prefix, self.config.vocab_size, f"sample {i} prefix")
         self.calls += 1
-        if self._recent.pop(rid, False):  # aborted before it started
+        if self._recent.take_early_abort(rid):
             return [_aborted_before_start() for _ in request.samples]
         cfg = self.config
         draw = self._rng.random()
@@ -191,7 +190,7 @@ class SimEngine:
         finally:
             live.stop()
             del self._live[rid]
-            self._remember(rid, aborted_early=False)
+            self._recent.ended(rid)
         if self._closed:
             raise EngineDeadError("SimEngine was closed during the request")
         width = -(-cfg.payload_bytes_per_sample // request.sampling.max_new_tokens)
@@ -209,8 +208,8 @@ class SimEngine:
             live.aborted = True
             live.stop()
             live.wake.set()
-        elif request_id not in self._recent:
-            self._remember(request_id, aborted_early=True)
+        else:
+            self._recent.abort_unknown(request_id)
 
     async def pause_generation(self) -> None:
         self._check_alive()
@@ -287,14 +286,6 @@ class SimEngine:
     def _check_alive(self) -> None:
         if self._closed:
             raise EngineDeadError("SimEngine is closed")
-
-    def _remember(self, request_id: str, *, aborted_early: bool) -> None:
-        """Note how `request_id` ended, or that it was aborted before it started; only the most
-        recent `_RECENT_IDS` ids are kept, so memory stays bounded however many ids pass."""
-        self._recent[request_id] = aborted_early
-        self._recent.move_to_end(request_id)
-        if len(self._recent) > _RECENT_IDS:
-            self._recent.popitem(last=False)
 
     async def _run(self, live: _Live) -> None:
         """Advance simulated time until the longest sample is done or the request is aborted.

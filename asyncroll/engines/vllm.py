@@ -42,7 +42,6 @@ import tempfile
 import typing
 import uuid
 import zlib
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -53,6 +52,7 @@ from asyncroll._signal import Signal
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
+    RecentIds,
     SampleOutput,
     SamplingConfig,
     Weights,
@@ -64,7 +64,6 @@ log = logging.getLogger(__name__)
 _EXTENSION = "asyncroll.engines.vllm_worker.WeightLoaderExtension"
 _FINISH_REASONS = frozenset({"stop", "length", "abort"})
 _INITIAL_LABEL = "default"  # vLLM's weight version label before any update: our version 0
-_RECENT_IDS = 4096  # ended or early-aborted request ids remembered (see `Engine.abort`)
 _WEIGHTS_DIR = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
 
 Transfer = Literal["auto", "file", "cuda_ipc"]
@@ -204,7 +203,7 @@ class VLLMEngine:
         self._keep_pause = "keep" in typing.get_args(PauseMode)
         self._version = 0
         self._live: dict[str, _Live] = {}
-        self._recent: OrderedDict[str, bool] = OrderedDict()  # id -> aborted before it started
+        self._recent = RecentIds()
         self._generated = 0
         self._progress = Signal()
         self._paused = False
@@ -240,7 +239,7 @@ class VLLMEngine:
             raise ValueError(f"request id {rid!r} is already running")
         parts = self._split(request)
         live = self._live[rid] = _Live(parts)
-        live.aborted = self._recent.pop(rid, False)  # aborted before it got here
+        live.aborted = self._recent.take_early_abort(rid)  # aborted before it got here
         samples = [_Sample() for _ in request.samples]
         try:
             async with asyncio.timeout(self.generate_timeout_s):
@@ -253,7 +252,7 @@ class VLLMEngine:
             ) from None
         finally:
             del self._live[rid]
-            self._remember(rid, aborted_early=False)
+            self._recent.ended(rid)
         return [self._output(s, rid) for s in samples]
 
     async def abort(self, request_id: str) -> None:
@@ -265,8 +264,7 @@ class VLLMEngine:
             return
         live = self._live.get(request_id)
         if live is None:
-            if request_id not in self._recent:
-                self._remember(request_id, aborted_early=True)
+            self._recent.abort_unknown(request_id)
             return
         if live.aborted:
             return
@@ -527,14 +525,6 @@ class VLLMEngine:
                 return await awaitable
         except Exception as exc:
             raise self._translate(exc) from None
-
-    def _remember(self, request_id: str, *, aborted_early: bool) -> None:
-        """Note how `request_id` ended, or that it was aborted before it started; only the most
-        recent `_RECENT_IDS` ids are kept, so memory stays bounded however many ids pass."""
-        self._recent[request_id] = aborted_early
-        self._recent.move_to_end(request_id)
-        if len(self._recent) > _RECENT_IDS:
-            self._recent.popitem(last=False)
 
     def _dead(self) -> bool:
         return self._closed or bool(self._llm.errored)  # `_llm` is None only once closed

@@ -45,7 +45,6 @@ import os
 import shutil
 import uuid
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,7 @@ from asyncroll.engines import replicas as rp
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
+    RecentIds,
     SampleOutput,
     SamplingConfig,
     Weights,
@@ -66,7 +66,6 @@ from asyncroll.engines.base import (
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState
 
 _FINISH_REASONS = frozenset({"stop", "length", "abort"})
-_RECENT_IDS = 4096  # ended or early-aborted request ids remembered (see `Engine.abort`)
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
 
 
@@ -198,7 +197,7 @@ class VLLMServerEngine:
         self._admission = Admission.OPEN
         self._paused = False
         self._live: dict[str, _Live] = {}
-        self._recent: OrderedDict[str, bool] = OrderedDict()  # id -> aborted before it started
+        self._recent = RecentIds()
         self._generated = 0
         self._open_streams = 0
         self._held = 0
@@ -233,17 +232,17 @@ class VLLMServerEngine:
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already running")
         parts = self._split(request)
-        aborted_early = self._recent.pop(rid, False)
+        aborted_early = self._recent.take_early_abort(rid)
         samples = [_Sample() for _ in request.samples]
         if aborted_early:
-            self._remember(rid, aborted_early=False)
+            self._recent.ended(rid)
             return [self._aborted_output() for _ in samples]
         # an episode names its session; a single-turn group's attempts share their id's stem
         replica = await self._route(request.session or self.session_of(rid))
         if rid in self._live:  # started by another call while this one was routed
             raise ValueError(f"request id {rid!r} is already running")
         live = self._live[rid] = _Live(parts, replica, samples)
-        live.aborted = self._recent.pop(rid, False)  # aborted while it was routed
+        live.aborted = self._recent.take_early_abort(rid)  # aborted while it was routed
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 await self._run_parts(live, samples, request.sampling)
@@ -256,7 +255,7 @@ class VLLMServerEngine:
             ) from None
         finally:
             del self._live[rid]
-            self._remember(rid, aborted_early=False)
+            self._recent.ended(rid)
             self._progress.notify()
         return [self._output(s, rid, replica) for s in samples]
 
@@ -268,8 +267,7 @@ class VLLMServerEngine:
             return
         live = self._live.get(request_id)
         if live is None:
-            if request_id not in self._recent:
-                self._remember(request_id, aborted_early=True)
+            self._recent.abort_unknown(request_id)
             return
         if live.aborted:
             return
@@ -751,14 +749,6 @@ class VLLMServerEngine:
             versions=empty.copy(),
             finish_reason="abort",
         )
-
-    def _remember(self, request_id: str, *, aborted_early: bool) -> None:
-        """Note how `request_id` ended, or that it was aborted before it started; only the most
-        recent `_RECENT_IDS` ids are kept, so memory stays bounded however many ids pass."""
-        self._recent[request_id] = aborted_early
-        self._recent.move_to_end(request_id)
-        if len(self._recent) > _RECENT_IDS:
-            self._recent.popitem(last=False)
 
     def _check_open(self) -> None:
         if self._closed:
