@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -12,7 +13,8 @@ README = (ROOT / "README.md").read_text()
 
 
 def python_blocks() -> list[ast.Module]:
-    return [ast.parse(b) for b in re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)]
+    blocks = re.findall(r"^( *)```python\n(.*?)^ *```", README, flags=re.DOTALL | re.MULTILINE)
+    return [ast.parse(textwrap.dedent(b)) for _, b in blocks]  # a block in a list is indented
 
 
 def test_links_point_inside_the_repository() -> None:

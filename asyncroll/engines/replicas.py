@@ -151,11 +151,22 @@ class StreamChoice(msgspec.Struct):
 _DECODER = msgspec.json.Decoder(StreamEvent)
 
 
-async def events(reply: aiohttp.ClientResponse, url: str) -> AsyncIterator[StreamEvent]:
-    """The events of a generate stream until `[DONE]`. An error event (the engine core died
-    mid-request, vLLM's own errors) raises `ReplicaError`; a stream that ends without `[DONE]`
-    too (the API server died)."""
-    async for raw in reply.content:
+# JSON bytes one streamed token can take in an event (id, logprob, its decoded text, version);
+# one event of 4,084 tokens passed 512 KiB (over 128 each), so this leaves room for long tokens.
+EVENT_BYTES_PER_TOKEN = 1024
+EVENT_OVERHEAD_BYTES = 1 << 16
+
+
+async def events(
+    reply: aiohttp.ClientResponse, url: str, max_tokens: int
+) -> AsyncIterator[StreamEvent]:
+    """The events of a generate stream of at most `max_tokens` tokens until `[DONE]`. An error
+    event (the engine core died mid-request, vLLM's own errors) raises `ReplicaError`; a stream
+    that ends without `[DONE]` too (the API server died). One event can carry every token of
+    the request (aiohttp's default line limit, 512 KiB, is ~4,000 tokens), so lines may be as
+    long as `max_tokens` tokens can make them."""
+    limit = EVENT_OVERHEAD_BYTES + EVENT_BYTES_PER_TOKEN * max_tokens
+    while raw := await reply.content.readline(max_line_length=limit):
         line = raw.strip()
         if not line.startswith(b"data:"):
             continue

@@ -670,7 +670,8 @@ class VLLMServerEngine:
                         raise ValueError(str(error))
                     raise error
                 first = True
-                async for event in rp.events(reply, replica.url):
+                tokens = part.max_tokens * len(part.indices)
+                async for event in rp.events(reply, replica.url, tokens):
                     for choice in event.choices:
                         got = _append(samples[part.indices[choice.index]], choice, replica.url)
                         self._generated += got
