@@ -40,6 +40,7 @@ from asyncroll.types import Int32Array
 from tests.conftest import VLLM_MAX_MODEL_LEN
 
 DEADLINE_S = 60.0  # for any single wait; every operation here takes well under a second
+RUN_TO_END_S = 300.0  # for a request of `long_budget` tokens run to its end (16k over HTTP)
 SIM_TOKEN_S = 0.02  # SimEngine's per-token latency: a long request runs for hours
 PROMPT = np.array([0, 5, 6, 7], dtype=np.int32)
 
@@ -62,7 +63,14 @@ class Subject:
     long_budget: int  # tokens per sample that take far longer than an abort to land
     observe_each_token: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
     """Within it, `generated_tokens` counts every token as it is sampled (engines that report
-    progress in chunks switch to one token per chunk)."""
+    progress in chunks switch to one token per chunk), where `delivered_at_pause`; elsewhere
+    progress comes often enough for `samples_started` to see each sample's first tokens."""
+
+    delivered_at_pause: bool = True
+    """Whether every token sampled before `pause_generation` has reached the caller when it
+    returns. vLLM's server offers no such point (its own pause sleeps 20 ms "for intuitive
+    ordering, not correctness"), so over HTTP tokens in transit still arrive after it, each
+    labelled with the version it was sampled under."""
 
     samples_started: Callable[[GenerateRequest], Awaitable[None]] | None = None
     """Waits until each sample of a request has a token (engines whose requests may start late,
@@ -72,17 +80,40 @@ class Subject:
         """Start `request` and return once each of its samples has its first token."""
         before = self.engine.generated_tokens
         task = asyncio.create_task(self.engine.generate(request))
-        waiting = asyncio.create_task(
-            self.samples_started(request)
-            if self.samples_started is not None
-            else self.engine.wait_generated(before + len(request.samples), DEADLINE_S)
-        )
-        await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
-        if not waiting.done():  # generate ended first: let its error (or result) show
-            waiting.cancel()
-            raise AssertionError(f"{request.request_id} ended before it got going: {await task}")
-        await waiting
-        return task
+        if self.samples_started is not None:
+            waiting = self.samples_started(request)
+        else:
+            waiting = self.engine.wait_generated(before + len(request.samples), DEADLINE_S)
+        (started,) = await self._launched([task], waiting)
+        return started
+
+    async def start_together(
+        self, *requests: GenerateRequest
+    ) -> list[asyncio.Task[Sequence[SampleOutput]]]:
+        """Start `requests` and return once every sample has its first token. Where the engine
+        tells each request's start apart (`samples_started`), they go in together, so a few
+        steps at most separate the first token from what the caller does next (one at a time,
+        the first may run to its end on a loaded machine before the last starts); elsewhere
+        one by one, as the token count cannot tell whose token it is."""
+        if self.samples_started is None:
+            return [await self.start(request) for request in requests]
+        tasks = [asyncio.create_task(self.engine.generate(request)) for request in requests]
+        waiting = asyncio.gather(*(self.samples_started(request) for request in requests))
+        return await self._launched(tasks, waiting)
+
+    @staticmethod
+    async def _launched(
+        tasks: list[asyncio.Task[Sequence[SampleOutput]]], waiting: Awaitable[object]
+    ) -> list[asyncio.Task[Sequence[SampleOutput]]]:
+        """`tasks` once `waiting` is done; if one of them ends first, its error (or result)."""
+        watcher = asyncio.ensure_future(waiting)
+        await asyncio.wait([*tasks, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if not watcher.done():  # a request ended first: let its error (or result) show
+            watcher.cancel()
+            ended = next(task for task in tasks if task.done())
+            raise AssertionError(f"a request ended before it got going: {await ended}")
+        await watcher
+        return tasks
 
 
 RUN = uuid.uuid4().hex[:8]
@@ -112,8 +143,10 @@ async def within_deadline(request: GenerateRequest, engine: Engine) -> Sequence[
         return await engine.generate(request)
 
 
-async def finished(task: asyncio.Task[Sequence[SampleOutput]]) -> Sequence[SampleOutput]:
-    async with asyncio.timeout(DEADLINE_S):
+async def finished(
+    task: asyncio.Task[Sequence[SampleOutput]], deadline_s: float = DEADLINE_S
+) -> Sequence[SampleOutput]:
+    async with asyncio.timeout(deadline_s):
         return await task
 
 
@@ -138,14 +171,18 @@ def make_subject(kind: str, vllm_engine: object = None) -> Subject:
     assert isinstance(vllm_engine, VLLMEngine | VLLMServerEngine)
     engine = vllm_engine
 
-    @contextlib.contextmanager
-    def each_token() -> Iterator[None]:
-        saved, engine.stream_interval = engine.stream_interval, 1
-        try:
-            yield
-        finally:
-            engine.stream_interval = saved
+    def streaming_every(tokens: int) -> Callable[[], AbstractContextManager[None]]:
+        @contextlib.contextmanager
+        def streaming() -> Iterator[None]:
+            saved, engine.stream_interval = engine.stream_interval, tokens
+            try:
+                yield
+            finally:
+                engine.stream_interval = saved
 
+        return streaming
+
+    each_token = streaming_every(1)
     if isinstance(engine, VLLMServerEngine):  # HTTP round trips: a longer request
         from tests.vllm.server import SERVER_MAX_MODEL_LEN
 
@@ -156,7 +193,9 @@ def make_subject(kind: str, vllm_engine: object = None) -> Subject:
             await server.wait_progress(lambda: server.samples_started(rid) >= k, DEADLINE_S)
 
         budget = SERVER_MAX_MODEL_LEN - len(PROMPT) - 8
-        return Subject(engine, budget, each_token, samples_started)
+        # Its count is not checked one by one (see delivered_at_pause), and an event per token
+        # of two 16k-token requests costs 2 cores more than generating them: chunks of 16.
+        return Subject(engine, budget, streaming_every(16), False, samples_started)
     return Subject(engine, VLLM_MAX_MODEL_LEN - len(PROMPT) - 8, each_token)
 
 
@@ -326,46 +365,46 @@ async def test_a_fresh_id_after_many_aborted_ones_is_unaffected(subject: Subject
 # -- pause, versions -----------------------------------------------------------------------------
 
 
-async def test_keep_pause_freezes_requests_and_an_update_in_between_restamps(
+async def test_keep_pause_freezes_requests_and_updates_in_between_restamp(
     subject: Subject,
 ) -> None:
-    """Paused in place with an update to version 1 in between: frozen requests make no
-    progress (control calls round-trip through the engine while the token count stays put),
-    one aborted while frozen returns its partial, and the other completes after resume with
-    its first tokens at version 0 and its last at version 1."""
+    """Paused in place with updates to versions 1 then 2 in between: frozen requests make no
+    progress, one aborted while frozen returns its partial, and the other completes after
+    resume with its first tokens at version 0 and its last at version 2. No token is labelled
+    1: one would have been sampled while paused. Where the engine delivers every token
+    sampled before the pause by the time it returns, the count also stays put across a
+    control round trip."""
     engine = subject.engine
     if not engine.supports_keep_pause:
         pytest.skip("engine cannot pause in place")
-    if type(engine).__name__ == "VLLMServerEngine":  # failed 2 of 3 fresh-clone CI runs
-        pytest.skip(
-            "known defect (issue #10): tokens sampled before the pause can still be in transit "
-            "in the HTTP stream, so the client's count rises after pause_generation returns"
-        )
     budget = 40 if isinstance(engine, SimEngine) else subject.long_budget
     keep_req = make_request("frozen", [budget])
     with subject.observe_each_token():
-        keep = await subject.start(keep_req)
-        cut = await subject.start(make_request("frozen-cut", [subject.long_budget]))
+        cut_req = make_request("frozen-cut", [subject.long_budget])
+        keep, cut = await subject.start_together(keep_req, cut_req)
         await engine.pause_generation()
         try:
             await engine.update_weights(None, version=1)
             frozen_at = engine.generated_tokens
             await engine.pause_generation()  # one more round trip: still nothing new
-            assert engine.generated_tokens == frozen_at and not keep.done()
+            if subject.delivered_at_pause:
+                assert engine.generated_tokens == frozen_at
+            assert not keep.done(), keep.result()
             await engine.abort(f"{RUN}-frozen-cut")
             (partial,) = await finished(cut)
             assert partial.finish_reason == "abort"
             assert 0 < len(partial.tokens) < subject.long_budget
             assert (partial.versions == 0).all()
             assert not keep.done()
+            await engine.update_weights(None, version=2)
         finally:
             await engine.resume_generation()
-        outputs = await finished(keep)
+        outputs = await finished(keep, RUN_TO_END_S)
     check_outputs(outputs, keep_req)
     (out,) = outputs
     assert (out.finish_reason, len(out.tokens)) == ("length", budget)
-    assert out.versions[0] == 0 and out.versions[-1] == 1
-    assert (np.diff(out.versions) >= 0).all()
+    assert out.versions[0] == 0 and out.versions[-1] == 2
+    assert (np.diff(out.versions) >= 0).all() and 1 not in out.versions
 
 
 async def test_update_weights_stamps_later_tokens(subject: Subject) -> None:

@@ -279,7 +279,11 @@ class VLLMServerEngine:
 
     async def pause_generation(self) -> None:
         """Hold new requests here, then freeze the running ones on every replica (keep mode:
-        they keep their tokens and KV cache until resumed)."""
+        they keep their tokens and KV cache until resumed).
+
+        Tokens sampled before the freeze may still reach `generate` after this returns: vLLM
+        sends nothing that marks the end of a stream's pre-pause tokens. Each carries the
+        version label it was sampled under, so none is mistaken for the next weights'."""
         async with self._control:
             self._check_open()
             self._admission = Admission.HELD
