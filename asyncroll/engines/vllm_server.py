@@ -44,7 +44,6 @@ import enum
 import os
 import shutil
 import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,6 +53,7 @@ import numpy as np
 
 from asyncroll._signal import Signal
 from asyncroll.engines import replicas as rp
+from asyncroll.engines import vllm_groups
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -61,7 +61,6 @@ from asyncroll.engines.base import (
     SampleOutput,
     SamplingConfig,
     Weights,
-    check_token_ids,
 )
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState
 
@@ -265,13 +264,9 @@ class VLLMServerEngine:
         sent; an id not seen yet is remembered; an ended one is left alone."""
         if self._closed:
             return
-        live = self._live.get(request_id)
+        live = vllm_groups.claim_abort(self._live, self._recent, request_id)
         if live is None:
-            self._recent.abort_unknown(request_id)
             return
-        if live.aborted:
-            return
-        live.aborted = True
         self._progress.notify()  # wakes parts held for admission
         started = [p.server_id for p in live.parts if p.started]
         if started:
@@ -340,11 +335,7 @@ class VLLMServerEngine:
             for live in self._live.values()
         ]
         await asyncio.gather(*(self._abort_on(r, ids) for r, ids in started if ids))
-        streams = [task for live in self._live.values() for task in live.tasks]
-        for task in streams:
-            task.cancel()
-        if streams:
-            await asyncio.wait(streams, timeout=self.control_timeout_s)
+        await vllm_groups.end_streams(self._live.values(), self.control_timeout_s)
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -575,21 +566,9 @@ class VLLMServerEngine:
 
     def _split(self, request: GenerateRequest) -> list[_Part]:
         """Fresh samples of one budget travel together as `n` (not when greedy: vLLM refuses
-        n > 1 then), continued samples one request each. Token ids are checked first."""
-        prompt = _token_list(request.prompt_tokens, self._vocab_size, "prompt")
-        rid = request.request_id
+        n > 1 then), continued samples one request each (see `vllm_groups.split_group`)."""
         together = request.sampling.temperature > 0
-        parts: list[_Part] = []
-        fresh: dict[int, list[int]] = {}
-        for i, sample in enumerate(request.samples):
-            if together and len(sample.prefix) == 0:
-                fresh.setdefault(sample.max_new_tokens, []).append(i)
-                continue
-            prefix = _token_list(sample.prefix, self._vocab_size, f"sample {i} prefix")
-            parts.append(_Part(f"{rid}/{i}", prompt + prefix, sample.max_new_tokens, [i]))
-        for max_tokens, indices in fresh.items():
-            parts.append(_Part(f"{rid}/n{indices[0]}", prompt, max_tokens, indices))
-        return parts
+        return vllm_groups.split_group(request, self._vocab_size, together=together, part=_Part)
 
     async def _run_parts(
         self, live: _Live, samples: list[_Sample], sampling: SamplingConfig
@@ -601,24 +580,18 @@ class VLLMServerEngine:
             for part in live.parts
         ]
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            error = await vllm_groups.first_error(tasks)
         finally:
-            for task in tasks:
-                task.cancel()  # closing a stream makes vLLM abort its request
-            results = await asyncio.gather(*tasks, return_exceptions=True)
             unfinished = [
                 p.server_id
-                for p, r in zip(live.parts, results, strict=True)
-                if p.started and isinstance(r, BaseException)
+                for p, task in zip(live.parts, tasks, strict=True)
+                if p.started and _unfinished(task)
             ]
             if unfinished and not self._closed:  # do not rely on the disconnect alone
                 await asyncio.shield(self._abort_on(live.replica, unfinished))
-        errors = [r for r in results if isinstance(r, BaseException)]
-        errors.sort(key=lambda e: isinstance(e, asyncio.CancelledError))  # the cause first
         if self._closed:
             raise EngineDeadError("VLLMServerEngine is closed")
-        if errors:
-            error = errors[0]
+        if error is not None:
             if isinstance(error, ReplicaError):
                 await self._failed(live.replica, error)
             raise error
@@ -699,8 +672,8 @@ class VLLMServerEngine:
         }
         if sampling.top_k is not None:
             params["top_k"] = sampling.top_k
-        if sampling.seed is not None:  # reproducible, yet distinct per group and sample
-            params["seed"] = zlib.crc32(f"{sampling.seed}:{part.server_id}".encode())
+        if sampling.seed is not None:
+            params["seed"] = vllm_groups.part_seed(sampling.seed, part.server_id)
         return params
 
     def _output(self, sample: _Sample, request_id: str, replica: Replica) -> SampleOutput:
@@ -768,6 +741,12 @@ def _aborted(live: _Live) -> bool:
     return live.aborted
 
 
+def _unfinished(task: asyncio.Task[None]) -> bool:
+    """Whether a part's stream ended without finishing (an error or a cancellation), or has
+    not ended yet."""
+    return not task.done() or task.cancelled() or task.exception() is not None
+
+
 def _append(sample: _Sample, choice: rp.StreamChoice, url: str) -> int:
     """Add one streamed delta of a sample; the number of new tokens."""
     tokens = choice.token_ids or []
@@ -791,11 +770,6 @@ def _checkpoint(path: str | os.PathLike[str]) -> Path:
     if not folder.is_dir() or not any(folder.glob("*.safetensors")):
         raise ValueError(f"{folder}: not a folder with *.safetensors files")
     return folder.resolve()
-
-
-def _token_list(tokens: Any, vocab_size: int, what: str) -> list[int]:
-    check_token_ids(tokens, vocab_size, what)
-    return [int(t) for t in np.asarray(tokens).tolist()]
 
 
 def _write_weights(named: list[tuple[str, Any]], folder: Path) -> None:
