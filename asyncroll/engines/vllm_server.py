@@ -44,7 +44,7 @@ import enum
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -477,10 +477,13 @@ class VLLMServerEngine:
         """One control call on every UP replica at once; one that fails leaves the rotation.
         None up afterwards: `EngineDeadError`."""
         await self._revive_due_locked()
+        await self._on_every_up(lambda r: self._call(r, method, path, json))
+
+    async def _on_every_up(self, call: Callable[[Replica], Awaitable[object]]) -> None:
+        """`call` on every UP replica at once; one that fails (`ReplicaError`) leaves the
+        rotation, any other error is raised. None up afterwards: `EngineDeadError`."""
         up = [r for r in self.replicas if r.state is ReplicaState.UP]
-        results = await asyncio.gather(
-            *(self._call(r, method, path, json) for r in up), return_exceptions=True
-        )
+        results = await asyncio.gather(*(call(r) for r in up), return_exceptions=True)
         for replica, result in zip(up, results, strict=True):
             if isinstance(result, ReplicaError):
                 self._down(replica, result)
@@ -518,17 +521,7 @@ class VLLMServerEngine:
                 if not paused_before:
                     await self._each_replica("POST", "/pause?mode=keep&clear_cache=false")
                 weights = folder if folder is not None else self._weights_path
-                up = [r for r in self.replicas if r.state is ReplicaState.UP]
-                results = await asyncio.gather(
-                    *(self._load_on(r, folder, version) for r in up), return_exceptions=True
-                )
-                for replica, result in zip(up, results, strict=True):
-                    if isinstance(result, ReplicaError):
-                        self._down(replica, result)
-                    elif isinstance(result, BaseException):
-                        raise result
-                if not any(r.state is ReplicaState.UP for r in self.replicas):
-                    raise EngineDeadError(f"no replica is up: {self._states()}")
+                await self._on_every_up(lambda r: self._load_on(r, folder, version))
                 self._weights_path = weights
                 self._version = version
             finally:
