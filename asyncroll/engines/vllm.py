@@ -424,12 +424,7 @@ class VLLMEngine:
             raise RuntimeError(
                 f"vLLM returned {len(sample.logprobs)} logprobs for {n} tokens ({request_id})"
             )
-        versions = np.empty(n, dtype=np.int32)
-        covered = 0
-        for span in sample.spans or ():
-            label = span.version
-            versions[span.start : span.end] = 0 if label == _INITIAL_LABEL else int(label)
-            covered += span.end - span.start
+        versions, covered = vllm_groups.token_versions(sample.spans, n, _version_of)
         if covered != n:
             raise RuntimeError(f"vLLM labelled {covered} of {n} tokens with a version")
         experts = sample.experts
@@ -533,6 +528,11 @@ def _append(sample: _Sample, completion: Any) -> None:
         sample.finish = str(completion.finish_reason)
         sample.spans = completion.weight_versions
         sample.experts = completion.routed_experts
+
+
+def _version_of(label: str) -> int:
+    """The version a weight-version label stands for: vLLM's initial label is version 0."""
+    return 0 if label == _INITIAL_LABEL else int(label)
 
 
 def _write_safetensors(named: list[tuple[str, Any]], path: Path) -> None:

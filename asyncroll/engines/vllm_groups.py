@@ -3,7 +3,8 @@
 
 Both engines split a group into the same vLLM requests, seed them the same way, keep the same
 abort bookkeeping, stream a group's requests under the same rule (the first error ends the
-others) and end the streams the same way on close. Kept here once, a fix to one engine's
+others), end the streams the same way on close and read each token's version from the same
+weight-version spans. Kept here once, a fix to one engine's
 splitting, seeding or abort handling is a fix to both, and a seeded group asks both engines for
 the same requests.
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from asyncroll.engines.base import GenerateRequest, RecentIds, check_token_ids
 
@@ -29,6 +31,19 @@ class RunningGroup(Protocol):
 
     aborted: bool
     tasks: list[asyncio.Task[None]]
+
+
+class VersionSpan(Protocol):
+    """vLLM's label of the weights that sampled tokens `[start, end)` of a sample."""
+
+    @property
+    def version(self) -> str: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
 
 
 def split_group(
@@ -104,6 +119,20 @@ async def end_streams(groups: Iterable[RunningGroup], timeout: float) -> None:
         task.cancel()
     if streams:
         await asyncio.wait(streams, timeout=timeout)
+
+
+def token_versions(
+    spans: Iterable[VersionSpan] | None, n: int, version_of: Callable[[str], int]
+) -> tuple[npt.NDArray[np.int32], int]:
+    """The version of each of a sample's `n` tokens from vLLM's weight-version spans
+    (`version_of` reads a label), and how many tokens the spans labelled: the caller fails a
+    sample they do not cover exactly."""
+    versions = np.empty(n, dtype=np.int32)
+    covered = 0
+    for span in spans or ():
+        versions[span.start : span.end] = version_of(span.version)
+        covered += span.end - span.start
+    return versions, covered
 
 
 def _token_list(tokens: Any, vocab_size: int, what: str) -> list[int]:

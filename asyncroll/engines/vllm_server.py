@@ -679,11 +679,9 @@ class VLLMServerEngine:
             raise ReplicaError(
                 replica.url, f"returned {len(sample.logprobs)} logprobs for {n} tokens"
             )
-        versions = np.empty(n, dtype=np.int32)
-        covered = 0
-        for span in sample.spans or ():
-            versions[span.start : span.end] = self._label(span.version, replica)
-            covered += span.end - span.start
+        versions, covered = vllm_groups.token_versions(
+            sample.spans, n, lambda label: self._label(label, replica)
+        )
         if covered != n:
             raise ReplicaError(
                 replica.url, f"labelled {covered} of {n} tokens of {request_id} with a version"
