@@ -48,7 +48,7 @@ from typing import Any, Literal
 import numpy as np
 
 from asyncroll._signal import Signal
-from asyncroll.engines import vllm_groups
+from asyncroll.engines import vllm_groups, weights_file
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -439,9 +439,7 @@ class VLLMEngine:
     # -- weights ---------------------------------------------------------------------------------
 
     async def _load(self, weights: Weights) -> None:
-        import torch
-
-        named = [(name, torch.as_tensor(t).detach()) for name, t in weights]
+        named = weights_file.detached(weights)
         if not named:
             raise ValueError("update_weights got no tensors (use None to only set the version)")
         on_gpu = all(t.is_cuda for _, t in named)
@@ -456,7 +454,7 @@ class VLLMEngine:
     async def _load_file(self, named: list[tuple[str, Any]]) -> None:
         path = _WEIGHTS_DIR / f"asyncroll-weights-{uuid.uuid4().hex}.safetensors"
         try:
-            await asyncio.to_thread(_write_safetensors, named, path)
+            await asyncio.to_thread(weights_file.write_safetensors, named, path)
             _report_reload(
                 await self._call(self._llm.collective_rpc("asyncroll_load_file", args=(str(path),)))
             )
@@ -533,22 +531,6 @@ def _append(sample: _Sample, completion: Any) -> None:
 def _version_of(label: str) -> int:
     """The version a weight-version label stands for: vLLM's initial label is version 0."""
     return 0 if label == _INITIAL_LABEL else int(label)
-
-
-def _write_safetensors(named: list[tuple[str, Any]], path: Path) -> None:
-    """Write CPU copies of the tensors; tensors sharing storage (tied embeddings) are cloned,
-    since safetensors refuses shared storage."""
-    from safetensors.torch import save_file
-
-    seen: set[int] = set()
-    tensors = {}
-    for name, tensor in named:
-        cpu = tensor.to("cpu").contiguous()
-        if cpu.untyped_storage().data_ptr() in seen:
-            cpu = cpu.clone()
-        seen.add(cpu.untyped_storage().data_ptr())
-        tensors[name] = cpu
-    save_file(tensors, str(path))
 
 
 def _experts_row_bytes(config: Any) -> int:

@@ -53,7 +53,7 @@ import numpy as np
 
 from asyncroll._signal import Signal
 from asyncroll.engines import replicas as rp
-from asyncroll.engines import vllm_groups
+from asyncroll.engines import vllm_groups, weights_file
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -763,14 +763,6 @@ def _checkpoint(path: str | os.PathLike[str]) -> Path:
     return folder.resolve()
 
 
-def _write_weights(named: list[tuple[str, Any]], folder: Path) -> None:
+def _write_weights(weights: Weights, folder: Path) -> None:
     """One `model.safetensors` in `folder`, the only file vLLM's `reload_weights` needs."""
-    from asyncroll.engines.vllm import _write_safetensors
-
-    _write_safetensors([(name, _as_tensor(t)) for name, t in named], folder / "model.safetensors")
-
-
-def _as_tensor(value: Any) -> Any:
-    import torch
-
-    return torch.as_tensor(value).detach()
+    weights_file.write_safetensors(weights_file.detached(weights), folder / "model.safetensors")
