@@ -1,12 +1,11 @@
 """How a group's `GenerateRequest` runs as vLLM requests, for `VLLMEngine` and
 `VLLMServerEngine` alike.
 
-Both engines split a group into the same vLLM requests, seed them the same way, keep the same
-abort bookkeeping, stream a group's requests under the same rule (the first error ends the
-others), end the streams the same way on close and read each token's version from the same
-weight-version spans. Kept here once, a fix to one engine's
-splitting, seeding or abort handling is a fix to both, and a seeded group asks both engines for
-the same requests.
+Both engines split a group into vLLM requests by the same rule, seed them the same way, keep
+the same abort bookkeeping, stream a group's requests under the same rule (the first error ends
+the others), end the streams the same way on close and read each token's version from the same
+weight-version spans. Kept here once, a fix to one engine's splitting, seeding, abort handling
+or version reading is a fix to both.
 """
 
 from __future__ import annotations
