@@ -50,6 +50,17 @@ model), and print its accounting: groups started, consumed, failed, filtered, wa
 groups per second. It measures the producer only, never a model.
 """
 
+# The demo's numeric options and their help; each one's type and default are DemoConfig's, so
+# the command line cannot drift from the library's defaults.
+DEMO_NUMBERS = (
+    ("--steps", "training steps"),
+    ("--group-size", "samples per prompt"),
+    ("--batch-groups", "groups per training batch"),
+    ("--max-new-tokens", "tokens per response"),
+    ("--max-staleness", "versions a token may lag when trained on; 0: synchronous"),
+    ("--lr", "AdamW learning rate"),
+)
+
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
@@ -81,36 +92,11 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     d = DemoConfig()
-    demo.add_argument(
-        "--steps", type=int, default=d.steps, help="training steps (default %(default)s)"
-    )
-    demo.add_argument(
-        "--group-size",
-        type=int,
-        default=d.group_size,
-        help="samples per prompt (default %(default)s)",
-    )
-    demo.add_argument(
-        "--batch-groups",
-        type=int,
-        default=d.batch_groups,
-        help="groups per training batch (default %(default)s)",
-    )
-    demo.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=d.max_new_tokens,
-        help="tokens per response (default %(default)s)",
-    )
-    demo.add_argument(
-        "--max-staleness",
-        type=int,
-        default=d.max_staleness,
-        help="versions a token may lag when trained on; 0: synchronous (default %(default)s)",
-    )
-    demo.add_argument(
-        "--lr", type=float, default=d.lr, help="AdamW learning rate (default %(default)s)"
-    )
+    for flag, text in DEMO_NUMBERS:
+        default = getattr(d, flag.removeprefix("--").replace("-", "_"))
+        demo.add_argument(
+            flag, type=type(default), default=default, help=f"{text} (default %(default)s)"
+        )
     demo.add_argument("--seed", type=int, default=d.seed, help="model, prompts and sampling seed")
     demo.add_argument(
         "--out",

@@ -41,7 +41,6 @@ import sysconfig
 import tempfile
 import typing
 import uuid
-import zlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -49,6 +48,7 @@ from typing import Any, Literal
 import numpy as np
 
 from asyncroll._signal import Signal
+from asyncroll.engines import vllm_groups, weights_file
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -56,7 +56,6 @@ from asyncroll.engines.base import (
     SampleOutput,
     SamplingConfig,
     Weights,
-    check_token_ids,
 )
 
 log = logging.getLogger(__name__)
@@ -262,14 +261,9 @@ class VLLMEngine:
         at once; an ended one is left alone (see `Engine`)."""
         if self._closed:
             return
-        live = self._live.get(request_id)
-        if live is None:
-            self._recent.abort_unknown(request_id)
-            return
-        if live.aborted:
-            return
-        live.aborted = True
-        await self._call(self._llm.abort([p.vllm_id for p in live.parts]))
+        live = vllm_groups.claim_abort(self._live, self._recent, request_id)
+        if live is not None:
+            await self._call(self._llm.abort([p.vllm_id for p in live.parts]))
 
     async def pause_generation(self) -> None:
         """Freeze running requests inside vLLM (they keep their KV cache until a weight update
@@ -317,11 +311,7 @@ class VLLMEngine:
         if self._closed:
             return
         self._closed = True
-        streams = [task for live in self._live.values() for task in live.tasks]
-        for task in streams:
-            task.cancel()
-        if streams:
-            await asyncio.wait(streams, timeout=self.control_timeout_s)
+        await vllm_groups.end_streams(self._live.values(), self.control_timeout_s)
         # Let go of vLLM now: AsyncLLM.__del__ at interpreter exit would shut it down again.
         llm, self._llm = self._llm, None
         # Stop reading its outputs first, or vLLM logs the shutdown as an engine failure.
@@ -358,43 +348,22 @@ class VLLMEngine:
     # -- generation ------------------------------------------------------------------------------
 
     def _split(self, request: GenerateRequest) -> list[_Part]:
-        """The vLLM requests of a group: fresh samples together (with `parallel_sampling`,
-        unless greedy: vLLM refuses n > 1 then), every other sample on its own. Token ids are
-        checked here because vLLM does not check them when it has no tokenizer, and an
-        out-of-vocabulary id kills its worker."""
-        prompt = _token_list(request.prompt_tokens, self._vocab_size, "prompt")
-        rid = request.request_id
+        """The vLLM requests of a group: fresh samples together only with `parallel_sampling`
+        (see `vllm_groups.split_group`)."""
         together = self.parallel_sampling and request.sampling.temperature > 0
-        parts: list[_Part] = []
-        fresh: dict[int, list[int]] = {}
-        for i, sample in enumerate(request.samples):
-            if together and len(sample.prefix) == 0:
-                fresh.setdefault(sample.max_new_tokens, []).append(i)
-                continue
-            prefix = _token_list(sample.prefix, self._vocab_size, f"sample {i} prefix")
-            parts.append(_Part(f"{rid}/{i}", prompt + prefix, sample.max_new_tokens, [i]))
-        for max_tokens, indices in fresh.items():
-            parts.append(_Part(f"{rid}/n{indices[0]}", prompt, max_tokens, indices))
-        return parts
+        return vllm_groups.split_group(request, self._vocab_size, together=together, part=_Part)
 
     async def _run_parts(
         self, live: _Live, samples: list[_Sample], sampling: SamplingConfig
     ) -> None:
         """Stream every part; on the first error abort the others and raise it."""
-        tasks = live.tasks = [
+        live.tasks = [
             asyncio.ensure_future(self._stream(live, part, samples, sampling))
             for part in live.parts
         ]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        finally:
-            for task in tasks:
-                task.cancel()  # cancelling vLLM's generate() aborts its request
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        errors.sort(key=lambda e: isinstance(e, asyncio.CancelledError))  # the cause first
-        if errors:
-            raise self._translate(errors[0])
+        error = await vllm_groups.first_error(live.tasks)
+        if error is not None:
+            raise self._translate(error)
 
     async def _stream(
         self, live: _Live, part: _Part, samples: list[_Sample], sampling: SamplingConfig
@@ -427,8 +396,8 @@ class VLLMEngine:
         extra: dict[str, Any] = {}
         if sampling.top_k is not None:
             extra["top_k"] = sampling.top_k
-        if sampling.seed is not None:  # reproducible, yet distinct per group and sample
-            extra["seed"] = zlib.crc32(f"{sampling.seed}:{part.vllm_id}".encode())
+        if sampling.seed is not None:
+            extra["seed"] = vllm_groups.part_seed(sampling.seed, part.vllm_id)
         if self._experts_row_bytes:  # rows from the position that samples the first new token
             extra["routed_experts_prompt_start"] = len(part.prompt) - 1
         return SamplingParams(
@@ -455,12 +424,7 @@ class VLLMEngine:
             raise RuntimeError(
                 f"vLLM returned {len(sample.logprobs)} logprobs for {n} tokens ({request_id})"
             )
-        versions = np.empty(n, dtype=np.int32)
-        covered = 0
-        for span in sample.spans or ():
-            label = span.version
-            versions[span.start : span.end] = 0 if label == _INITIAL_LABEL else int(label)
-            covered += span.end - span.start
+        versions, covered = vllm_groups.token_versions(sample.spans, n, _version_of)
         if covered != n:
             raise RuntimeError(f"vLLM labelled {covered} of {n} tokens with a version")
         experts = sample.experts
@@ -475,9 +439,7 @@ class VLLMEngine:
     # -- weights ---------------------------------------------------------------------------------
 
     async def _load(self, weights: Weights) -> None:
-        import torch
-
-        named = [(name, torch.as_tensor(t).detach()) for name, t in weights]
+        named = weights_file.detached(weights)
         if not named:
             raise ValueError("update_weights got no tensors (use None to only set the version)")
         on_gpu = all(t.is_cuda for _, t in named)
@@ -492,7 +454,7 @@ class VLLMEngine:
     async def _load_file(self, named: list[tuple[str, Any]]) -> None:
         path = _WEIGHTS_DIR / f"asyncroll-weights-{uuid.uuid4().hex}.safetensors"
         try:
-            await asyncio.to_thread(_write_safetensors, named, path)
+            await asyncio.to_thread(weights_file.write_safetensors, named, path)
             _report_reload(
                 await self._call(self._llm.collective_rpc("asyncroll_load_file", args=(str(path),)))
             )
@@ -566,25 +528,9 @@ def _append(sample: _Sample, completion: Any) -> None:
         sample.experts = completion.routed_experts
 
 
-def _token_list(tokens: Any, vocab_size: int, what: str) -> list[int]:
-    check_token_ids(tokens, vocab_size, what)
-    return [int(t) for t in np.asarray(tokens).tolist()]
-
-
-def _write_safetensors(named: list[tuple[str, Any]], path: Path) -> None:
-    """Write CPU copies of the tensors; tensors sharing storage (tied embeddings) are cloned,
-    since safetensors refuses shared storage."""
-    from safetensors.torch import save_file
-
-    seen: set[int] = set()
-    tensors = {}
-    for name, tensor in named:
-        cpu = tensor.to("cpu").contiguous()
-        if cpu.untyped_storage().data_ptr() in seen:
-            cpu = cpu.clone()
-        seen.add(cpu.untyped_storage().data_ptr())
-        tensors[name] = cpu
-    save_file(tensors, str(path))
+def _version_of(label: str) -> int:
+    """The version a weight-version label stands for: vLLM's initial label is version 0."""
+    return 0 if label == _INITIAL_LABEL else int(label)
 
 
 def _experts_row_bytes(config: Any) -> int:

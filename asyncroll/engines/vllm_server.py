@@ -44,8 +44,7 @@ import enum
 import os
 import shutil
 import uuid
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +53,7 @@ import numpy as np
 
 from asyncroll._signal import Signal
 from asyncroll.engines import replicas as rp
+from asyncroll.engines import vllm_groups, weights_file
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -61,7 +61,6 @@ from asyncroll.engines.base import (
     SampleOutput,
     SamplingConfig,
     Weights,
-    check_token_ids,
 )
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState
 
@@ -265,13 +264,9 @@ class VLLMServerEngine:
         sent; an id not seen yet is remembered; an ended one is left alone."""
         if self._closed:
             return
-        live = self._live.get(request_id)
+        live = vllm_groups.claim_abort(self._live, self._recent, request_id)
         if live is None:
-            self._recent.abort_unknown(request_id)
             return
-        if live.aborted:
-            return
-        live.aborted = True
         self._progress.notify()  # wakes parts held for admission
         started = [p.server_id for p in live.parts if p.started]
         if started:
@@ -344,11 +339,7 @@ class VLLMServerEngine:
             for live in self._live.values()
         ]
         await asyncio.gather(*(self._abort_on(r, ids) for r, ids in started if ids))
-        streams = [task for live in self._live.values() for task in live.tasks]
-        for task in streams:
-            task.cancel()
-        if streams:
-            await asyncio.wait(streams, timeout=self.control_timeout_s)
+        await vllm_groups.end_streams(self._live.values(), self.control_timeout_s)
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -490,10 +481,13 @@ class VLLMServerEngine:
         """One control call on every UP replica at once; one that fails leaves the rotation.
         None up afterwards: `EngineDeadError`."""
         await self._revive_due_locked()
+        await self._on_every_up(lambda r: self._call(r, method, path, json))
+
+    async def _on_every_up(self, call: Callable[[Replica], Awaitable[object]]) -> None:
+        """`call` on every UP replica at once; one that fails (`ReplicaError`) leaves the
+        rotation, any other error is raised. None up afterwards: `EngineDeadError`."""
         up = [r for r in self.replicas if r.state is ReplicaState.UP]
-        results = await asyncio.gather(
-            *(self._call(r, method, path, json) for r in up), return_exceptions=True
-        )
+        results = await asyncio.gather(*(call(r) for r in up), return_exceptions=True)
         for replica, result in zip(up, results, strict=True):
             if isinstance(result, ReplicaError):
                 self._down(replica, result)
@@ -531,17 +525,7 @@ class VLLMServerEngine:
                 if not paused_before:
                     await self._each_replica("POST", "/pause?mode=keep&clear_cache=false")
                 weights = folder if folder is not None else self._weights_path
-                up = [r for r in self.replicas if r.state is ReplicaState.UP]
-                results = await asyncio.gather(
-                    *(self._load_on(r, folder, version) for r in up), return_exceptions=True
-                )
-                for replica, result in zip(up, results, strict=True):
-                    if isinstance(result, ReplicaError):
-                        self._down(replica, result)
-                    elif isinstance(result, BaseException):
-                        raise result
-                if not any(r.state is ReplicaState.UP for r in self.replicas):
-                    raise EngineDeadError(f"no replica is up: {self._states()}")
+                await self._on_every_up(lambda r: self._load_on(r, folder, version))
                 self._weights_path = weights
                 self._version = version
             finally:
@@ -579,21 +563,9 @@ class VLLMServerEngine:
 
     def _split(self, request: GenerateRequest) -> list[_Part]:
         """Fresh samples of one budget travel together as `n` (not when greedy: vLLM refuses
-        n > 1 then), continued samples one request each. Token ids are checked first."""
-        prompt = _token_list(request.prompt_tokens, self._vocab_size, "prompt")
-        rid = request.request_id
+        n > 1 then), continued samples one request each (see `vllm_groups.split_group`)."""
         together = request.sampling.temperature > 0
-        parts: list[_Part] = []
-        fresh: dict[int, list[int]] = {}
-        for i, sample in enumerate(request.samples):
-            if together and len(sample.prefix) == 0:
-                fresh.setdefault(sample.max_new_tokens, []).append(i)
-                continue
-            prefix = _token_list(sample.prefix, self._vocab_size, f"sample {i} prefix")
-            parts.append(_Part(f"{rid}/{i}", prompt + prefix, sample.max_new_tokens, [i]))
-        for max_tokens, indices in fresh.items():
-            parts.append(_Part(f"{rid}/n{indices[0]}", prompt, max_tokens, indices))
-        return parts
+        return vllm_groups.split_group(request, self._vocab_size, together=together, part=_Part)
 
     async def _run_parts(
         self, live: _Live, samples: list[_Sample], sampling: SamplingConfig
@@ -605,24 +577,18 @@ class VLLMServerEngine:
             for part in live.parts
         ]
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            error = await vllm_groups.first_error(tasks)
         finally:
-            for task in tasks:
-                task.cancel()  # closing a stream makes vLLM abort its request
-            results = await asyncio.gather(*tasks, return_exceptions=True)
             unfinished = [
                 p.server_id
-                for p, r in zip(live.parts, results, strict=True)
-                if p.started and isinstance(r, BaseException)
+                for p, task in zip(live.parts, tasks, strict=True)
+                if p.started and _unfinished(task)
             ]
             if unfinished and not self._closed:  # do not rely on the disconnect alone
                 await asyncio.shield(self._abort_on(live.replica, unfinished))
-        errors = [r for r in results if isinstance(r, BaseException)]
-        errors.sort(key=lambda e: isinstance(e, asyncio.CancelledError))  # the cause first
         if self._closed:
             raise EngineDeadError("VLLMServerEngine is closed")
-        if errors:
-            error = errors[0]
+        if error is not None:
             if isinstance(error, ReplicaError):
                 await self._failed(live.replica, error)
             raise error
@@ -703,8 +669,8 @@ class VLLMServerEngine:
         }
         if sampling.top_k is not None:
             params["top_k"] = sampling.top_k
-        if sampling.seed is not None:  # reproducible, yet distinct per group and sample
-            params["seed"] = zlib.crc32(f"{sampling.seed}:{part.server_id}".encode())
+        if sampling.seed is not None:
+            params["seed"] = vllm_groups.part_seed(sampling.seed, part.server_id)
         return params
 
     def _output(self, sample: _Sample, request_id: str, replica: Replica) -> SampleOutput:
@@ -717,11 +683,9 @@ class VLLMServerEngine:
             raise ReplicaError(
                 replica.url, f"returned {len(sample.logprobs)} logprobs for {n} tokens"
             )
-        versions = np.empty(n, dtype=np.int32)
-        covered = 0
-        for span in sample.spans or ():
-            versions[span.start : span.end] = self._label(span.version, replica)
-            covered += span.end - span.start
+        versions, covered = vllm_groups.token_versions(
+            sample.spans, n, lambda label: self._label(label, replica)
+        )
         if covered != n:
             raise ReplicaError(
                 replica.url, f"labelled {covered} of {n} tokens of {request_id} with a version"
@@ -772,6 +736,12 @@ def _aborted(live: _Live) -> bool:
     return live.aborted
 
 
+def _unfinished(task: asyncio.Task[None]) -> bool:
+    """Whether a part's stream ended without finishing (an error or a cancellation), or has
+    not ended yet."""
+    return not task.done() or task.cancelled() or task.exception() is not None
+
+
 def _append(sample: _Sample, choice: rp.StreamChoice, url: str) -> int:
     """Add one streamed delta of a sample; the number of new tokens."""
     tokens = choice.token_ids or []
@@ -797,19 +767,6 @@ def _checkpoint(path: str | os.PathLike[str]) -> Path:
     return folder.resolve()
 
 
-def _token_list(tokens: Any, vocab_size: int, what: str) -> list[int]:
-    check_token_ids(tokens, vocab_size, what)
-    return [int(t) for t in np.asarray(tokens).tolist()]
-
-
-def _write_weights(named: list[tuple[str, Any]], folder: Path) -> None:
+def _write_weights(weights: Weights, folder: Path) -> None:
     """One `model.safetensors` in `folder`, the only file vLLM's `reload_weights` needs."""
-    from asyncroll.engines.vllm import _write_safetensors
-
-    _write_safetensors([(name, _as_tensor(t)) for name, t in named], folder / "model.safetensors")
-
-
-def _as_tensor(value: Any) -> Any:
-    import torch
-
-    return torch.as_tensor(value).detach()
+    weights_file.write_safetensors(weights_file.detached(weights), folder / "model.safetensors")

@@ -9,16 +9,24 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncroll.demo import DemoConfig, run_demo
+from asyncroll.demo import DemoConfig, StepRecord, run_demo
+
+
+async def run_from_random(config: DemoConfig) -> tuple[list[StepRecord], float, float]:
+    """Run the demo for all of `config.steps` and check it starts from a random policy; its
+    records and the mean reward of its first and last five steps, for the caller to judge what
+    was learnt."""
+    records = await run_demo(config, progress=False)
+    assert len(records) == config.steps
+    first = float(np.mean([r.reward for r in records[:5]]))
+    last = float(np.mean([r.reward for r in records[-5:]]))
+    assert first < 0.05  # a random policy almost never echoes the letter
+    return records, first, last
 
 
 async def test_demo_learns_the_echo_task(tmp_path: Path) -> None:
     config = DemoConfig(steps=40, out=str(tmp_path), solved_reward=0.0, batch_timeout_s=60.0)
-    records = await run_demo(config, progress=False)
-    assert len(records) == 40
-    first = np.mean([r.reward for r in records[:5]])
-    last = np.mean([r.reward for r in records[-5:]])
-    assert first < 0.05  # a random policy almost never echoes the letter
+    records, first, last = await run_from_random(config)
     assert last > 0.2 and last > 5 * first, (first, last)
     assert [r.version for r in records] == list(range(40))  # one weight update per step
     assert max(r.staleness_mean for r in records) <= config.max_staleness
@@ -53,11 +61,7 @@ async def test_demo_learns_the_multi_turn_tool_echo_task(tmp_path: Path) -> None
         task="tool_echo", steps=30, max_new_tokens=4, out=str(tmp_path), solved_reward=0.0,
         batch_timeout_s=60.0,
     )  # fmt: skip
-    records = await run_demo(config, progress=False)
-    assert len(records) == 30
-    first = np.mean([r.reward for r in records[:5]])
-    last = np.mean([r.reward for r in records[-5:]])
-    assert first < 0.05  # a random policy almost never echoes the letter
+    _, first, last = await run_from_random(config)
     assert last > 0.08 and last > 4 * first, (first, last)
     summary = (tmp_path / "summary.txt").read_text()
     assert "policy / environment tokens, turns per episode" in summary
