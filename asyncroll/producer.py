@@ -673,18 +673,14 @@ class Producer:
         return self._phase is Phase.RUNNING and self._gate is Gate.OPEN and self._error is None
 
     async def _draw(self) -> None:
-        """Draw the next prompt within `prompt_timeout_s` and stage it."""
+        """Draw the next prompt and stage it."""
         self._scheduler = _Scheduler.DRAWING
         try:
-            with anyio.move_on_after(self.config.prompt_timeout_s) as scope:
-                self._draw_scope = scope  # a stop cancels the draw
+            if self._prompts.may_wait:
+                prompt = await self._draw_within_deadline()
+            else:  # drawing from an iterator cannot wait, and no deadline could cut it short
                 prompt = await self._prompts.next()
-            if scope.cancelled_caught and self._phase is not Phase.RUNNING:
-                pass  # stopped while drawing: the cursor still counts the prompt as not drawn
-            elif scope.cancelled_caught:
-                timeout = self.config.prompt_timeout_s
-                self._fail(f"prompt source gave nothing within prompt_timeout_s={timeout}")
-            elif prompt is not None:
+            if prompt is not None:
                 self._staged = self._stage(prompt)
         except Exception as exc:
             self._fail(f"prompt source raised {type(exc).__name__}: {exc}")
@@ -692,6 +688,18 @@ class Producer:
             self._scheduler = _Scheduler.WAITING
             self._draw_scope = None
             self._changed.notify()
+
+    async def _draw_within_deadline(self) -> Prompt | None:
+        """The next prompt from a source that may wait, within `prompt_timeout_s`; None when
+        the source is used up, when a stop cancelled the draw (the cursor still counts the
+        prompt as not drawn), or when the deadline passed (the producer fails)."""
+        with anyio.move_on_after(self.config.prompt_timeout_s) as scope:
+            self._draw_scope = scope  # a stop cancels the draw
+            return await self._prompts.next()
+        if self._phase is Phase.RUNNING:
+            timeout = self.config.prompt_timeout_s
+            self._fail(f"prompt source gave nothing within prompt_timeout_s={timeout}")
+        return None
 
     def _stage(self, prompt: Prompt) -> _Staged:
         """Check `prompt` once: bad ids, no room in the model, or metadata that cannot be
