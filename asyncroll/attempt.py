@@ -7,15 +7,13 @@ reward or filter that raises, hangs or returns nonsense: each ends this group as
 readable error. Only what no group can absorb also sets `Landing.fatal` (a dead engine, a
 `BaseException` from user code, every reward worker hung): the producer then stops.
 
-Deadlines are anyio cancel scopes, so a deadline is told apart from an engine that raises
-`TimeoutError` itself, and a `CancelledError` the engine raised while nobody cancelled it (a
-torn-down client session does that) is an engine error rather than a cancellation.
+The engine call itself, its deadline and how each way it can end becomes a failure, is
+`engine_call.generate`'s job, shared with the turns of episodes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -23,9 +21,10 @@ from typing import NamedTuple
 import anyio
 import msgspec
 
-from asyncroll import rollout
+from asyncroll import engine_call, rollout
 from asyncroll.config import ProducerConfig
-from asyncroll.engines.base import Engine, EngineDeadError, GenerateRequest, SampleOutput
+from asyncroll.engine_call import EngineCallError
+from asyncroll.engines.base import Engine, GenerateRequest, SampleOutput
 from asyncroll.episode import EpisodeError, EpisodeRun, Parking, RolloutFn
 from asyncroll.filters import GroupFilter
 from asyncroll.lifecycle import Stage, move
@@ -78,14 +77,6 @@ class Landing(NamedTuple):
     restart: tuple[int, int] | None = None
 
 
-class _SpuriousCancel(Exception):
-    """The engine raised `CancelledError` though nothing cancelled its caller."""
-
-
-class _Deadline(Exception):
-    """`generate_timeout_s` passed (not a `TimeoutError` the engine raised itself)."""
-
-
 _NOT_ABSORBED = (KeyboardInterrupt, SystemExit, asyncio.CancelledError)
 
 
@@ -126,24 +117,8 @@ class Attempts:
         request = rollout.build_request(group, flight.request_id, cfg.sampling, budget)
         try:
             outputs = await self._generate(request)
-        except EngineDeadError as exc:
-            message = f"engine died: {exc}"
-            return self.failed(group, flight, FailureReason.ENGINE_DEAD, message, fatal=message)
-        except _SpuriousCancel:
-            error = "engine error: it raised CancelledError though nothing cancelled the request"
-            return self.failed(group, flight, FailureReason.ENGINE_ERROR, error)
-        except _Deadline:
-            await self._abort(request.request_id)
-            error = f"engine gave no answer within generate_timeout_s={cfg.generate_timeout_s}"
-            return self.failed(group, flight, FailureReason.ENGINE_DEADLINE, error)
-        except Exception as exc:
-            return self.failed(group, flight, FailureReason.ENGINE_ERROR, _engine_error(exc))
-        except _NOT_ABSORBED:
-            raise
-        except BaseException as exc:
-            error = _engine_error(exc)
-            fatal = f"the engine raised {type(exc).__name__} (a BaseException): {error}"
-            return self.failed(group, flight, FailureReason.ENGINE_ERROR, error, fatal=fatal)
+        except EngineCallError as exc:
+            return self.failed(group, flight, exc.reason, exc.message, fatal=exc.fatal)
         try:
             samples = rollout.merge_outputs(
                 group, request, outputs, vocab_size=engine.vocab_size, version=version()
@@ -170,7 +145,7 @@ class Attempts:
             group=group,
             request_prefix=flight.request_id,
             rollout_fn=self.rollout_fn,
-            call=self._turn,
+            call=self._generate,
             version=version,
             parking=parking,
         )
@@ -184,48 +159,15 @@ class Attempts:
         flight.generated = samples
         return await self._score(group, flight, samples)
 
-    async def _turn(self, request: GenerateRequest) -> Sequence[SampleOutput]:
-        """One engine call of an episode's turn; every failure as an `EpisodeError` with the
-        reason a single-turn group would get."""
-        try:
-            return await self._generate(request)
-        except EngineDeadError as exc:
-            message = f"engine died: {exc}"
-            raise EpisodeError(FailureReason.ENGINE_DEAD, message, fatal=message) from None
-        except _SpuriousCancel:
-            error = "engine error: it raised CancelledError though nothing cancelled the request"
-            raise EpisodeError(FailureReason.ENGINE_ERROR, error) from None
-        except _Deadline:
-            await self._abort(request.request_id)
-            error = (
-                f"engine gave no answer within generate_timeout_s={self.config.generate_timeout_s}"
-            )
-            raise EpisodeError(FailureReason.ENGINE_DEADLINE, error) from None
-        except Exception as exc:
-            raise EpisodeError(FailureReason.ENGINE_ERROR, _engine_error(exc)) from None
-        except _NOT_ABSORBED:
-            raise
-        except BaseException as exc:
-            error = _engine_error(exc)
-            fatal = f"the engine raised {type(exc).__name__} (a BaseException): {error}"
-            raise EpisodeError(FailureReason.ENGINE_ERROR, error, fatal=fatal) from None
-
     async def _generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
-        with anyio.move_on_after(self.config.generate_timeout_s) as scope:
-            try:
-                return await self.engine.generate(request)
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if scope.cancel_called or (task is not None and task.cancelling()):
-                    raise
-                raise _SpuriousCancel from None
-        raise _Deadline  # only the scope's own deadline gets here
-
-    async def _abort(self, request_id: str) -> None:
-        """Abort a request whose deadline passed, within `abort_timeout_s` (best effort: its
-        group fails either way, and a dead engine shows on the next call)."""
-        with anyio.move_on_after(self.config.abort_timeout_s), contextlib.suppress(Exception):
-            await self.engine.abort(request_id)
+        """One engine call (a group's, or a turn of one of its episodes) within
+        `generate_timeout_s`; every failure as `EngineCallError`."""
+        return await engine_call.generate(
+            self.engine,
+            request,
+            timeout_s=self.config.generate_timeout_s,
+            abort_timeout_s=self.config.abort_timeout_s,
+        )
 
     async def _score(self, group: RolloutGroup, flight: Flight, samples: Samples) -> Landing:
         cfg = self.config
@@ -320,7 +262,3 @@ class Attempts:
             attempts=group.attempts + 1,
             latency_s=group.latency_s + (time.monotonic() - flight.started_at),
         )
-
-
-def _engine_error(exc: BaseException) -> str:
-    return f"engine error: {type(exc).__name__}: {exc}"

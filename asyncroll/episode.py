@@ -50,6 +50,7 @@ import numpy.typing as npt
 from asyncroll import rollout
 from asyncroll._signal import Signal
 from asyncroll.config import ProducerConfig
+from asyncroll.engine_call import EngineCallError
 from asyncroll.engines.base import (
     Engine,
     GenerateRequest,
@@ -74,7 +75,8 @@ RolloutFn = Callable[["Episode"], Awaitable[None]]
 """Drives one episode: `async def rollout_fn(episode: Episode) -> None`."""
 
 Call = Callable[[GenerateRequest], Awaitable[Sequence[SampleOutput]]]
-"""One engine call within the turn deadline; raises `EpisodeError` for anything that fails."""
+"""One engine call within the turn deadline (`engine_call.generate`); raises `EngineCallError`
+for anything that fails."""
 
 
 # Aborts in a row that bring no token while the gate is open: an engine aborting on its own
@@ -395,7 +397,7 @@ class EpisodeRun:
         self.open_requests.add(request.request_id)
         try:
             outputs = await self.call(request)
-        except EpisodeError as exc:
+        except EngineCallError as exc:
             raise self.fail(episode, exc.reason, exc.message, exc.fatal) from None
         finally:
             self.open_requests.discard(request.request_id)

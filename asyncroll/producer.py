@@ -9,9 +9,10 @@ orchestrates; each job lives in its own module:
 * `rewards`: the reward function's deadline and worker threads.
 * `buffer`: bounded storage, drop on arrival; `progress`: every counter, counted by outcome.
 
-Structure. `async with producer:` starts one background task that owns an anyio task group:
-the scheduler and one task per group in flight. Nothing runs in the caller's task, so nothing
-can cancel the trainer or raise an exception group into it: a failure of the producer itself
+Structure. `async with producer:` starts one background task that owns an anyio task group
+(the scheduler, the `on_drop` deliveries) and one native task per group in flight (`_tasks`:
+cheaper to start, awaited and cancelled with the rest). Nothing runs in the caller's task, so
+nothing can cancel the trainer or raise an exception group into it: a failure of the producer itself
 (a dead engine, a failing prompt source, a bug) is recorded once and reaches every waiter as
 `ProducerError`. On exit the producer drains (aborting generation, letting groups being scored
 finish within their deadline), cancels what does not stop in time, and waits for every task.
@@ -42,6 +43,7 @@ import numpy as np
 
 from asyncroll import codec, filters, rollout
 from asyncroll._signal import Signal
+from asyncroll._tasks import Tasks
 from asyncroll.attempt import Attempts, Flight, Landing
 from asyncroll.buffer import PutOutcome, RolloutBuffer
 from asyncroll.config import ProducerConfig, make_config
@@ -276,7 +278,7 @@ class Producer:
         self._dropped_in_a_row: Counter[str] = Counter()
         self._entry_weights: Weights | None = None
         self._runner: asyncio.Task[None] | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._groups = Tasks()  # one per group in flight, owned by `_run`
         self._idle_since: float | None = None  # when the last group in flight landed
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -308,14 +310,17 @@ class Producer:
     async def _run(self) -> None:
         """The producer's background task: owns the scheduler and every group's task."""
         try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(self._schedule, name="asyncroll-scheduler")
-                tg.start_soon(self._drops.run, self._fail, name="asyncroll-on-drop")
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._schedule, name="asyncroll-scheduler")
+                    tg.start_soon(self._drops.run, self._fail, name="asyncroll-on-drop")
+            except BaseException:  # cancelled, or a bug: the groups end with it
+                self._groups.cancel()
+                raise
+            finally:
+                await self._groups.join()
         except Exception as exc:  # a bug escaped a task: every waiter hears of it
             self._fail(f"internal error: {type(exc).__name__}: {exc}")
-        finally:
-            self._tg = None
 
     async def _stop(self) -> None:
         """Stop admitting, drain what is in flight into resumable partials (groups being scored
@@ -668,18 +673,14 @@ class Producer:
         return self._phase is Phase.RUNNING and self._gate is Gate.OPEN and self._error is None
 
     async def _draw(self) -> None:
-        """Draw the next prompt within `prompt_timeout_s` and stage it."""
+        """Draw the next prompt and stage it."""
         self._scheduler = _Scheduler.DRAWING
         try:
-            with anyio.move_on_after(self.config.prompt_timeout_s) as scope:
-                self._draw_scope = scope  # a stop cancels the draw
+            if self._prompts.may_wait:
+                prompt = await self._draw_within_deadline()
+            else:  # drawing from an iterator cannot wait, and no deadline could cut it short
                 prompt = await self._prompts.next()
-            if scope.cancelled_caught and self._phase is not Phase.RUNNING:
-                pass  # stopped while drawing: the cursor still counts the prompt as not drawn
-            elif scope.cancelled_caught:
-                timeout = self.config.prompt_timeout_s
-                self._fail(f"prompt source gave nothing within prompt_timeout_s={timeout}")
-            elif prompt is not None:
+            if prompt is not None:
                 self._staged = self._stage(prompt)
         except Exception as exc:
             self._fail(f"prompt source raised {type(exc).__name__}: {exc}")
@@ -687,6 +688,18 @@ class Producer:
             self._scheduler = _Scheduler.WAITING
             self._draw_scope = None
             self._changed.notify()
+
+    async def _draw_within_deadline(self) -> Prompt | None:
+        """The next prompt from a source that may wait, within `prompt_timeout_s`; None when
+        the source is used up, when a stop cancelled the draw (the cursor still counts the
+        prompt as not drawn), or when the deadline passed (the producer fails)."""
+        with anyio.move_on_after(self.config.prompt_timeout_s) as scope:
+            self._draw_scope = scope  # a stop cancels the draw
+            return await self._prompts.next()
+        if self._phase is Phase.RUNNING:
+            timeout = self.config.prompt_timeout_s
+            self._fail(f"prompt source gave nothing within prompt_timeout_s={timeout}")
+        return None
 
     def _stage(self, prompt: Prompt) -> _Staged:
         """Check `prompt` once: bad ids, no room in the model, or metadata that cannot be
@@ -815,8 +828,7 @@ class Producer:
                 self._attempts.failed(group, flight, FailureReason.BAD_PROMPT, group.error), flight
             )
             return
-        assert self._tg is not None
-        self._tg.start_soon(self._run_group, group, flight, name=f"asyncroll-group-{group.uid}")
+        self._groups.spawn(self._run_group(group, flight), f"asyncroll-group-{group.uid}")
 
     async def _run_group(self, group: RolloutGroup, flight: Flight) -> None:
         """Run one attempt and land it exactly once, however the attempt ends."""

@@ -104,6 +104,7 @@ class _TaskSource:
         self._sync: Iterator[PromptLike] | None = None
         self._async: AsyncIterator[PromptLike] | None = None
         self.exhausted = False
+        self.may_wait = isinstance(source, AsyncIterable)  # drawing awaits the source
 
     def seek(self, drawn: int) -> None:
         """Resume after `drawn` items (skipped on the next draw)."""
@@ -186,6 +187,14 @@ class PromptStream:
     def exhausted(self) -> bool:
         """No prompt left to draw: every source ran dry and nothing is re-queued."""
         return not self._requeued and all(s.exhausted for s in self._sources.values())
+
+    @property
+    def may_wait(self) -> bool:
+        """Whether the next draw may wait on a source (an async iterable): only such a draw
+        needs a deadline; drawing from iterators never yields to the event loop."""
+        return not self._requeued and any(
+            s.may_wait for s in self._sources.values() if not s.exhausted
+        )
 
     def requeue(self, prompt: Prompt) -> None:
         """Draw this prompt again (an expired group's prompt), before any new one."""

@@ -1,0 +1,53 @@
+"""Native asyncio tasks owned by one owner, which `join` awaits: the producer's group tasks.
+
+One task runs each group in flight, so starting one is on the hot path. An anyio task-group
+task costs about six times a native task to start and finish (17 µs against 2.7 µs on one
+core), which at thousands of groups a second is a large share of a group's cost. These tasks
+are as structured as a task group's: every one is owned here, `join` waits for all of them,
+and `join` (or `cancel`) cancelling is how an owner that is itself cancelled ends them first.
+A task that ends with an exception makes `join` raise it, as a task group would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+
+class Tasks:
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._error: BaseException | None = None
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._error is None:
+            self._error = task.exception()
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def join(self) -> None:
+        """Wait until every task has ended and raise the first exception one ended with. If
+        this wait is cancelled, cancel the tasks, wait for them all the same, then re-raise."""
+        try:
+            while self._tasks:
+                await asyncio.wait(list(self._tasks))
+        except asyncio.CancelledError:
+            self.cancel()
+            while self._tasks:
+                await asyncio.wait(list(self._tasks))
+            raise
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
