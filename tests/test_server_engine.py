@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from aiohttp import web
 
 from asyncroll.engines import EngineDeadError, GenerateRequest, SampleRequest, SamplingConfig
 from asyncroll.engines.replicas import Replica, ReplicaState, pick
@@ -83,3 +84,55 @@ async def test_no_replica_answering_is_a_dead_engine_naming_each_replica(tmp_pat
     with pytest.raises(EngineDeadError, match="closed"):
         await engine.generate(_request("r-2"))
     await engine.abort("r-2")  # harmless after close
+
+
+class PausableStub:
+    """A stand-in for a replica's control routes: answers health, pause, resume, cache reset
+    and version label, and remembers whether it is paused."""
+
+    def __init__(self) -> None:
+        self.paused = True  # as a `/pause` left it that answered after the engine gave up
+
+    def app(self) -> web.Application:
+        async def pause(_: web.Request) -> web.Response:
+            self.paused = True
+            return web.json_response({"status": "paused"})
+
+        async def resume(_: web.Request) -> web.Response:
+            self.paused = False
+            return web.json_response({"status": "resumed"})
+
+        async def ok(_: web.Request) -> web.Response:
+            return web.json_response({"success": True})
+
+        app = web.Application()
+        app.router.add_get("/health", ok)
+        app.router.add_post("/pause", pause)
+        app.router.add_post("/resume", resume)
+        app.router.add_post("/reset_prefix_cache", ok)
+        app.router.add_post("/update_weight_version", ok)
+        return app
+
+
+async def test_a_rejoining_replica_takes_the_engines_pause_state(tmp_path: Path) -> None:
+    """A replica that left the rotation may still be paused (a `/pause` that answered after
+    `control_timeout_s`): when it rejoins an engine that is not paused it must serve again,
+    and when it rejoins a paused engine it must be paused."""
+    stub = PausableStub()
+    runner = web.AppRunner(stub.app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    engine = VLLMServerEngine(f"http://127.0.0.1:{port}", vocab_size=512, weights_dir=tmp_path)
+    try:
+        (replica,) = engine.replicas
+        for engine_paused in (False, True, False):
+            await (engine.pause_generation if engine_paused else engine.resume_generation)()
+            replica.mark_down("its /pause answered late", retry_at=0.0)
+            stub.paused = not engine_paused
+            await engine.check_replicas()
+            assert replica.state is ReplicaState.UP
+            assert stub.paused is engine_paused
+    finally:
+        await engine.close()
+        await runner.cleanup()

@@ -449,6 +449,8 @@ class VLLMServerEngine:
                     if self._paused:
                         await self._call(replica, "POST", "/pause?mode=keep&clear_cache=false")
                     await self._load_on(replica, self._weights_path, self._version)
+                    if not self._paused:  # a `/pause` that answered too late left it paused
+                        await self._call(replica, "POST", "/resume")
                 except ReplicaError as exc:
                     self._down(replica, exc)
                     return
