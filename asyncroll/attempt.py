@@ -13,7 +13,6 @@ The engine call itself, its deadline and how each way it can end becomes a failu
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -28,7 +27,7 @@ from asyncroll.engines.base import Engine, GenerateRequest, SampleOutput
 from asyncroll.episode import EpisodeError, EpisodeRun, Parking, RolloutFn
 from asyncroll.filters import GroupFilter
 from asyncroll.lifecycle import Stage, move
-from asyncroll.outcomes import FailureReason
+from asyncroll.outcomes import NOT_ABSORBED, FailureReason
 from asyncroll.rewards import RewardDeadline, RewardRunner
 from asyncroll.types import RolloutGroup, RolloutState, Status, group_status
 
@@ -75,9 +74,6 @@ class Landing(NamedTuple):
     rewards: list[float] | None = None  # the valid rewards it was scored with, if any
     # Episodes cut off: the group restarts from its prompt; (policy, environment) tokens wasted.
     restart: tuple[int, int] | None = None
-
-
-_NOT_ABSORBED = (KeyboardInterrupt, SystemExit, asyncio.CancelledError)
 
 
 class Attempts:
@@ -186,7 +182,7 @@ class Attempts:
         except Exception as exc:
             error = f"reward function raised {type(exc).__name__}: {exc}"
             return self.failed(group, flight, FailureReason.REWARD_ERROR, error, samples)
-        except _NOT_ABSORBED:
+        except NOT_ABSORBED:
             raise
         except BaseException as exc:
             error = f"reward function raised {type(exc).__name__}: {exc}"
@@ -204,7 +200,7 @@ class Attempts:
             error = f"filter raised {type(exc).__name__}: {exc}"
             failed = self.failed(group, flight, FailureReason.FILTER_ERROR, error, samples)
             return failed._replace(rewards=rewards)
-        except _NOT_ABSORBED:
+        except NOT_ABSORBED:
             raise
         except BaseException as exc:
             error = f"filter raised {type(exc).__name__}: {exc}"

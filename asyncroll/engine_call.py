@@ -21,22 +21,13 @@ from collections.abc import Sequence
 import anyio
 
 from asyncroll.engines.base import Engine, EngineDeadError, GenerateRequest, SampleOutput
-from asyncroll.outcomes import FailureReason
+from asyncroll.outcomes import NOT_ABSORBED, FailureReason, GroupFailure
 
 __all__ = ["EngineCallError", "generate"]
 
-_NOT_ABSORBED = (KeyboardInterrupt, SystemExit, asyncio.CancelledError)
 
-
-class EngineCallError(Exception):
-    """The engine call failed: why (`reason`), a readable `message`, and `fatal` when the
-    producer cannot go on either (a dead engine, a `BaseException` from the engine)."""
-
-    def __init__(self, reason: FailureReason, message: str, fatal: str | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.fatal = fatal
+class EngineCallError(GroupFailure):
+    """The engine call failed; `fatal` for a dead engine or a `BaseException` from it."""
 
 
 async def generate(
@@ -58,7 +49,7 @@ async def generate(
             raise EngineCallError(FailureReason.ENGINE_ERROR, error) from None
         except Exception as exc:  # its own TimeoutError included: not our deadline
             raise EngineCallError(FailureReason.ENGINE_ERROR, _engine_error(exc)) from None
-        except _NOT_ABSORBED:
+        except NOT_ABSORBED:
             raise
         except BaseException as exc:
             error = _engine_error(exc)

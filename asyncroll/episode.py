@@ -58,7 +58,7 @@ from asyncroll.engines.base import (
     SampleRequest,
     SamplingConfig,
 )
-from asyncroll.outcomes import FailureReason
+from asyncroll.outcomes import FailureReason, GroupFailure
 from asyncroll.types import (
     EMPTY_FLOAT32,
     EMPTY_INT32,
@@ -84,15 +84,9 @@ for anything that fails."""
 _IDLE_ABORTS = 8
 
 
-class EpisodeError(Exception):
+class EpisodeError(GroupFailure):
     """The episode's group fails: a turn failed (engine error, deadline, malformed output) or
     the episode broke a limit. Raised by `Episode.generate` / `append`; let it propagate."""
-
-    def __init__(self, reason: FailureReason, message: str, fatal: str | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-        self.fatal = fatal  # set when the producer cannot go on either (a dead engine)
 
 
 class Turn(msgspec.Struct, frozen=True):

@@ -1,4 +1,4 @@
-"""Why a group failed, as a closed set of reasons.
+"""Why a group failed, as a closed set of reasons, and the one exception that carries it.
 
 The readable `error` string says what happened to one group; the reason says which *kind* of
 problem it was, because they call for different fixes (a reward deadline is not a broken engine,
@@ -8,6 +8,7 @@ are keyed by it.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 
 
@@ -25,3 +26,18 @@ class FailureReason(enum.StrEnum):
     INTERRUPTED = "interrupted"  # the run was cancelled while the group was being scored
     UNSTORABLE = "unstorable"  # the finished group could not be encoded
     INTERNAL = "internal"  # a bug in asyncroll (the producer stops too)
+
+
+NOT_ABSORBED = (KeyboardInterrupt, SystemExit, asyncio.CancelledError)
+"""What user or engine code may raise that no group absorbs as its own failure."""
+
+
+class GroupFailure(Exception):
+    """A group fails: why (`reason`), a readable `message`, and `fatal` when the producer
+    cannot go on either (a dead engine, a `BaseException` from user or engine code)."""
+
+    def __init__(self, reason: FailureReason, message: str, fatal: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.fatal = fatal
