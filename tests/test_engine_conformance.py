@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -54,7 +54,11 @@ class ObservableEngine(Engine, Protocol):
     @property
     def running_requests(self) -> int: ...
 
+    def samples_started(self, request_id: str) -> int: ...
+
     async def wait_generated(self, tokens: int, timeout: float) -> None: ...
+
+    async def wait_progress(self, predicate: Callable[[], bool], timeout: float) -> None: ...
 
 
 @dataclass
@@ -72,48 +76,45 @@ class Subject:
     ordering, not correctness"), so over HTTP tokens in transit still arrive after it, each
     labelled with the version it was sampled under."""
 
-    samples_started: Callable[[GenerateRequest], Awaitable[None]] | None = None
-    """Waits until each sample of a request has a token (engines whose requests may start late,
-    behind other running ones; others: the engine's token count rises by one per sample)."""
+    started: list[asyncio.Task[Sequence[SampleOutput]]] = field(default_factory=list)
+    """Every request started through `start`/`start_together`; the fixture cancels any still
+    running after a failed test, so that one failure does not cascade into the next tests."""
 
     async def start(self, request: GenerateRequest) -> asyncio.Task[Sequence[SampleOutput]]:
         """Start `request` and return once each of its samples has its first token."""
-        before = self.engine.generated_tokens
-        task = asyncio.create_task(self.engine.generate(request))
-        if self.samples_started is not None:
-            waiting = self.samples_started(request)
-        else:
-            waiting = self.engine.wait_generated(before + len(request.samples), DEADLINE_S)
-        (started,) = await self._launched([task], waiting)
-        return started
+        (task,) = await self.start_together(request)
+        return task
 
     async def start_together(
         self, *requests: GenerateRequest
     ) -> list[asyncio.Task[Sequence[SampleOutput]]]:
-        """Start `requests` and return once every sample has its first token. Where the engine
-        tells each request's start apart (`samples_started`), they go in together, so a few
-        steps at most separate the first token from what the caller does next (one at a time,
-        the first may run to its end on a loaded machine before the last starts); elsewhere
-        one by one, as the token count cannot tell whose token it is."""
-        if self.samples_started is None:
-            return [await self.start(request) for request in requests]
+        """Start `requests` together and return once every sample of each has its first token,
+        told apart per request (a rise of the engine's token count would not say whose token
+        it was: with one request running, the next could still be waiting for its first)."""
         tasks = [asyncio.create_task(self.engine.generate(request)) for request in requests]
-        waiting = asyncio.gather(*(self.samples_started(request) for request in requests))
-        return await self._launched(tasks, waiting)
-
-    @staticmethod
-    async def _launched(
-        tasks: list[asyncio.Task[Sequence[SampleOutput]]], waiting: Awaitable[object]
-    ) -> list[asyncio.Task[Sequence[SampleOutput]]]:
-        """`tasks` once `waiting` is done; if one of them ends first, its error (or result)."""
-        watcher = asyncio.ensure_future(waiting)
-        await asyncio.wait([*tasks, watcher], return_when=asyncio.FIRST_COMPLETED)
-        if not watcher.done():  # a request ended first: let its error (or result) show
-            watcher.cancel()
+        self.started.extend(tasks)
+        waiting = asyncio.ensure_future(
+            asyncio.gather(*(self._samples_started(request) for request in requests))
+        )
+        await asyncio.wait([*tasks, waiting], return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done():  # a request ended first: let its error (or result) show
+            waiting.cancel()
             ended = next(task for task in tasks if task.done())
             raise AssertionError(f"a request ended before it got going: {await ended}")
-        await watcher
+        await waiting
         return tasks
+
+    async def _samples_started(self, request: GenerateRequest) -> None:
+        rid, k = request.request_id, len(request.samples)
+        await self.engine.wait_progress(lambda: self.engine.samples_started(rid) >= k, DEADLINE_S)
+
+    async def cancel_started(self) -> None:
+        """Cancel the requests a test started and left running, and wait for them to end."""
+        running = [task for task in self.started if not task.done()]
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running, timeout=DEADLINE_S)
 
 
 RUN = uuid.uuid4().hex[:8]
@@ -186,16 +187,10 @@ def make_subject(kind: str, vllm_engine: object = None) -> Subject:
     if isinstance(engine, VLLMServerEngine):  # HTTP round trips: a longer request
         from tests.vllm.server import SERVER_MAX_MODEL_LEN
 
-        server = engine
-
-        async def samples_started(request: GenerateRequest) -> None:
-            rid, k = request.request_id, len(request.samples)
-            await server.wait_progress(lambda: server.samples_started(rid) >= k, DEADLINE_S)
-
         budget = SERVER_MAX_MODEL_LEN - len(PROMPT) - 8
         # Its count is not checked one by one (see delivered_at_pause), and an event per token
         # of two 16k-token requests costs 2 cores more than generating them: chunks of 16.
-        return Subject(engine, budget, streaming_every(16), False, samples_started)
+        return Subject(engine, budget, streaming_every(16), delivered_at_pause=False)
     return Subject(engine, VLLM_MAX_MODEL_LEN - len(PROMPT) - 8, each_token)
 
 
@@ -234,11 +229,14 @@ def new_subject(request: pytest.FixtureRequest, engine_kind: str) -> Subject:
 async def subject(new_subject: Subject, engine_kind: str) -> AsyncIterator[Subject]:
     """An engine at version 0, not paused; left that way for the next test."""
     yield new_subject
-    assert new_subject.engine.running_requests == 0, "a test left requests running"
+    engine = new_subject.engine
+    left_running = engine.running_requests
+    await new_subject.cancel_started()  # after a failed test, so that the next starts clean
     if engine_kind == "sim":
-        await new_subject.engine.close()
+        await engine.close()
     else:
-        await new_subject.engine.update_weights(None, version=0)
+        await engine.update_weights(None, version=0)
+    assert left_running == 0, "a test left requests running"
 
 
 @pytest_asyncio.fixture

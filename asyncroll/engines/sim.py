@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import msgspec
@@ -117,11 +117,20 @@ class _Live:
         done = (active_s - self.first_s) / self.per_token_s
         return max(0, min(self.longest, int(done)))
 
+    def done(self) -> int:
+        """Tokens of the longest sample generated so far."""
+        now = self.active + (time.monotonic() - self.since if self.since is not None else 0.0)
+        return self.tokens_at(now)
+
     def generated(self) -> int:
         """Tokens of all samples generated so far."""
-        now = self.active + (time.monotonic() - self.since if self.since is not None else 0.0)
-        done = self.tokens_at(now)
+        done = self.done()
         return sum(min(t, done) for t in self.targets)
+
+    def samples_started(self) -> int:
+        """Samples with a token by now (a zero-token budget never starts)."""
+        done = self.done()
+        return sum(1 for t in self.targets if min(t, done) > 0)
 
 
 class SimEngine:
@@ -260,11 +269,20 @@ class SimEngine:
         """Tokens generated since the engine started, counting running requests' progress."""
         return self._generated + sum(live.generated() for live in self._live.values())
 
+    def samples_started(self, request_id: str) -> int:
+        """How many samples of the running request `request_id` have a token by now."""
+        live = self._live.get(request_id)
+        return 0 if live is None else live.samples_started()
+
     async def wait_generated(self, tokens: int, timeout: float) -> None:
-        """Return once `generated_tokens >= tokens`; `TimeoutError` after `timeout` s.
-        Progress is simulated time, so this polls it once per simulated token."""
+        """Return once `generated_tokens >= tokens`; `TimeoutError` after `timeout` s."""
+        await self.wait_progress(lambda: self.generated_tokens >= tokens, timeout)
+
+    async def wait_progress(self, predicate: Callable[[], bool], timeout: float) -> None:
+        """Return once `predicate()` holds; `TimeoutError` after `timeout` s. Progress is
+        simulated time, so this polls it once per simulated token."""
         async with asyncio.timeout(timeout):
-            while self.generated_tokens < tokens:
+            while not predicate():
                 self._check_alive()
                 await asyncio.sleep(self.config.per_token_latency_s or 1e-3)
 

@@ -41,7 +41,7 @@ import sysconfig
 import tempfile
 import typing
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -94,13 +94,14 @@ class _Part:
 
 
 class _Live:
-    """A running group: its vLLM requests and the tasks streaming them (which `close`
-    cancels, so that no `generate` outlives the engine)."""
+    """A running group: its vLLM requests, its samples as they stream in, and the tasks
+    streaming them (which `close` cancels, so that no `generate` outlives the engine)."""
 
-    __slots__ = ("aborted", "parts", "tasks")
+    __slots__ = ("aborted", "parts", "samples", "tasks")
 
-    def __init__(self, parts: list[_Part]) -> None:
+    def __init__(self, parts: list[_Part], samples: list[_Sample]) -> None:
         self.parts = parts
+        self.samples = samples
         self.aborted = False
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -237,12 +238,12 @@ class VLLMEngine:
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already running")
         parts = self._split(request)
-        live = self._live[rid] = _Live(parts)
-        live.aborted = self._recent.take_early_abort(rid)  # aborted before it got here
         samples = [_Sample() for _ in request.samples]
+        live = self._live[rid] = _Live(parts, samples)
+        live.aborted = self._recent.take_early_abort(rid)  # aborted before it got here
         try:
             async with asyncio.timeout(self.generate_timeout_s):
-                await self._run_parts(live, samples, request.sampling)
+                await self._run_parts(live, request.sampling)
         except TimeoutError:
             self._check_alive()
             raise TimeoutError(
@@ -340,9 +341,19 @@ class VLLMEngine:
         """Tokens received from vLLM since the engine started (all requests)."""
         return self._generated
 
+    def samples_started(self, request_id: str) -> int:
+        """How many samples of the running request `request_id` have received a token."""
+        live = self._live.get(request_id)
+        return 0 if live is None else sum(1 for s in live.samples if s.tokens)
+
     async def wait_generated(self, tokens: int, timeout: float) -> None:
         """Return once `generated_tokens >= tokens`; `TimeoutError` after `timeout` s."""
-        await self._progress.wait_until(lambda: self._generated >= tokens or self._dead(), timeout)
+        await self.wait_progress(lambda: self._generated >= tokens, timeout)
+
+    async def wait_progress(self, predicate: Callable[[], bool], timeout: float) -> None:
+        """Return once `predicate()` holds, checked whenever tokens arrive (e.g. on
+        `samples_started`); `TimeoutError` after `timeout` s."""
+        await self._progress.wait_until(lambda: predicate() or self._dead(), timeout)
         self._check_alive()
 
     # -- generation ------------------------------------------------------------------------------
@@ -353,26 +364,21 @@ class VLLMEngine:
         together = self.parallel_sampling and request.sampling.temperature > 0
         return vllm_groups.split_group(request, self._vocab_size, together=together, part=_Part)
 
-    async def _run_parts(
-        self, live: _Live, samples: list[_Sample], sampling: SamplingConfig
-    ) -> None:
+    async def _run_parts(self, live: _Live, sampling: SamplingConfig) -> None:
         """Stream every part; on the first error abort the others and raise it."""
         live.tasks = [
-            asyncio.ensure_future(self._stream(live, part, samples, sampling))
-            for part in live.parts
+            asyncio.ensure_future(self._stream(live, part, sampling)) for part in live.parts
         ]
         error = await vllm_groups.first_error(live.tasks)
         if error is not None:
             raise self._translate(error)
 
-    async def _stream(
-        self, live: _Live, part: _Part, samples: list[_Sample], sampling: SamplingConfig
-    ) -> None:
+    async def _stream(self, live: _Live, part: _Part, sampling: SamplingConfig) -> None:
         from vllm.inputs import TokensPrompt
 
         if live.aborted:
             for i in part.indices:
-                samples[i].finish = "abort"
+                live.samples[i].finish = "abort"
             return
         params = self._sampling_params(sampling, part)
         stream: AsyncIterator[Any] = self._llm.generate(
@@ -381,7 +387,7 @@ class VLLMEngine:
         first = True
         async for out in stream:
             for completion in out.outputs:
-                sample = samples[part.indices[completion.index]]
+                sample = live.samples[part.indices[completion.index]]
                 _append(sample, completion)
                 self._generated += len(completion.token_ids)
             self._progress.notify()
