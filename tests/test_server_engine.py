@@ -3,14 +3,19 @@ not there (the real `vllm serve` tests are in tests/vllm/test_server*.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
 
 from asyncroll.engines import EngineDeadError, GenerateRequest, SampleRequest, SamplingConfig
-from asyncroll.engines.replicas import Replica, ReplicaState, pick
+from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, control, pick
 from asyncroll.engines.vllm_serve import free_port
 from asyncroll.engines.vllm_server import VLLMServerEngine, attempt_session
 
@@ -136,3 +141,51 @@ async def test_a_rejoining_replica_takes_the_engines_pause_state(tmp_path: Path)
     finally:
         await engine.close()
         await runner.cleanup()
+
+
+class _Reply:
+    status = 200
+
+    async def read(self) -> bytes:
+        return b'{"ok": true}'
+
+
+class _Session:
+    """A stand-in for `aiohttp.ClientSession.request`: each call first raises the next of
+    `errors` (None: hangs until cancelled), then answers 200 once they are used up."""
+
+    def __init__(self, *errors: BaseException | None) -> None:
+        self.errors = list(errors)
+        self.calls = 0
+
+    @contextlib.asynccontextmanager
+    async def request(self, method: str, url: str, **kwargs: Any) -> AsyncIterator[_Reply]:
+        self.calls += 1
+        if self.errors:
+            error = self.errors.pop(0)
+            if error is None:
+                await asyncio.Event().wait()
+            raise error
+        yield _Reply()
+
+
+def control_on(session: _Session, timeout_s: float = 60.0) -> Any:
+    fake: Any = session
+    return control(fake, Replica("http://r:1"), "POST", "/pause", timeout_s=timeout_s)
+
+
+async def test_aiohttps_own_timeout_is_a_transport_error_retried_not_the_deadline() -> None:
+    """aiohttp's connect timeout is a `TimeoutError` too: it was once taken for the control
+    deadline ("no reply within 600 s" after 10 s) and not retried."""
+    session = _Session(aiohttp.ConnectionTimeoutError("connect timed out"))
+    assert await control_on(session) == {"ok": True}
+    assert session.calls == 2
+    twice = _Session(*[aiohttp.ConnectionTimeoutError("connect timed out")] * 2)
+    with pytest.raises(ReplicaError, match="POST /pause: ConnectionTimeoutError") as raised:
+        await control_on(twice)
+    assert "no reply within" not in str(raised.value)
+
+
+async def test_a_control_call_past_its_deadline_says_so() -> None:
+    with pytest.raises(ReplicaError, match=r"POST /pause: no reply within 0.05 s"):
+        await control_on(_Session(None), timeout_s=0.05)

@@ -95,10 +95,10 @@ async def control(
                     text = body[:500].decode(errors="replace")
                     message = f"{method} {path} -> HTTP {reply.status}: {text}"
                     raise ReplicaError(replica.url, message)
-        except TimeoutError:
-            message = f"{method} {path}: no reply within {timeout_s} s"
-            raise ReplicaError(replica.url, message) from None
         except TRANSPORT_ERRORS as exc:
+            if _is_deadline(exc):
+                message = f"{method} {path}: no reply within {timeout_s} s"
+                raise ReplicaError(replica.url, message) from None
             # Once more on a fresh connection: a pooled one may have been closed by the
             # server's keep-alive timeout just as it was reused. These calls are idempotent.
             if attempt == 2:
@@ -107,6 +107,13 @@ async def control(
             continue
         return msgspec.json.decode(body) if body.strip() else None
     raise AssertionError("unreachable")
+
+
+def _is_deadline(exc: BaseException) -> bool:
+    """Whether `exc` is the caller's deadline passing. aiohttp's own timeouts (a connect
+    timeout, say) are `TimeoutError`s as well, and were once reported as "no reply within
+    600 s" after 10 s; they are transport errors, retried and named as such."""
+    return isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ClientError)
 
 
 async def healthy(session: aiohttp.ClientSession, replica: Replica, timeout_s: float) -> bool:
