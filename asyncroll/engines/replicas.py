@@ -2,9 +2,10 @@
 
 A replica is UNSYNCED until the engine has given it the current weights and version label
 (at first use, and again after it came back), UP while it serves, and DOWN after it failed
-until a health probe finds it answering again. Routing is rendezvous hashing of a session key
-over the UP replicas: a session stays on its replica while that replica is up, and only the
-sessions of a replica that went down move.
+until a health probe finds it answering again. A replica that answers but missed weights sent
+over NCCL (they cannot be sent again) is STALE until the next weight update includes it.
+Routing is rendezvous hashing of a session key over the UP replicas: a session stays on its
+replica while that replica is up, and only the sessions of a replica that went down move.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class ReplicaState(enum.Enum):
     UNSYNCED = "unsynced"  # not yet given the engine's weights and version label
     UP = "up"
     DOWN = "down"  # failed; probed again once `retry_at` has passed
+    STALE = "stale"  # answers, but missed an NCCL broadcast: out until the next weight update
 
 
 class ReplicaError(RuntimeError):

@@ -23,6 +23,15 @@ reference notes):
   `weights_dir` (a folder every replica can read: the same machine, or a shared filesystem),
   and every replica reloads it (`/collective_rpc reload_weights`). A reload of a missing path
   kills a vLLM engine, so the folder is checked first.
+* **Or weights over NCCL** (GPUs; `weight_transfer=NCCLWeightTransfer(...)`, servers started
+  with `--weight-transfer-config '{"backend":"nccl"}'`): this process joins one NCCL group
+  with every replica's workers (rank 0; replica i's workers after those of replicas before
+  it) and broadcasts the tensors while each replica receives them (`/start_weight_update`,
+  `/update_weights`, `/finish_weight_update`), under the same pause. A broadcast cannot be
+  given again to a replica that missed it: a replica that left the rotation and answers again
+  is STALE, out of the rotation until the next update rebuilds the group with it. A failure
+  once weights are moving leaves every member with partial weights: all leave the rotation
+  (as STALE ones once they answer) and the update raises, naming the replica and step.
 * **Several replicas.** Control calls go to every replica. A group's requests carry a session
   key (by default the request id without its last "-attempt" part, which is how the producer
   names attempts) and go to one replica (rendezvous hashing). A replica that fails leaves the
@@ -44,7 +53,7 @@ import enum
 import os
 import shutil
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +61,8 @@ import aiohttp
 import numpy as np
 
 from asyncroll._signal import Signal
+from asyncroll.engines import nccl_transfer, vllm_groups, weights_file
 from asyncroll.engines import replicas as rp
-from asyncroll.engines import vllm_groups, weights_file
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -66,6 +75,14 @@ from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState
 
 _FINISH_REASONS = frozenset({"stop", "length", "abort"})
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
+_PAUSE = "/pause?mode=keep&clear_cache=false"
+_NOT_CONFIGURED = "Weight transfer not configured"  # vLLM without --weight-transfer-config
+
+
+class Broadcast(enum.Enum):
+    """Weights the replicas received over NCCL: unlike a folder, not there to load again."""
+
+    SENT = "sent"
 
 
 class Admission(enum.Enum):
@@ -131,7 +148,9 @@ class VLLMServerEngine:
     episode carries one) picks its replica; without one, `session_of` maps the request id to
     a session key (default `attempt_session`). `stream_interval`: also receive a sample's
     tokens every that many tokens (None: its first token, then the rest at the end, the
-    fastest).
+    fastest). `weight_transfer`: send `update_weights`' tensors over NCCL instead (an
+    `nccl_transfer.NCCLWeightTransfer`, GPUs only; the servers need
+    `--weight-transfer-config '{"backend":"nccl"}'`, which the first update checks).
     """
 
     def __init__(
@@ -149,6 +168,7 @@ class VLLMServerEngine:
         health_timeout_s: float = 5.0,
         health_interval_s: float = 5.0,
         max_connections: int = 512,
+        weight_transfer: nccl_transfer.WeightSender | None = None,
     ) -> None:
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
@@ -189,9 +209,11 @@ class VLLMServerEngine:
         self.health_timeout_s = health_timeout_s
         self.health_interval_s = health_interval_s
         self.max_connections = max_connections
+        self.weight_transfer = weight_transfer
+        self._group: tuple[Replica, ...] | None = None  # the NCCL group's replicas, rank order
         self._http: aiohttp.ClientSession | None = None  # made in the loop that first uses it
         self._version = 0
-        self._weights_path: Path | None = None  # what every replica serves (None: its own)
+        self._weights: Path | Broadcast | None = None  # what every replica serves (None: its own)
         self._written: Path | None = None  # the last folder this engine wrote (deleted later)
         self._admission = Admission.OPEN
         self._paused = False
@@ -283,7 +305,7 @@ class VLLMServerEngine:
             self._check_open()
             self._admission = Admission.HELD
             self._paused = True
-            await self._each_replica("POST", "/pause?mode=keep&clear_cache=false")
+            await self._each_replica("POST", _PAUSE)
 
     async def resume_generation(self) -> None:
         async with self._control:
@@ -295,10 +317,15 @@ class VLLMServerEngine:
 
     async def update_weights(self, weights: Weights | None, *, version: int) -> None:
         """Write `weights` under `weights_dir` and load them on every replica (None: weights
-        unchanged), and label later tokens `version` there; see `update_weights_from_path`."""
+        unchanged), and label later tokens `version` there; see `update_weights_from_path`.
+        With `weight_transfer`, broadcast them over NCCL instead (see the module docstring)."""
         self._check_open()
         if weights is None:
             await self._update(None, version)
+            return
+        if self.weight_transfer is not None:
+            named = await asyncio.to_thread(weights_file.detached, weights)
+            await self._update_nccl(self.weight_transfer, named, version)
             return
         if self.weights_dir is None:
             raise ValueError(
@@ -345,6 +372,8 @@ class VLLMServerEngine:
             self._http = None
         if self._written is not None:
             shutil.rmtree(self._written, ignore_errors=True)
+        if self.weight_transfer is not None:
+            self.weight_transfer.leave()
 
     async def __aenter__(self) -> VLLMServerEngine:
         return self
@@ -447,19 +476,23 @@ class VLLMServerEngine:
                     if not await rp.healthy(self._session(), replica, self.health_timeout_s):
                         raise ReplicaError(replica.url, "GET /health failed")
                     if self._paused:
-                        await self._call(replica, "POST", "/pause?mode=keep&clear_cache=false")
-                    await self._load_on(replica, self._weights_path, self._version)
-                    if not self._paused:  # a `/pause` that answered too late left it paused
-                        await self._call(replica, "POST", "/resume")
+                        await self._call(replica, "POST", _PAUSE)
+                    state = await self._catch_up(replica)
+                    if state is ReplicaState.UP and not self._paused:  # a `/pause` that
+                        await self._call(replica, "POST", "/resume")  # answered late: paused
                 except ReplicaError as exc:
                     self._down(replica, exc)
                     return
-                replica.state = ReplicaState.UP
+                replica.state = state
                 replica.error = None
 
     def _down(self, replica: Replica, exc: BaseException) -> None:
+        """`replica` leaves the rotation, and the NCCL group: its workers may be new
+        processes when it answers again, so the next update rebuilds the group."""
         loop = asyncio.get_running_loop()
         replica.mark_down(str(exc), loop.time() + self.health_interval_s)
+        if self._group is not None and replica in self._group:
+            self._group = tuple(r for r in self._group if r is not replica)
 
     async def _failed(self, replica: Replica, exc: ReplicaError) -> None:
         """A request to `replica` failed: it leaves the rotation unless it still answers its
@@ -474,9 +507,19 @@ class VLLMServerEngine:
 
     # -- control calls ---------------------------------------------------------------------------
 
-    async def _call(self, replica: Replica, method: str, path: str, json: Any = None) -> Any:
+    async def _call(
+        self,
+        replica: Replica,
+        method: str,
+        path: str,
+        json: Any = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """A control call within `timeout_s` (default `control_timeout_s`)."""
+        timeout = self.control_timeout_s if timeout_s is None else timeout_s
         return await rp.control(
-            self._session(), replica, method, path, timeout_s=self.control_timeout_s, json=json
+            self._session(), replica, method, path, timeout_s=timeout, json=json
         )
 
     async def _each_replica(self, method: str, path: str, json: Any = None) -> None:
@@ -488,30 +531,65 @@ class VLLMServerEngine:
     async def _on_every_up(self, call: Callable[[Replica], Awaitable[object]]) -> None:
         """`call` on every UP replica at once; one that fails (`ReplicaError`) leaves the
         rotation, any other error is raised. None up afterwards: `EngineDeadError`."""
-        up = [r for r in self.replicas if r.state is ReplicaState.UP]
-        results = await asyncio.gather(*(call(r) for r in up), return_exceptions=True)
-        for replica, result in zip(up, results, strict=True):
+        await self._on_every([r for r in self.replicas if r.state is ReplicaState.UP], call)
+        if not any(r.state is ReplicaState.UP for r in self.replicas):
+            raise EngineDeadError(f"no replica is up: {self._states()}")
+
+    async def _on_every(
+        self, replicas: Sequence[Replica], call: Callable[[Replica], Awaitable[object]]
+    ) -> list[Replica]:
+        """`call` on each of `replicas` at once; one that fails (`ReplicaError`) leaves the
+        rotation, any other error is raised. Those that succeeded, in order."""
+        results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
+        for replica, result in zip(replicas, results, strict=True):
             if isinstance(result, ReplicaError):
                 self._down(replica, result)
             elif isinstance(result, BaseException):
                 raise result
-        if not any(r.state is ReplicaState.UP for r in self.replicas):
-            raise EngineDeadError(f"no replica is up: {self._states()}")
+        return [
+            r
+            for r, result in zip(replicas, results, strict=True)
+            if not isinstance(result, BaseException)
+        ]
 
     async def _revive_due_locked(self) -> None:
-        """`_revive_due` for callers that hold the control lock: new replicas are synced
-        inline (under the held lock), down ones wait for the next request's probe."""
+        """`_revive_due` for callers that hold the control lock: new (and stale) replicas are
+        synced inline (under the held lock), down ones wait for the next request's probe."""
         for replica in self.replicas:
-            if replica.state is not ReplicaState.UNSYNCED:
+            if replica.state not in (ReplicaState.UNSYNCED, ReplicaState.STALE):
                 continue
             try:
                 if not await rp.healthy(self._session(), replica, self.health_timeout_s):
                     raise ReplicaError(replica.url, "GET /health failed")
-                await self._load_on(replica, self._weights_path, self._version)
+                replica.state = await self._catch_up(replica)
             except ReplicaError as exc:
                 self._down(replica, exc)
-            else:
-                replica.state = ReplicaState.UP
+
+    async def _catch_up(self, replica: Replica) -> ReplicaState:
+        """Give an answering replica the current weights and label: UP then, or STALE when
+        they came over NCCL (nothing to load: it receives the next broadcast)."""
+        if self._weights is Broadcast.SENT:
+            return ReplicaState.STALE
+        await self._load_on(replica, self._weights, self._version)
+        return ReplicaState.UP
+
+    @contextlib.asynccontextmanager
+    async def _frozen(self) -> AsyncIterator[None]:
+        """A weight update's frame: under the control lock, admission held; afterwards (also
+        after a failure) every replica resumed and admission released, unless the caller had
+        paused."""
+        async with self._control:
+            self._check_open()
+            paused_before = self._paused
+            self._admission = Admission.HELD
+            try:
+                yield
+            finally:
+                if not paused_before and not self._closed:
+                    with contextlib.suppress(EngineDeadError):
+                        await self._each_replica("POST", "/resume")
+                    self._admission = Admission.OPEN
+                    self._progress.notify()
 
     async def _update(self, folder: Path | None, version: int) -> None:
         """Hold admission, freeze every replica, load `folder` (None: keep the weights),
@@ -519,23 +597,126 @@ class VLLMServerEngine:
         paused), release admission."""
         if folder is None and version == self._version:
             return
-        async with self._control:
-            self._check_open()
-            paused_before = self._paused
-            self._admission = Admission.HELD
-            try:
-                if not paused_before:
-                    await self._each_replica("POST", "/pause?mode=keep&clear_cache=false")
-                weights = folder if folder is not None else self._weights_path
-                await self._on_every_up(lambda r: self._load_on(r, folder, version))
-                self._weights_path = weights
-                self._version = version
-            finally:
-                if not paused_before and not self._closed:
-                    with contextlib.suppress(EngineDeadError):
-                        await self._each_replica("POST", "/resume")
-                    self._admission = Admission.OPEN
-                    self._progress.notify()
+        async with self._frozen():
+            if not self._paused:
+                await self._each_replica("POST", _PAUSE)
+            weights = folder if folder is not None else self._weights
+            await self._on_every_up(lambda r: self._load_on(r, folder, version))
+            self._weights = weights
+            self._version = version
+
+    async def _update_nccl(
+        self, sender: nccl_transfer.WeightSender, named: list[tuple[str, Any]], version: int
+    ) -> None:
+        """`_update` with the tensors broadcast over NCCL: the members (the UP replicas and
+        the STALE ones that answer) are frozen, the group is (re)built when they changed,
+        then every member receives while the trainer sends, finishes, and takes the label."""
+        async with self._frozen():
+            await self._revive_due_locked()
+            members = [r for r in self.replicas if r.state in (ReplicaState.UP, ReplicaState.STALE)]
+            members = await self._on_every(members, lambda r: self._call(r, "POST", _PAUSE))
+            if not members:
+                raise EngineDeadError(f"no replica is up: {self._states()}")
+            if self._group != tuple(members):
+                members = await self._form_group(sender, members)
+            await self._transfer(sender, members, named, version)
+            members = await self._on_every(members, lambda r: self._load_on(r, None, version))
+            if not members:
+                raise EngineDeadError(f"no replica is up: {self._states()}")
+            for replica in members:
+                replica.state = ReplicaState.UP
+            self._version = version
+
+    async def _form_group(
+        self, sender: nccl_transfer.WeightSender, members: list[Replica]
+    ) -> list[Replica]:
+        """Leave the old group (members still in it shut their end), and join a new one of
+        `members`: the trainer at rank 0, each replica's workers (`/get_world_size`, data
+        parallel included) after the previous replica's. No weights move here, so a failure
+        leaves every replica serving what it had; a replica started without
+        `--weight-transfer-config` fails the update with a `ValueError` saying so. The
+        members that joined."""
+        old, self._group = self._group or (), None
+        staying = [r for r in members if r in old]
+        shut = await self._on_every(
+            staying, lambda r: self._call(r, "POST", "/shutdown_weight_transfer_engine")
+        )
+        members = [r for r in members if r not in staying or r in shut]
+        sizes: dict[Replica, int] = {}
+
+        async def world_size(replica: Replica) -> None:
+            reply = await self._call(replica, "GET", "/get_world_size")
+            size = reply.get("world_size") if isinstance(reply, dict) else None
+            if not isinstance(size, int) or size < 1:
+                raise ReplicaError(replica.url, f"GET /get_world_size -> {reply!r}")
+            sizes[replica] = size
+
+        members = await self._on_every(members, world_size)
+        if not members:
+            raise EngineDeadError(f"no replica is up: {self._states()}")
+        offsets = np.cumsum([1] + [sizes[r] for r in members]).tolist()
+        init_info = sender.new_group(offsets[-1])
+
+        async def init(replica: Replica, offset: int) -> None:
+            body = {"init_info": {**init_info, "rank_offset": offset}}
+            await self._call(
+                replica,
+                "POST",
+                "/init_weight_transfer_engine",
+                body,
+                timeout_s=sender.timeout_s,
+            )
+
+        joins = [sender.join(), *map(init, members, offsets[:-1])]
+        error = await vllm_groups.first_error([asyncio.ensure_future(j) for j in joins])
+        if error is not None:
+            sender.leave()
+            if _NOT_CONFIGURED in str(error):
+                raise ValueError(
+                    f"{error}: start every replica with"
+                    """ --weight-transfer-config '{"backend":"nccl"}' to use weight_transfer"""
+                ) from None
+            raise error
+        self._group = tuple(members)
+        return members
+
+    async def _transfer(
+        self,
+        sender: nccl_transfer.WeightSender,
+        members: list[Replica],
+        named: list[tuple[str, Any]],
+        version: int,
+    ) -> None:
+        """Start an update on every member, receive on every member while the trainer sends
+        (a broadcast needs every rank), finish. Any failure here leaves every member with
+        partial weights: the group is dropped, every member leaves the rotation, the error is
+        raised (it names the replica and the step)."""
+        body = {"update_info": nccl_transfer.update_info(named)}
+
+        def calls(path: str, json: Any = None) -> list[Awaitable[Any]]:
+            return [self._call(r, "POST", path, json, timeout_s=sender.timeout_s) for r in members]
+
+        steps: list[Callable[[], list[Awaitable[Any]]]] = [
+            lambda: calls("/start_weight_update"),
+            lambda: [sender.send(named), *calls("/update_weights", body)],
+            lambda: calls("/finish_weight_update"),
+        ]
+        self._weights = Broadcast.SENT  # from here on, the old weights are gone everywhere
+        try:
+            for step in steps:
+                error = await vllm_groups.first_error([asyncio.ensure_future(c) for c in step()])
+                if error is not None:
+                    raise error
+        except BaseException as exc:
+            self._group = None
+            sender.leave()
+            partial = RuntimeError(
+                f"left with partial weights: the update to version {version} failed: {exc}"
+            )
+            for replica in members:
+                mine = isinstance(exc, ReplicaError) and exc.url == replica.url
+                self._down(replica, exc if mine else partial)
+            raise
 
     async def _load_on(self, replica: Replica, folder: Path | None, version: int) -> None:
         """Reload `folder` on one (paused or idle) replica, drop its KV cache (running requests
