@@ -375,13 +375,6 @@ async def test_keep_pause_freezes_requests_and_updates_in_between_restamp(
     engine = subject.engine
     if not engine.supports_keep_pause:
         pytest.skip("engine cannot pause in place")
-    if type(engine).__name__ == "VLLMServerEngine":  # passed 8 runs, then this once
-        pytest.skip(
-            "open (issue #10): once in 9 runs vllm serve took over control_timeout_s to answer "
-            "this keep-pause with two 16k-token requests running (cause not found), which "
-            "takes the only replica out and fails the test; it then rejoined still paused and "
-            "every later request hung (rejoin now restores the engine's pause state)"
-        )
     budget = 40 if isinstance(engine, SimEngine) else subject.long_budget
     keep_req = make_request("frozen", [budget])
     with subject.observe_each_token():

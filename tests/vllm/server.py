@@ -69,6 +69,9 @@ def server_engine_on(
         max_model_len=SERVER_MAX_MODEL_LEN,
         weights_dir=weights_dir,
         control_timeout_s=SERVER_DEADLINE_S,
+        # 2 cores run vLLM's 3 processes, the tests and (under-load) 2 busy loops: control round
+        # trips took up to 10 s, and aiohttp's 10 s connect timeout fired on loopback once
+        connect_timeout_s=SERVER_DEADLINE_S,
         request_timeout_s=300.0,
         **kwargs,  # type: ignore[arg-type]
     )
