@@ -29,11 +29,14 @@ MAX_MODEL_LEN = VLLM_MAX_MODEL_LEN
 DEADLINE_S = VLLM_DEADLINE_S
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: `-m "not vllm"` leaves all of these out
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Skip these tests without vLLM, and GPU tests without CUDA; run the tests that kill the
-    shared engine after every other test."""
+    """Mark every test here `vllm`; skip them without vLLM, and GPU tests without CUDA; run
+    the tests that kill the shared engine after every other test."""
     here = Path(__file__).parent
     ours = [item for item in items if item.path.is_relative_to(here)]
+    for item in ours:
+        item.add_marker(pytest.mark.vllm)
     if VLLM_MISSING is not None:
         for item in ours:
             item.add_marker(pytest.mark.skip(reason=VLLM_MISSING))
