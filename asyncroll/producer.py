@@ -635,12 +635,19 @@ class Producer:
         """Admit work while there is room: resumed groups first, then new prompts. Returns
         once the producer stops (ending normally, so no cancellation traceback keeps a
         reference to the producer alive)."""
+        step: _Step | None = None
+
+        def decided() -> bool:  # the step, decided once per wake-up: the rule is not cheap
+            nonlocal step
+            step = self._next_step()
+            return step is not None or self._phase is not Phase.RUNNING
+
         try:
             while True:
-                await self._changed.wait_until(
-                    lambda: self._next_step() is not None or self._phase is not Phase.RUNNING
-                )
-                match self._next_step():
+                # The predicate runs in this task right before `wait_until` returns, so `step`
+                # is still what the rule says when it is acted on.
+                await self._changed.wait_until(decided)
+                match step:
                     case _Step.RESUME:
                         taken = self.buffer.take_resume()
                         if taken is not None:
