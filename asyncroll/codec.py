@@ -325,7 +325,7 @@ def _layout(group: RolloutGroup) -> tuple[list[Any], _Data]:
     states = [msgspec.structs.astuple(s) for s in samples]
     lengths = [len(state[0]) for state in states]
     total = sum(lengths)
-    for i, dtype in enumerate(_PACKED_DTYPES):  # where `_packed_arrays` will find them
+    for i, dtype in enumerate(_PACKED_DTYPES):  # where `_Reader.packed` will find them
         data.place([state[i] for state in states], dtype, (total,))
     rows = _pack_rows(data, [state[_SAMPLE_REST + _ROWS_AT] for state in states], lengths)
     wire_samples = []
@@ -449,7 +449,7 @@ class _Reader(threading.local):
         (None, or `row_count` rows of `rows`: dtype code and row shape), where `_layout`
         placed them: back to back from the start of the data region, each on the next
         aligned offset. Straight-line code: this runs once per decoded group."""
-        size = total * 4  # int32 / float32 / int32
+        size = total * 4  # every packed dtype (int32, float32, int32) has 4-byte items
         step = size + (-size % ALIGN)
         end = 2 * step + size
         if end > self.size:
@@ -481,6 +481,8 @@ def _unpack(wire: tuple[Any, ...], reader: _Reader) -> RolloutGroup:
     lengths = [state[0] for state in states]
     if min(lengths, default=0) < 0:
         raise CodecError(f"negative sample lengths {lengths}")
+    # The packed rows are those of the samples that carry True in their place, in order, so
+    # the samples use exactly all of them.
     packed_rows = sum([state[0] for state in states if state[1 + _ROWS_AT] is True])
     tokens, logprobs, versions, rows = reader.packed(sum(lengths), packed_rows, wire[0])
     samples = []
@@ -498,8 +500,6 @@ def _unpack(wire: tuple[Any, ...], reader: _Reader) -> RolloutGroup:
         samples.append(
             RolloutState(tokens[start:end], logprobs[start:end], versions[start:end], *rest)
         )
-    if rows is not None and row_end != len(rows):
-        raise CodecError(f"the samples use {row_end} of {len(rows)} packed routed-expert rows")
     fields[_SAMPLES_AT] = tuple(samples)
     return RolloutGroup(*fields)
 
