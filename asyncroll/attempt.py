@@ -13,11 +13,11 @@ The engine call itself, its deadline and how each way it can end becomes a failu
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import anyio
 import msgspec
 
 from asyncroll import engine_call, rollout
@@ -36,7 +36,9 @@ Samples = tuple[RolloutState, ...]
 
 class Flight:
     """A group in flight: what the ledger needs about it, its stage, its request id, the bytes
-    it reserved, and a cancel scope a drain can use when its engine ignores an abort."""
+    it reserved, and the task that runs it, which a drain cancels when its engine ignores an
+    abort (the task is the group's only cancel scope: it lands as interrupted when cancelled).
+    """
 
     __slots__ = (
         "episodes",
@@ -45,9 +47,9 @@ class Flight:
         "request_id",
         "reserved",
         "samples",
-        "scope",
         "stage",
         "started_at",
+        "task",
         "tokens",
     )
 
@@ -58,13 +60,20 @@ class Flight:
         self.tokens = group.num_tokens  # held when this attempt started
         self.started_at = time.monotonic()
         self.stage = Stage.STARTING
-        self.scope = anyio.CancelScope()
+        self.task: asyncio.Task[None] | None = None  # None: it lands without awaiting
         self.generated: Samples | None = None  # the samples once generation finished
         self.group = group  # as it started (a checkpoint restarts episode groups from it)
         self.episodes: EpisodeRun | None = None  # its episodes, with a rollout function
 
     def move(self, to: Stage) -> None:
         self.stage = move(self.stage, to)
+
+    def cancel(self) -> None:
+        """Cut the attempt short: it lands as interrupted. A group that has not called the
+        engine (STARTING, CANCELLED) lands without calling it once its task first runs, so its
+        task is not cancelled: a task cancelled before its first step would never land."""
+        if self.task is not None and self.stage not in (Stage.STARTING, Stage.CANCELLED):
+            self.task.cancel()
 
 
 class Landing(NamedTuple):

@@ -12,14 +12,16 @@ which numpy tolerates but kernels and `torch.from_numpy` pay for). Encoding copi
 exactly once, into the final `bytes` object (`encode`) or into memory the caller recycles
 (`encode_into`). Torch tensors are accepted and moved to the CPU.
 
-The work is per group, not per sample (format 3). The samples' token ids, logprobs and
-versions are written back to back as three arrays per group, and their routed experts as one
-more when every sample's rows line up (same dtype and row shape, one row per token; a sample
-then carries True in their place, otherwise its own array). `encode` builds those extension
-values itself, so no Python hook runs for them, and the samples go on the wire as plain
-lists; `decode` reuses one typed decoder per thread and slices the packed arrays back into
-per-sample views. Each extension value used to cost a Python callback on each side, and for
-groups of 8 samples that per-array cost, not the copy, dominated.
+The work is per group, not per sample (format 4). The samples' token ids, logprobs and
+versions are written back to back as three arrays per group at the start of the data region,
+and their routed experts as one more when every sample's rows line up (same dtype and row
+shape, one row per token; a sample then carries True in their place, otherwise its own
+array). Where those packed arrays lie follows from the samples' lengths (and the rows' dtype
+and row shape, in the header), so they need no extension value at all: no Python hook runs
+for them on either side, `decode` makes each with one `np.frombuffer` and slices it back into
+per-sample views. Each extension value costs a Python callback on decode (about 2 µs: format
+3 paid four per group), and for groups of 8 samples such fixed costs, not the copy, dominate.
+Both sides reuse one encoder and one typed decoder per thread.
 
 Corrupt or truncated input raises `CodecError` after checking the frame, every extension's
 bounds and alignment and the typed schema; array *contents* are not checksummed (checkpoints add
@@ -60,7 +62,7 @@ __all__ = [
 ]
 
 MAGIC = b"ARGR"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: packed arrays at offsets that follow from the header, no extensions
 ALIGN = 64
 _PREFIX = struct.Struct("<4sHHIQ")
 _EXT_ARRAY = 1  # in a group: the array's bytes lie in the data region
@@ -143,8 +145,7 @@ _GROUP_FIELDS = [f.name for f in msgspec.structs.fields(RolloutGroup)]
 _SAMPLES_AT = _GROUP_FIELDS.index("samples")
 _WireGroup: Any = msgspec.defstruct(
     "_WireGroup",
-    [(name, npt.NDArray[Any]) for name in _PACKED]
-    + [(_ROWS, npt.NDArray[Any] | None)]
+    [(_ROWS, tuple[int, tuple[int, ...]] | None)]  # packed rows: dtype code, row shape
     + [
         (spec[0], tuple[_WireSample, ...]) if spec[0] == "samples" else spec
         for spec in _field_specs(RolloutGroup)
@@ -152,7 +153,7 @@ _WireGroup: Any = msgspec.defstruct(
     array_like=True,
     frozen=True,
 )
-_WIRE_GROUP_HEAD = len(_PACKED) + 1  # packed arrays, then the group's own fields
+_WIRE_GROUP_HEAD = 1  # the packed rows' layout, then the group's own fields
 
 
 def _to_numpy(obj: Any) -> npt.NDArray[Any]:
@@ -225,10 +226,10 @@ class _Data:
         self.segments: list[tuple[int, list[Any], np.dtype[Any], tuple[int, ...]]] = []
         self.offset = 0
 
-    def ext(self, arrays: list[Any], dtype: np.dtype[Any], shape: tuple[int, ...]) -> Any:
-        """The extension value of `arrays` (of one dtype) laid out back to back as one array
-        at the next aligned offset. (`bytes.join` reads contiguous numpy arrays through the
-        buffer protocol.)"""
+    def place(self, arrays: list[Any], dtype: np.dtype[Any], shape: tuple[int, ...]) -> int:
+        """Lay `arrays` (of one dtype) out back to back as one array of `shape` at the next
+        aligned offset, and return that offset. (`bytes.join` reads contiguous numpy arrays
+        through the buffer protocol.)"""
         pad = -self.offset % ALIGN
         if pad:
             self.parts.append(_ZEROS[:pad])
@@ -236,8 +237,31 @@ class _Data:
         self.parts.extend(arrays)
         self.segments.append((start, arrays, dtype, shape))
         self.offset = start + math.prod(shape) * dtype.itemsize
-        head = _EXT_LAYOUT[len(shape)].pack(_DTYPE_CODE[dtype], len(shape), start, *shape)
+        return start
+
+    def ext(self, arr: npt.NDArray[Any]) -> Any:
+        """The extension value of one array of metadata, `extra` or a sample's own rows."""
+        start = self.place([arr], arr.dtype, arr.shape)
+        head = _EXT_LAYOUT[arr.ndim].pack(_DTYPE_CODE[arr.dtype], arr.ndim, start, *arr.shape)
         return msgspec.msgpack.Ext(_EXT_ARRAY, head)
+
+
+class _Writer(threading.local):
+    """One per thread: an encoder made once, and the data region its hook lays arrays out in,
+    set only while one `_layout` runs (and cleared after, so no array stays referenced)."""
+
+    def __init__(self) -> None:
+        self.data: _Data | None = None
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=self.hook)
+
+    def hook(self, obj: Any) -> Any:
+        if isinstance(obj, np.generic):
+            return obj.item()  # a numpy scalar, stored as the Python scalar
+        assert self.data is not None
+        return self.data.ext(_to_numpy(obj))
+
+
+_WRITER = _Writer()
 
 
 def encode(group: RolloutGroup) -> bytes:
@@ -292,13 +316,6 @@ def _layout(group: RolloutGroup) -> tuple[list[Any], _Data]:
     routed experts that do not line up) go through the encoder's hook.
     """
     data = _Data()
-
-    def hook(obj: Any) -> Any:
-        if isinstance(obj, np.generic):
-            return obj.item()  # a numpy scalar, stored as the Python scalar
-        arr = _to_numpy(obj)
-        return data.ext([arr], arr.dtype, arr.shape)
-
     samples = group.samples
     if group.metadata:
         _check_depth(group.metadata, f"group {group.uid}'s metadata")
@@ -308,10 +325,8 @@ def _layout(group: RolloutGroup) -> tuple[list[Any], _Data]:
     states = [msgspec.structs.astuple(s) for s in samples]
     lengths = [len(state[0]) for state in states]
     total = sum(lengths)
-    packed = [
-        data.ext([state[i] for state in states], dtype, (total,))
-        for i, dtype in enumerate(_PACKED_DTYPES)
-    ]
+    for i, dtype in enumerate(_PACKED_DTYPES):  # where `_Reader.packed` will find them
+        data.place([state[i] for state in states], dtype, (total,))
     rows = _pack_rows(data, [state[_SAMPLE_REST + _ROWS_AT] for state in states], lengths)
     wire_samples = []
     for state, n in zip(states, lengths, strict=True):
@@ -321,10 +336,14 @@ def _layout(group: RolloutGroup) -> tuple[list[Any], _Data]:
         wire_samples.append(wire)
     fields = list(msgspec.structs.astuple(group))
     fields[_SAMPLES_AT] = wire_samples
+    writer = _WRITER
+    writer.data = data
     try:
-        header = msgspec.msgpack.Encoder(enc_hook=hook).encode([*packed, rows, *fields])
+        header = writer.encoder.encode([rows, *fields])
     except (TypeError, OverflowError, RecursionError) as exc:
         raise _encode_failed(exc, f"group {group.uid}") from None
+    finally:
+        writer.data = None
     start = _PREFIX.size + len(header)
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), data.offset)
     return [prefix, header, _ZEROS[: -start % ALIGN]], data
@@ -335,9 +354,10 @@ def _contiguous(part: Any) -> Any:
 
 
 def _pack_rows(data: _Data, rows: list[Any], lengths: list[int]) -> Any:
-    """The extension value of every sample's routed experts as one array, or None when no
-    sample has any or they do not line up (then each sample carries its own, through the
-    hook): packed rows must be numpy arrays of one dtype and row shape, one row per token."""
+    """Every sample's routed experts laid out as one array, and its dtype code and row shape
+    for the header; or None when no sample has any or they do not line up (then each sample
+    carries its own, through the hook): packed rows must be numpy arrays of one dtype and row
+    shape, one row per token."""
     present = [r for r in rows if r is not None]
     if not present:
         return None
@@ -350,7 +370,8 @@ def _pack_rows(data: _Data, rows: list[Any], lengths: list[int]) -> Any:
             type(r) is not np.ndarray or r.dtype != dtype or r.shape[1:] != row or len(r) != n
         ):
             return None
-    return data.ext(present, dtype, (sum(len(r) for r in present), *row))
+    data.place(present, dtype, (sum(len(r) for r in present), *row))
+    return _DTYPE_CODE[dtype], row
 
 
 def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
@@ -378,7 +399,7 @@ def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
     reader.start, reader.size = data_start, data_len
     try:
         wire = reader.decoder.decode(memoryview(data)[_PREFIX.size : header_end])
-        return _unpack(msgspec.structs.astuple(wire))
+        return _unpack(msgspec.structs.astuple(wire), reader)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CodecError(f"corrupt group header: {exc}") from None
     except RecursionError:
@@ -421,22 +442,49 @@ class _Reader(threading.local):
         arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.start + offset)
         return arr if ndim == 1 else arr.reshape(shape)
 
+    def packed(
+        self, total: int, row_count: int, rows: tuple[int, tuple[int, ...]] | None
+    ) -> tuple[Any, Any, Any, Any]:
+        """The packed token ids, logprobs, versions (`total` entries each) and routed experts
+        (None, or `row_count` rows of `rows`: dtype code and row shape), where `_layout`
+        placed them: back to back from the start of the data region, each on the next
+        aligned offset. Straight-line code: this runs once per decoded group."""
+        size = total * 4  # every packed dtype (int32, float32, int32) has 4-byte items
+        step = size + (-size % ALIGN)
+        end = 2 * step + size
+        if end > self.size:
+            raise CodecError(f"packed arrays of {total} entries overrun the data region")
+        buf, start = self.buf, self.start
+        tokens = np.frombuffer(buf, _PACKED_DTYPES[0], total, start)
+        logprobs = np.frombuffer(buf, _PACKED_DTYPES[1], total, start + step)
+        versions = np.frombuffer(buf, _PACKED_DTYPES[2], total, start + 2 * step)
+        if rows is None:
+            return tokens, logprobs, versions, None
+        code, row = rows
+        if not 0 <= code < len(_DTYPES) or len(row) >= _MAX_NDIM or min(row, default=0) < 0:
+            raise CodecError(f"bad packed rows header (dtype code {code}, rows {row})")
+        dtype, offset = _DTYPES[code], end + (-end % ALIGN)
+        count = row_count * math.prod(row)
+        if offset + count * dtype.itemsize > self.size:
+            raise CodecError(f"packed arrays of {total} entries overrun the data region")
+        experts = np.frombuffer(buf, dtype, count, start + offset).reshape((row_count, *row))
+        return tokens, logprobs, versions, experts
+
 
 _READER = _Reader()
 
 
-def _unpack(wire: tuple[Any, ...]) -> RolloutGroup:
+def _unpack(wire: tuple[Any, ...], reader: _Reader) -> RolloutGroup:
     """Rebuild the group: slice the packed arrays back into each sample's views."""
-    tokens, logprobs, versions, rows = wire[:_WIRE_GROUP_HEAD]
     fields = list(wire[_WIRE_GROUP_HEAD:])
     states = [msgspec.structs.astuple(ws) for ws in fields[_SAMPLES_AT]]
     lengths = [state[0] for state in states]
-    total = sum(lengths)
-    if min(lengths, default=0) < 0 or not total == len(tokens) == len(logprobs) == len(versions):
-        raise CodecError(
-            f"sample lengths {lengths} do not match the packed arrays "
-            f"({len(tokens)}, {len(logprobs)}, {len(versions)})"
-        )
+    if min(lengths, default=0) < 0:
+        raise CodecError(f"negative sample lengths {lengths}")
+    # The packed rows are those of the samples that carry True in their place, in order, so
+    # the samples use exactly all of them.
+    packed_rows = sum([state[0] for state in states if state[1 + _ROWS_AT] is True])
+    tokens, logprobs, versions, rows = reader.packed(sum(lengths), packed_rows, wire[0])
     samples = []
     end = row_end = 0
     for state, n in zip(states, lengths, strict=True):
@@ -452,8 +500,6 @@ def _unpack(wire: tuple[Any, ...]) -> RolloutGroup:
         samples.append(
             RolloutState(tokens[start:end], logprobs[start:end], versions[start:end], *rest)
         )
-    if rows is not None and row_end != len(rows):
-        raise CodecError(f"the samples use {row_end} of {len(rows)} packed routed-expert rows")
     fields[_SAMPLES_AT] = tuple(samples)
     return RolloutGroup(*fields)
 

@@ -635,12 +635,19 @@ class Producer:
         """Admit work while there is room: resumed groups first, then new prompts. Returns
         once the producer stops (ending normally, so no cancellation traceback keeps a
         reference to the producer alive)."""
+        step: _Step | None = None
+
+        def decided() -> bool:  # the step, decided once per wake-up: the rule is not cheap
+            nonlocal step
+            step = self._next_step()
+            return step is not None or self._phase is not Phase.RUNNING
+
         try:
             while True:
-                await self._changed.wait_until(
-                    lambda: self._next_step() is not None or self._phase is not Phase.RUNNING
-                )
-                match self._next_step():
+                # The predicate runs in this task right before `wait_until` returns, so `step`
+                # is still what the rule says when it is acted on.
+                await self._changed.wait_until(decided)
+                match step:
                     case _Step.RESUME:
                         taken = self.buffer.take_resume()
                         if taken is not None:
@@ -828,17 +835,16 @@ class Producer:
                 self._attempts.failed(group, flight, FailureReason.BAD_PROMPT, group.error), flight
             )
             return
-        self._groups.spawn(self._run_group(group, flight), f"asyncroll-group-{group.uid}")
+        flight.task = self._groups.spawn(
+            self._run_group(group, flight), f"asyncroll-group-{group.uid}"
+        )
 
     async def _run_group(self, group: RolloutGroup, flight: Flight) -> None:
-        """Run one attempt and land it exactly once, however the attempt ends."""
-        landing: Landing | None = None
+        """Run one attempt and land it exactly once, however the attempt ends (cancelled: by a
+        drain whose abort the engine ignored, or by the producer's own end)."""
         try:
-            with flight.scope:  # cancelled by a drain when the engine ignores an abort
-                landing = await self._attempts.run(
-                    group, flight, self._current_version, self._parking
-                )
-        except anyio.get_cancelled_exc_class():
+            landing = await self._attempts.run(group, flight, self._current_version, self._parking)
+        except asyncio.CancelledError:
             self._land(self._attempts.interrupted(group, flight), flight)
             raise
         except BaseException as exc:  # a bug in asyncroll, or KeyboardInterrupt / SystemExit
@@ -850,7 +856,7 @@ class Producer:
             if not isinstance(exc, Exception):
                 raise
             return
-        self._land(landing or self._attempts.interrupted(group, flight), flight)
+        self._land(landing, flight)
 
     # -- landing ---------------------------------------------------------------------------------
 
@@ -1032,7 +1038,7 @@ class Producer:
             episodes = flight.episodes
             if episodes is not None and flight.stage is Stage.GENERATING:
                 if stopping:  # episodes cannot resume half-way: the group restarts
-                    flight.scope.cancel()
+                    flight.cancel()
                 else:  # their turns park inside episode.generate until the gate opens
                     ids.extend(episodes.open_requests)
                 continue
@@ -1083,7 +1089,7 @@ class Producer:
         if not settled():
             for flight in self._inflight.values():
                 if which(flight):
-                    flight.scope.cancel()
+                    flight.cancel()
         try:
             await self._changed.wait_until(settled, self.config.abort_timeout_s)
         except TimeoutError:

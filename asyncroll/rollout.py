@@ -23,7 +23,9 @@ from asyncroll.types import (
     RolloutGroup,
     RolloutState,
     Status,
+    extended_state,
     sample_status,
+    scored_state,
 )
 
 _LOGPROB_TOLERANCE = 1e-4  # float rounding can put log(1) a hair above 0
@@ -224,20 +226,14 @@ def _extended(
     finish = out.finish_reason
     if status is Status.ABORTED and n == req.max_new_tokens:
         status, finish = Status.COMPLETED, "length"  # the abort landed on the last token
-    experts = _merged_experts(sample, out.routed_experts, n)
+    experts = sample.routed_experts
+    if experts is not None or out.routed_experts is not None:
+        experts = _merged_experts(sample, out.routed_experts, n)
     if len(sample.tokens):
         tokens = np.concatenate([sample.tokens, tokens])
         logprobs = np.concatenate([sample.logprobs, logprobs])
         versions = np.concatenate([sample.versions, versions])
-    return msgspec.structs.replace(
-        sample,
-        tokens=tokens,
-        logprobs=logprobs,
-        versions=versions,
-        status=status,
-        finish_reason=finish,
-        routed_experts=experts,
-    )
+    return extended_state(sample, tokens, logprobs, versions, status, finish, experts)
 
 
 def _merged_experts(sample: RolloutState, new: Any, n: int) -> Any:
@@ -323,9 +319,7 @@ def _reward_float(v: Any) -> float:
 def with_rewards(
     samples: tuple[RolloutState, ...], rewards: list[float]
 ) -> tuple[RolloutState, ...]:
-    return tuple(
-        msgspec.structs.replace(s, reward=r) for s, r in zip(samples, rewards, strict=True)
-    )
+    return tuple([scored_state(s, r) for s, r in zip(samples, rewards, strict=True)])
 
 
 def interrupted(samples: tuple[RolloutState, ...]) -> tuple[RolloutState, ...]:

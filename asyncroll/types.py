@@ -8,6 +8,7 @@ building a new one with `msgspec.structs.replace`.
 
 from __future__ import annotations
 
+import copy
 import enum
 from typing import Any
 
@@ -121,6 +122,42 @@ class RolloutState(msgspec.Struct, frozen=True, array_like=True, weakref=True):
     def num_turns(self) -> int:
         """Turns (policy and environment) that built the sample; 1 for a single-turn one."""
         return 1 if self.turn_ends is None else len(self.turn_ends)
+
+
+_force = msgspec.structs.force_setattr
+
+
+def extended_state(
+    sample: RolloutState,
+    tokens: Int32Array,
+    logprobs: Float32Array,
+    versions: Int32Array,
+    status: Status,
+    finish_reason: str,
+    routed_experts: npt.NDArray[Any] | None,
+) -> RolloutState:
+    """`sample` with new arrays, status and finish reason, for arrays the caller has checked
+    (the engine boundary: 1-D int32 / float32 / int32 of one length). `msgspec.structs.replace`
+    would run `__post_init__` again, and at eight samples a group that repeated check was a
+    measurable share of a group's cost. A loss mask or turn boundaries are user input and must
+    fit the new length, so a sample that carries either is checked in full."""
+    new = copy.copy(sample)  # a copy runs no `__post_init__`; nobody else holds it yet
+    _force(new, "tokens", tokens)
+    _force(new, "logprobs", logprobs)
+    _force(new, "versions", versions)
+    _force(new, "status", status)
+    _force(new, "finish_reason", finish_reason)
+    _force(new, "routed_experts", routed_experts)
+    if new.loss_mask is not None or new.turn_ends is not None:
+        new._check()
+    return new
+
+
+def scored_state(sample: RolloutState, reward: float) -> RolloutState:
+    """`sample` with its reward: no array changes, so nothing of `__post_init__` to re-check."""
+    new = copy.copy(sample)
+    _force(new, "reward", reward)
+    return new
 
 
 def _check_turns(mask: UInt8Array | None, ends: Int32Array | None, n: int) -> None:

@@ -281,14 +281,48 @@ def test_deeply_nested_metadata_in_a_message_is_a_codec_error(depth: int) -> Non
 def test_misaligned_array_offset_is_a_codec_error() -> None:
     def shift_first_array(header: bytes) -> bytes:
         wire = msgspec.msgpack.decode(header)  # extension values stay raw `Ext` objects
-        ext = wire[0]  # the packed tokens: dtype code, ndim, offset, length
+        at = next(i for i, v in enumerate(wire) if isinstance(v, msgspec.msgpack.Ext))
+        ext = wire[at]  # the prompt's tokens: dtype code, ndim, offset, length
         code, ndim, offset, count = struct.unpack("<BBQq", ext.data)
-        wire[0] = msgspec.msgpack.Ext(ext.code, struct.pack("<BBQq", code, ndim, offset + 1, count))
+        shifted = struct.pack("<BBQq", code, ndim, offset - 1, count)  # it is the last array
+        wire[at] = msgspec.msgpack.Ext(ext.code, shifted)
         return msgspec.msgpack.encode(wire)
 
     hostile = reframe(encode(make_group(samples=2, tokens=40)), shift_first_array)
     with pytest.raises(CodecError, match="aligned"):
         decode(hostile)
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([99, [2]], "dtype code 99"),
+        ([-1, [2]], "dtype code -1"),
+        ([2, [-2]], "rows"),
+        ([2, [1 << 40]], "overrun"),
+    ],
+)
+def test_hostile_packed_rows_header_is_a_codec_error(rows: list[Any], message: str) -> None:
+    group = make_group(samples=2, tokens=4, payload=2)
+
+    def rewrite(header: bytes) -> bytes:
+        wire = msgspec.msgpack.decode(header)
+        assert wire[0] is not None  # the packed rows' dtype code and row shape
+        wire[0] = rows
+        return msgspec.msgpack.encode(wire)
+
+    with pytest.raises(CodecError, match=message):
+        decode(reframe(encode(group), rewrite))
+
+
+def test_sample_lengths_that_overrun_the_packed_arrays_are_a_codec_error() -> None:
+    def longer(header: bytes) -> bytes:
+        wire = msgspec.msgpack.decode(header)
+        wire[5][0][0] += 1 << 20  # rows, uid, prompt_id, task, prompt, then the samples
+        return msgspec.msgpack.encode(wire)
+
+    with pytest.raises(CodecError, match="overrun"):
+        decode(reframe(encode(make_group(samples=2, tokens=8)), longer))
 
 
 # -- encode_value / decode_value -----------------------------------------------------------------

@@ -1,7 +1,15 @@
 import numpy as np
 import pytest
 
-from asyncroll.types import RolloutGroup, RolloutState, Status, group_status, sample_status
+from asyncroll.types import (
+    RolloutGroup,
+    RolloutState,
+    Status,
+    extended_state,
+    group_status,
+    sample_status,
+    scored_state,
+)
 from tests.factories import make_group, make_sample
 
 S = Status
@@ -122,3 +130,16 @@ def test_rewards_array_has_nan_for_unscored() -> None:
         samples=(make_sample(reward=None), make_sample(reward=0.5)),
     )
     assert np.isnan(unscored.rewards()[0]) and unscored.rewards()[1] == 0.5
+
+
+def test_extended_state_skips_only_checked_arrays_and_still_checks_turns() -> None:
+    base = RolloutState(extra={"k": 1})
+    tokens, logprobs = np.arange(3, dtype=np.int32), np.zeros(3, np.float32)
+    new = extended_state(base, tokens, logprobs, tokens, S.COMPLETED, "stop", None)
+    assert new.status is S.COMPLETED and new.extra == {"k": 1} and new.num_tokens == 3
+    assert base.num_tokens == 0 and base.status is S.PENDING  # the original is untouched
+    assert scored_state(new, 0.5).reward == 0.5 and new.reward is None
+    # A loss mask is user input: it must still fit the new length.
+    masked = RolloutState(loss_mask=np.zeros(0, np.uint8), turn_ends=np.zeros(0, np.int32))
+    with pytest.raises(ValueError, match="loss_mask"):
+        extended_state(masked, tokens, logprobs, tokens, S.COMPLETED, "stop", None)
