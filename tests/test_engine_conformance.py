@@ -8,8 +8,8 @@ request is certainly still running when an abort or a cancellation lands), `VLLM
 A new engine joins by adding a `Subject` to `make_subject`.
 
 Progress is observed, never slept for: engines under test expose `generated_tokens`,
-`samples_started` (per request), `wait_progress` and `running_requests`. Every wait has a deadline, so a broken engine fails
-its test instead of hanging it.
+`samples_started` (per request), `wait_progress` and `running_requests`. Every wait has a
+deadline, so a broken engine fails its test instead of hanging it.
 """
 
 from __future__ import annotations
