@@ -31,8 +31,8 @@ class Tasks:
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._error is None:
-            self._error = task.exception()
+        if self._error is None and not task.cancelled():
+            self._error = task.exception()  # the first one only: None while all succeed
 
     def cancel(self) -> None:
         for task in self._tasks:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest, SamplingConfig
+from asyncroll.filters import nonzero_std
 from asyncroll.rollout import RolloutError, check_rewards, merge_outputs
 from asyncroll.types import RolloutGroup, RolloutState, Status
+from tests.factories import make_group
 
 
 def sample_with_versions(versions: list[int]) -> RolloutState:
@@ -232,3 +235,25 @@ def test_merged_samples_hold_none_of_the_engine_arrays() -> None:
     tokens[:] = 7
     assert merged.tokens.tolist() == [5, 5, 5]
     assert not np.shares_memory(merged.tokens, tokens)
+
+
+@pytest.mark.parametrize(
+    ("rewards", "keep"),
+    [
+        ([0.0, 1.0, 0.5], True),
+        ([1.0, 1.0, 1.0], False),
+        ([1.0, None, 0.0], False),  # a sample without a reward: no advantage to compute
+        ([1.0, math.nan, 0.0], False),  # NaN anywhere: numpy's max/min would say False too
+        ([math.nan, 1.0, 0.0], False),
+        ([1.0, 0.0, math.nan], False),
+        ([-math.inf, 0.0, 0.0], True),  # hand-built: infinities still differ
+    ],
+)
+def test_nonzero_std_keeps_groups_whose_rewards_differ(
+    rewards: list[float | None], keep: bool
+) -> None:
+    group = make_group(samples=len(rewards))
+    samples = tuple(
+        msgspec.structs.replace(s, reward=r) for s, r in zip(group.samples, rewards, strict=True)
+    )
+    assert nonzero_std(msgspec.structs.replace(group, samples=samples)) is keep

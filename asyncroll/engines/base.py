@@ -18,6 +18,9 @@ import numpy.typing as npt
 
 from asyncroll.types import Float32Array, Int32Array
 
+_min = np.minimum.reduce  # the ufuncs themselves: ndarray.min/max add a Python-level call
+_max = np.maximum.reduce
+
 Weights = Iterable[tuple[str, Any]]
 """Named tensors (`model.named_parameters()`, a state dict's `.items()`)."""
 
@@ -90,8 +93,11 @@ def check_token_ids(tokens: npt.ArrayLike, vocab_size: int, what: str) -> None:
     generating: an out-of-vocabulary id would fail late, or (vLLM without a tokenizer) kill
     its worker."""
     arr = np.asarray(tokens)
-    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-        bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+    if not arr.size:
+        return
+    low, high = int(_min(arr, axis=None)), int(_max(arr, axis=None))  # one pass each
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
         raise ValueError(f"{what} has token id {bad} outside the vocabulary [0, {vocab_size})")
 
 
