@@ -67,11 +67,12 @@ def token_budget(group: RolloutGroup, sampling: SamplingConfig, max_model_len: i
     return min(sampling.max_new_tokens, max_model_len - len(group.prompt_tokens))
 
 
-_PENDING = RolloutState()  # immutable, so every fresh group can share it
-
-
 def fresh_samples(group_size: int) -> tuple[RolloutState, ...]:
-    return (_PENDING,) * group_size
+    """`group_size` new PENDING samples, each an object of its own. Not one shared placeholder:
+    a frozen struct's `extra` dict is still writable (a reward function may annotate it), and
+    every state built from a sample shares its dict, so one placeholder would carry what was
+    written on one sample to every sample of the run."""
+    return tuple([RolloutState() for _ in range(group_size)])
 
 
 def unfinished(group: RolloutGroup) -> list[int]:

@@ -795,3 +795,23 @@ def msgspec_replace(obj: Any, **changes: Any) -> Any:
     import msgspec
 
     return msgspec.structs.replace(obj, **changes)
+
+
+async def test_a_reward_that_writes_into_sample_extra_touches_only_its_own_samples() -> None:
+    """Samples are frozen but their `extra` dict is not: a reward function may annotate it.
+    Every sample must own its dict, so what one group's reward writes never shows up on the
+    samples of another group."""
+    seen: list[dict[str, Any]] = []
+
+    def annotating_reward(group: RolloutGroup) -> list[float]:
+        for s in group.samples:
+            seen.append(dict(s.extra))
+            s.extra["scored_in"] = group.uid
+        return [float(i % 2) for i in range(group.num_samples)]
+
+    producer = make_producer(60, reward=annotating_reward, max_inflight_groups=8)
+    async with producer:
+        consumed = await consume_all(producer, 8)
+    assert len(consumed) == 60 and len(seen) == 4 * 60  # the hostile path ran on every group
+    assert seen == [{}] * len(seen)  # no sample arrived carrying another group's annotation
+    assert all(s.extra == {"scored_in": g.uid} for g in consumed for s in g.samples)

@@ -12,7 +12,13 @@ import torch
 
 from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest, SamplingConfig
 from asyncroll.filters import nonzero_std
-from asyncroll.rollout import RolloutError, check_rewards, merge_outputs
+from asyncroll.rollout import (
+    RolloutError,
+    check_rewards,
+    fresh_samples,
+    interrupted,
+    merge_outputs,
+)
 from asyncroll.types import RolloutGroup, RolloutState, Status
 from tests.factories import make_group
 
@@ -257,3 +263,35 @@ def test_nonzero_std_keeps_groups_whose_rewards_differ(
         msgspec.structs.replace(s, reward=r) for s, r in zip(group.samples, rewards, strict=True)
     )
     assert nonzero_std(msgspec.structs.replace(group, samples=samples)) is keep
+
+
+def test_every_sample_built_from_a_fresh_group_owns_its_extra_dict() -> None:
+    """A frozen sample's `extra` dict is still writable (a reward function may annotate it), and
+    a state built from a sample shares its dict: a write into one sample's `extra` must not
+    reach another sample, of this group or of any later one."""
+
+    def fresh_group() -> RolloutGroup:
+        return RolloutGroup(
+            uid=0, prompt_id="p", task="t", prompt_tokens=np.arange(3, dtype=np.int32),
+            samples=fresh_samples(2),
+        )  # fmt: skip
+
+    group = fresh_group()
+    request = GenerateRequest(
+        request_id="r",
+        prompt_tokens=group.prompt_tokens,
+        samples=(SampleRequest(np.zeros(0, np.int32), 4),) * 2,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )
+    out = SampleOutput(
+        tokens=np.arange(2, dtype=np.int32),
+        logprobs=np.zeros(2, np.float32),
+        versions=np.zeros(2, np.int32),
+        finish_reason="stop",
+    )
+    merged = merge_outputs(group, request, [out, out], vocab_size=10, version=0)
+    built = [*merged, *interrupted(fresh_group().samples), *fresh_samples(2)]
+    for s in built:
+        s.extra["mine"] = id(s)
+    assert [s.extra for s in built] == [{"mine": id(s)} for s in built]
+    assert fresh_group().samples[0].extra == {}
