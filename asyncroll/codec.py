@@ -12,16 +12,18 @@ which numpy tolerates but kernels and `torch.from_numpy` pay for). Encoding copi
 exactly once, into the final `bytes` object (`encode`) or into memory the caller recycles
 (`encode_into`). Torch tensors are accepted and moved to the CPU.
 
-The work is per group, not per sample (format 4). The samples' token ids, logprobs and
-versions are written back to back as three arrays per group at the start of the data region,
-and their routed experts as one more when every sample's rows line up (same dtype and row
-shape, one row per token; a sample then carries True in their place, otherwise its own
-array). Where those packed arrays lie follows from the samples' lengths (and the rows' dtype
-and row shape, in the header), so they need no extension value at all: no Python hook runs
-for them on either side, `decode` makes each with one `np.frombuffer` and slices it back into
-per-sample views. Each extension value costs a Python callback on decode (about 2 µs: format
-3 paid four per group), and for groups of 8 samples such fixed costs, not the copy, dominate.
-Both sides reuse one encoder and one typed decoder per thread.
+The work is per group, not per sample (format 5). The prompt's tokens and the samples' token
+ids, logprobs and versions are written back to back as four arrays per group at the start of
+the data region, and the samples' routed experts as one more when every sample's rows line up
+(same dtype and row shape, one row per token). Where those packed arrays lie follows from the
+lengths in the header (and the rows' dtype and row shape), so they need no extension value at
+all: no Python hook runs for them on either side, `decode` makes each with one `np.frombuffer`
+and slices it back into per-sample views. The samples' other fields travel as columns, one
+msgpack array per field rather than one per sample: `encode` gets them with one `zip`, msgspec
+decodes and checks them as one object, and `decode` builds every sample with one `map` over
+them, so no Python bytecode runs per sample on either side. Each extension value costs a Python
+callback on decode (about 2 µs), and for groups of 8 samples such fixed costs, not the copy,
+dominate. Both sides reuse one encoder and one typed decoder per thread.
 
 Corrupt or truncated input raises `CodecError` after checking the frame, every extension's
 bounds and alignment and the typed schema; array *contents* are not checksummed (checkpoints add
@@ -38,12 +40,14 @@ writable copies: that data is small and long-lived, so it must not pin the buffe
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import struct
 import sys
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -62,7 +66,7 @@ __all__ = [
 ]
 
 MAGIC = b"ARGR"
-FORMAT_VERSION = 4  # 4: packed arrays at offsets that follow from the header, no extensions
+FORMAT_VERSION = 5  # 5: the prompt packed too, the samples as columns
 ALIGN = 64
 _PREFIX = struct.Struct("<4sHHIQ")
 _EXT_ARRAY = 1  # in a group: the array's bytes lie in the data region
@@ -106,14 +110,13 @@ class CodecError(ValueError):
 
 _PACKED = ("tokens", "logprobs", "versions")  # RolloutState's first three fields
 _PACKED_DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.int32))
+_INT32 = _PACKED_DTYPES[0]
 _ROWS = "routed_experts"  # one row per token: packed as well when every sample's rows line up
 
 
-def _field_specs(cls: Any, skip: tuple[str, ...] = ()) -> list[tuple[Any, ...]]:
+def _field_specs(cls: Any) -> list[tuple[Any, ...]]:
     specs: list[tuple[Any, ...]] = []
     for f in msgspec.structs.fields(cls):
-        if f.name in skip:
-            continue
         if f.default is not msgspec.NODEFAULT:
             specs.append((f.name, f.type, f.default))
         elif f.default_factory is not msgspec.NODEFAULT:
@@ -124,36 +127,57 @@ def _field_specs(cls: Any, skip: tuple[str, ...] = ()) -> list[tuple[Any, ...]]:
 
 
 _STATE_FIELDS = [f.name for f in msgspec.structs.fields(RolloutState)]
-if _STATE_FIELDS[:3] != list(_PACKED) or _ROWS not in _STATE_FIELDS:
+_GROUP_FIELDS = [f.name for f in msgspec.structs.fields(RolloutGroup)]
+if (
+    _STATE_FIELDS[:3] != list(_PACKED)
+    or _ROWS not in _STATE_FIELDS
+    or not {"prompt_tokens", "samples"} <= set(_GROUP_FIELDS)
+):
     raise ImportError(
-        "asyncroll.codec expects tokens, logprobs, versions first in RolloutState, and "
-        f"{_ROWS} in it"
+        "asyncroll.codec expects tokens, logprobs, versions first in RolloutState, "
+        f"{_ROWS} in it, and prompt_tokens and samples in RolloutGroup"
     )
-_SAMPLE_REST = len(_PACKED)  # RolloutState fields after the packed ones go on the wire as is,
-_ROWS_AT = _STATE_FIELDS.index(_ROWS) - _SAMPLE_REST  # ...except the rows: True when packed
-_WireSample: Any = msgspec.defstruct(
-    "_WireSample",
-    [("length", int)]
+_SAMPLE_REST = len(_PACKED)  # RolloutState fields from here on go on the wire as columns
+_ROWS_AT = _STATE_FIELDS.index(_ROWS)
+_ROWS_COLUMN = _ROWS_AT - _SAMPLE_REST + 1  # the rows' place among `_WireSamples`' columns
+_EXTRA_AT = _STATE_FIELDS.index("extra")
+_Length = Annotated[int, msgspec.Meta(ge=0)]
+
+
+def _column(tp: Any) -> Any:
+    """The wire type of one column of samples: a tuple of `tp`, one per sample."""
+    return tuple[tp, ...]
+
+
+# The samples as columns, one tuple per field: msgspec builds and checks one object per group
+# instead of one per sample. The rows' column is True when every sample's rows are packed,
+# None when no sample has any, otherwise one entry per sample (True, None or its own array).
+_WireSamples: Any = msgspec.defstruct(
+    "_WireSamples",
+    [("length", _column(_Length))]
     + [
-        (_ROWS, Any, None) if spec[0] == _ROWS else spec
-        for spec in _field_specs(RolloutState, _PACKED)
+        (f.name, bool | tuple[Any, ...] | None if f.name == _ROWS else _column(f.type))
+        for f in msgspec.structs.fields(RolloutState)[_SAMPLE_REST:]
     ],
     array_like=True,
     frozen=True,
 )
-_GROUP_FIELDS = [f.name for f in msgspec.structs.fields(RolloutGroup)]
+_PROMPT_AT = _GROUP_FIELDS.index("prompt_tokens")
 _SAMPLES_AT = _GROUP_FIELDS.index("samples")
 _WireGroup: Any = msgspec.defstruct(
     "_WireGroup",
     [(_ROWS, tuple[int, tuple[int, ...]] | None)]  # packed rows: dtype code, row shape
     + [
-        (spec[0], tuple[_WireSample, ...]) if spec[0] == "samples" else spec
+        (spec[0], _WireSamples)
+        if spec[0] == "samples"
+        else (spec[0], _Length)  # the prompt's length: its tokens are packed too
+        if spec[0] == "prompt_tokens"
+        else spec
         for spec in _field_specs(RolloutGroup)
     ],
     array_like=True,
     frozen=True,
 )
-_WIRE_GROUP_HEAD = 1  # the packed rows' layout, then the group's own fields
 
 
 def _to_numpy(obj: Any) -> npt.NDArray[Any]:
@@ -223,10 +247,10 @@ class _Data:
 
     def __init__(self) -> None:
         self.parts: list[Any] = []
-        self.segments: list[tuple[int, list[Any], np.dtype[Any], tuple[int, ...]]] = []
+        self.segments: list[tuple[int, Sequence[Any], np.dtype[Any], tuple[int, ...]]] = []
         self.offset = 0
 
-    def place(self, arrays: list[Any], dtype: np.dtype[Any], shape: tuple[int, ...]) -> int:
+    def place(self, arrays: Sequence[Any], dtype: np.dtype[Any], shape: tuple[int, ...]) -> int:
         """Lay `arrays` (of one dtype) out back to back as one array of `shape` at the next
         aligned offset, and return that offset. (`bytes.join` reads contiguous numpy arrays
         through the buffer protocol.)"""
@@ -310,32 +334,29 @@ def encode_into(
 def _layout(group: RolloutGroup) -> tuple[list[Any], _Data]:
     """The message's head (frame prefix, msgpack header, padding) and its data region.
 
-    The per-group cost is fixed, not per sample: no Python callback runs for the samples'
-    token ids, logprobs, versions and routed experts (their extension values are built here,
-    and the samples go on the wire as plain lists); only arrays elsewhere (metadata, `extra`,
-    routed experts that do not line up) go through the encoder's hook.
+    The per-group cost is fixed, not per sample, and mostly in C: the samples are turned into
+    columns with one `zip`, the packed arrays are laid out whole, and no Python callback runs
+    for them; only arrays elsewhere (metadata, `extra`, routed experts that do not line up)
+    go through the encoder's hook.
     """
     data = _Data()
-    samples = group.samples
     if group.metadata:
         _check_depth(group.metadata, f"group {group.uid}'s metadata")
-    for s in samples:
-        if s.extra:
-            _check_depth(s.extra, f"group {group.uid}'s sample extra")
-    states = [msgspec.structs.astuple(s) for s in samples]
-    lengths = [len(state[0]) for state in states]
+    columns = list(zip(*map(msgspec.structs.astuple, group.samples), strict=True))
+    if any(columns[_EXTRA_AT]):
+        for extra in columns[_EXTRA_AT]:
+            _check_depth(extra, f"group {group.uid}'s sample extra")
+    tokens = columns[0]
+    lengths = list(map(len, tokens))
     total = sum(lengths)
-    for i, dtype in enumerate(_PACKED_DTYPES):  # where `_Reader.packed` will find them
-        data.place([state[i] for state in states], dtype, (total,))
-    rows = _pack_rows(data, [state[_SAMPLE_REST + _ROWS_AT] for state in states], lengths)
-    wire_samples = []
-    for state, n in zip(states, lengths, strict=True):
-        wire = [n, *state[_SAMPLE_REST:]]
-        if rows is not None and wire[1 + _ROWS_AT] is not None:
-            wire[1 + _ROWS_AT] = True  # its rows are the next n of the packed array
-        wire_samples.append(wire)
+    prompt = group.prompt_tokens
+    data.place([prompt], _INT32, (len(prompt),))  # where `_Reader.packed` will find them
+    for i, dtype in enumerate(_PACKED_DTYPES):
+        data.place(columns[i], dtype, (total,))
+    rows, columns[_ROWS_AT] = _pack_rows(data, columns[_ROWS_AT], lengths)
     fields = list(msgspec.structs.astuple(group))
-    fields[_SAMPLES_AT] = wire_samples
+    fields[_PROMPT_AT] = len(prompt)
+    fields[_SAMPLES_AT] = [lengths, *columns[_SAMPLE_REST:]]
     writer = _WRITER
     writer.data = data
     try:
@@ -353,25 +374,39 @@ def _contiguous(part: Any) -> Any:
     return np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part
 
 
-def _pack_rows(data: _Data, rows: list[Any], lengths: list[int]) -> Any:
-    """Every sample's routed experts laid out as one array, and its dtype code and row shape
-    for the header; or None when no sample has any or they do not line up (then each sample
-    carries its own, through the hook): packed rows must be numpy arrays of one dtype and row
-    shape, one row per token."""
-    present = [r for r in rows if r is not None]
-    if not present:
-        return None
-    first = present[0]
+def _pack_rows(
+    data: _Data, rows: tuple[Any, ...], lengths: list[int]
+) -> tuple[tuple[int, tuple[int, ...]] | None, Any]:
+    """Lay every sample's routed experts out as one array where they line up: numpy arrays of
+    one dtype and row shape, one row per token. Returns that array's dtype code and row shape
+    for the header (or None), and the rows' column for the header (see `_WireSamples`)."""
+    kinds = list(map(type, rows))
+    if kinds.count(type(None)) == len(kinds):
+        return None, None
+    first = next(r for r in rows if r is not None)
     if type(first) is not np.ndarray or first.ndim == 0 or first.dtype not in _DTYPE_CODE:
-        return None
+        return None, rows  # each sample's own array, through the hook
     dtype, row = first.dtype, first.shape[1:]
+    if kinds.count(np.ndarray) == len(kinds):  # the common case: every sample has rows
+        dtypes = list(map(_dtype_of, rows))
+        if dtypes.count(dtype) == len(dtypes) and list(map(_shape_of, rows)) == list(
+            zip(lengths, *map(itertools.repeat, row), strict=False)
+        ):
+            data.place(rows, dtype, (sum(lengths), *row))
+            return (_DTYPE_CODE[dtype], row), True
+        return None, rows
     for r, n in zip(rows, lengths, strict=True):
         if r is not None and (
             type(r) is not np.ndarray or r.dtype != dtype or r.shape[1:] != row or len(r) != n
         ):
-            return None
+            return None, rows
+    present = [r for r in rows if r is not None]
     data.place(present, dtype, (sum(len(r) for r in present), *row))
-    return _DTYPE_CODE[dtype], row
+    return (_DTYPE_CODE[dtype], row), [None if r is None else True for r in rows]
+
+
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
 
 
 def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
@@ -399,7 +434,7 @@ def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
     reader.start, reader.size = data_start, data_len
     try:
         wire = reader.decoder.decode(memoryview(data)[_PREFIX.size : header_end])
-        return _unpack(msgspec.structs.astuple(wire), reader)
+        return _unpack(wire, reader)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CodecError(f"corrupt group header: {exc}") from None
     except RecursionError:
@@ -443,23 +478,26 @@ class _Reader(threading.local):
         return arr if ndim == 1 else arr.reshape(shape)
 
     def packed(
-        self, total: int, row_count: int, rows: tuple[int, tuple[int, ...]] | None
-    ) -> tuple[Any, Any, Any, Any]:
-        """The packed token ids, logprobs, versions (`total` entries each) and routed experts
-        (None, or `row_count` rows of `rows`: dtype code and row shape), where `_layout`
-        placed them: back to back from the start of the data region, each on the next
-        aligned offset. Straight-line code: this runs once per decoded group."""
+        self, prompt: int, total: int, row_count: int, rows: tuple[int, tuple[int, ...]] | None
+    ) -> tuple[Any, Any, Any, Any, Any]:
+        """The packed prompt (`prompt` tokens), token ids, logprobs, versions (`total` entries
+        each) and routed experts (None, or `row_count` rows of `rows`: dtype code and row
+        shape), where `_layout` placed them: back to back from the start of the data region,
+        each on the next aligned offset. Straight-line code: this runs once per decoded group."""
         size = total * 4  # every packed dtype (int32, float32, int32) has 4-byte items
         step = size + (-size % ALIGN)
-        end = 2 * step + size
+        first = prompt * 4 + (-prompt * 4 % ALIGN)
+        end = first + 2 * step + size
         if end > self.size:
-            raise CodecError(f"packed arrays of {total} entries overrun the data region")
+            raise CodecError(f"packed arrays of {prompt} + {total} entries overrun the data region")
         buf, start = self.buf, self.start
+        prompt_tokens = np.frombuffer(buf, _INT32, prompt, start)
+        start += first
         tokens = np.frombuffer(buf, _PACKED_DTYPES[0], total, start)
         logprobs = np.frombuffer(buf, _PACKED_DTYPES[1], total, start + step)
         versions = np.frombuffer(buf, _PACKED_DTYPES[2], total, start + 2 * step)
         if rows is None:
-            return tokens, logprobs, versions, None
+            return prompt_tokens, tokens, logprobs, versions, None
         code, row = rows
         if not 0 <= code < len(_DTYPES) or len(row) >= _MAX_NDIM or min(row, default=0) < 0:
             raise CodecError(f"bad packed rows header (dtype code {code}, rows {row})")
@@ -467,41 +505,77 @@ class _Reader(threading.local):
         count = row_count * math.prod(row)
         if offset + count * dtype.itemsize > self.size:
             raise CodecError(f"packed arrays of {total} entries overrun the data region")
-        experts = np.frombuffer(buf, dtype, count, start + offset).reshape((row_count, *row))
-        return tokens, logprobs, versions, experts
+        experts = np.frombuffer(buf, dtype, count, self.start + offset).reshape((row_count, *row))
+        return prompt_tokens, tokens, logprobs, versions, experts
 
 
 _READER = _Reader()
 
 
-def _unpack(wire: tuple[Any, ...], reader: _Reader) -> RolloutGroup:
-    """Rebuild the group: slice the packed arrays back into each sample's views."""
-    fields = list(wire[_WIRE_GROUP_HEAD:])
-    states = [msgspec.structs.astuple(ws) for ws in fields[_SAMPLES_AT]]
-    lengths = [state[0] for state in states]
-    if min(lengths, default=0) < 0:
-        raise CodecError(f"negative sample lengths {lengths}")
-    # The packed rows are those of the samples that carry True in their place, in order, so
-    # the samples use exactly all of them.
-    packed_rows = sum([state[0] for state in states if state[1 + _ROWS_AT] is True])
-    tokens, logprobs, versions, rows = reader.packed(sum(lengths), packed_rows, wire[0])
-    samples = []
-    end = row_end = 0
-    for state, n in zip(states, lengths, strict=True):
-        start, end = end, end + n
-        rest: Any = state[1:]
-        mine = rest[_ROWS_AT]
-        if mine is True and rows is not None:
-            rest = list(rest)
-            rest[_ROWS_AT] = rows[row_end : row_end + n]
-            row_end += n
-        elif mine is not None and type(mine) is not np.ndarray:
-            raise CodecError(f"bad routed experts of a sample: {type(mine).__name__}")
-        samples.append(
-            RolloutState(tokens[start:end], logprobs[start:end], versions[start:end], *rest)
+def _unpack(wire: Any, reader: _Reader) -> RolloutGroup:
+    """Rebuild the group: slice the packed arrays back into each sample's views. The samples
+    are built by `map` over the columns, so no Python bytecode runs per sample (only
+    `RolloutState.__post_init__`, whose fast path decoded arrays take: their dtypes are
+    numpy's own instances)."""
+    layout, *fields = msgspec.structs.astuple(wire)
+    columns = list(msgspec.structs.astuple(fields[_SAMPLES_AT]))
+    lengths = columns[0]
+    count = len(lengths)
+    mine = columns[_ROWS_COLUMN]
+    sized = columns if type(mine) is tuple else columns[:_ROWS_COLUMN]
+    if list(map(len, sized)) != [count] * len(sized):
+        raise CodecError(f"corrupt group header: sample columns of lengths {list(map(len, sized))}")
+    bounds = list(itertools.accumulate(lengths, initial=0))
+    slices = list(map(slice, bounds, bounds[1:]))
+    if mine is True:
+        packed_rows = bounds[-1]
+    elif type(mine) is tuple:
+        # The packed rows are those of the samples that carry True in their place, in order,
+        # so the samples use exactly all of them.
+        packed_rows = sum([n for n, r in zip(lengths, mine, strict=True) if r is True])
+    else:
+        packed_rows = 0
+    prompt, tokens, logprobs, versions, rows = reader.packed(
+        fields[_PROMPT_AT], bounds[-1], packed_rows, layout
+    )
+    if mine is True:
+        if rows is None:
+            raise CodecError("corrupt group header: packed rows without their layout")
+        mine = map(rows.__getitem__, slices)
+    elif mine is None:
+        mine = itertools.repeat(None)
+    elif mine is False:
+        raise CodecError("corrupt group header: routed experts False")
+    else:
+        mine = _own_rows(mine, lengths, rows)
+    columns[_ROWS_COLUMN] = mine
+    fields[_PROMPT_AT] = prompt
+    fields[_SAMPLES_AT] = tuple(
+        map(
+            RolloutState,
+            map(tokens.__getitem__, slices),
+            map(logprobs.__getitem__, slices),
+            map(versions.__getitem__, slices),
+            *columns[1:],
         )
-    fields[_SAMPLES_AT] = tuple(samples)
+    )
     return RolloutGroup(*fields)
+
+
+def _own_rows(column: tuple[Any, ...], lengths: tuple[int, ...], rows: Any) -> list[Any]:
+    """The samples' routed experts where not every sample's are packed: the next rows of the
+    packed array for True, a sample's own array, or None."""
+    out: list[Any] = []
+    end = 0
+    for r, n in zip(column, lengths, strict=True):
+        if r is True and rows is not None:
+            out.append(rows[end : end + n])
+            end += n
+        elif r is None or type(r) is np.ndarray:
+            out.append(r)
+        else:
+            raise CodecError(f"bad routed experts of a sample: {type(r).__name__}")
+    return out
 
 
 # -- single values -------------------------------------------------------------------------------
