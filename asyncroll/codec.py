@@ -86,6 +86,7 @@ _SUPPORTED = (
     "and torch tensors"
 )
 _ZEROS = memoryview(bytes(ALIGN))
+_HEAD = (b"", b"", b"")  # where a message's parts leave room for its head
 
 _DTYPES: tuple[np.dtype[Any], ...] = tuple(
     np.dtype(t) if np.dtype(t).byteorder in "=|" and sys.byteorder == "little"
@@ -240,15 +241,32 @@ def _encode_failed(exc: TypeError | OverflowError | RecursionError, what: str) -
 
 
 class _Data:
-    """The data region being laid out: its parts (arrays, padding), its length so far, and its
-    segments (offset, arrays, dtype, shape: one per extension value) for `encode_into`."""
+    """The message being laid out: its parts (the head, which `_layout` fills in last: frame
+    prefix, msgpack header, padding; then the data region's arrays and padding), the data
+    region's length so far, and its segments (offset, arrays, dtype, shape: one per packed
+    field or extension value) for `encode_into`. The data region starts with the packed
+    prompt, token ids, logprobs and versions, where `_packed` will find them."""
 
     __slots__ = ("offset", "parts", "segments")
 
-    def __init__(self) -> None:
-        self.parts: list[Any] = []
-        self.segments: list[tuple[int, Sequence[Any], np.dtype[Any], tuple[int, ...]]] = []
-        self.offset = 0
+    def __init__(self, prompt: npt.NDArray[np.int32], columns: list[Any], total: int) -> None:
+        # Straight-line code (this runs once per encoded group): every packed dtype has
+        # 4-byte items, so the offsets follow from the two lengths alone.
+        tokens, logprobs, versions = columns[:3]
+        size, first = total * 4, len(prompt) * 4
+        pad, lead = _ZEROS[: -size % ALIGN], _ZEROS[: -first % ALIGN]
+        start = first + len(lead)
+        step = size + len(pad)
+        self.parts: list[Any] = [
+            *_HEAD, prompt, lead, *tokens, pad, *logprobs, pad, *versions
+        ]  # fmt: skip
+        self.segments: list[tuple[int, Sequence[Any], np.dtype[Any], tuple[int, ...]]] = [
+            (0, (prompt,), _INT32, (len(prompt),)),
+            (start, tokens, _PACKED_DTYPES[0], (total,)),
+            (start + step, logprobs, _PACKED_DTYPES[1], (total,)),
+            (start + 2 * step, versions, _PACKED_DTYPES[2], (total,)),
+        ]
+        self.offset = start + 2 * step + size
 
     def place(self, arrays: Sequence[Any], dtype: np.dtype[Any], shape: tuple[int, ...]) -> int:
         """Lay `arrays` (of one dtype) out back to back as one array of `shape` at the next
@@ -290,15 +308,14 @@ _WRITER = _Writer()
 
 def encode(group: RolloutGroup) -> bytes:
     """Encode a group to one immutable `bytes` message (one copy of each array's data)."""
-    head, data = _layout(group)
-    return _joined(head, data)
+    return _joined(_layout(group).parts)
 
 
-def _joined(head: list[Any], data: _Data) -> bytes:
+def _joined(parts: list[Any]) -> bytes:
     try:
-        return b"".join([*head, *data.parts])
+        return b"".join(parts)
     except TypeError:  # a strided view (a sample built by hand): copy it to contiguous first
-        return b"".join([*head, *(_contiguous(p) for p in data.parts)])
+        return b"".join([_contiguous(p) for p in parts])
 
 
 def encode_into(
@@ -310,50 +327,47 @@ def encode_into(
     `bytes` as from `encode`. A buffer that recycles its storage this way writes into pages
     that are already mapped instead of faulting in fresh ones for every group.
     """
-    head, data = _layout(group)
-    prefix = b"".join(head)
+    data = _layout(group)
+    prefix = b"".join(data.parts[: len(_HEAD)])
     size = len(prefix) + data.offset
     out = storage(size)
     if out is None:
-        return _joined(head, data)
-    out[: len(prefix)] = np.frombuffer(prefix, np.uint8)
+        return _joined(data.parts)
+    view = out.data  # bytes go in through the memoryview: cheaper than numpy's assignment
+    view[: len(prefix)] = prefix
     end = len(prefix)
     for start, arrays, dtype, shape in data.segments:
         start += len(prefix)
-        if start > end:
-            out[end:start] = 0  # padding: the same bytes as `encode`, whatever was there before
+        if start > end:  # padding: the same bytes as `encode`, whatever was there before
+            view[end:start] = _ZEROS[: start - end]
         target = np.ndarray(shape, dtype, buffer=out, offset=start)
         end = start + target.nbytes
         if len(arrays) == 1:
             target[...] = arrays[0]
         elif end > start:
             np.concatenate(arrays, out=target)
-    return out.data[:size].toreadonly()
+    return view[:size].toreadonly()
 
 
-def _layout(group: RolloutGroup) -> tuple[list[Any], _Data]:
-    """The message's head (frame prefix, msgpack header, padding) and its data region.
+def _layout(group: RolloutGroup) -> _Data:
+    """The message: its head (frame prefix, msgpack header, padding) and its data region.
 
     The per-group cost is fixed, not per sample, and mostly in C: the samples are turned into
     columns with one `zip`, the packed arrays are laid out whole, and no Python callback runs
     for them; only arrays elsewhere (metadata, `extra`, routed experts that do not line up)
     go through the encoder's hook.
     """
-    data = _Data()
     if group.metadata:
         _check_depth(group.metadata, f"group {group.uid}'s metadata")
     columns = list(zip(*map(msgspec.structs.astuple, group.samples), strict=True))
     if any(columns[_EXTRA_AT]):
         for extra in columns[_EXTRA_AT]:
             _check_depth(extra, f"group {group.uid}'s sample extra")
-    tokens = columns[0]
-    lengths = list(map(len, tokens))
+    lengths = list(map(len, columns[0]))
     total = sum(lengths)
     prompt = group.prompt_tokens
-    data.place([prompt], _INT32, (len(prompt),))  # where `_Reader.packed` will find them
-    for i, dtype in enumerate(_PACKED_DTYPES):
-        data.place(columns[i], dtype, (total,))
-    rows, columns[_ROWS_AT] = _pack_rows(data, columns[_ROWS_AT], lengths)
+    data = _Data(prompt, columns, total)
+    rows, columns[_ROWS_AT] = _pack_rows(data, columns[_ROWS_AT], lengths, total)
     fields = list(msgspec.structs.astuple(group))
     fields[_PROMPT_AT] = len(prompt)
     fields[_SAMPLES_AT] = [lengths, *columns[_SAMPLE_REST:]]
@@ -366,8 +380,12 @@ def _layout(group: RolloutGroup) -> tuple[list[Any], _Data]:
     finally:
         writer.data = None
     start = _PREFIX.size + len(header)
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), data.offset)
-    return [prefix, header, _ZEROS[: -start % ALIGN]], data
+    data.parts[: len(_HEAD)] = (
+        _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), data.offset),
+        header,
+        _ZEROS[: -start % ALIGN],
+    )
+    return data
 
 
 def _contiguous(part: Any) -> Any:
@@ -375,26 +393,33 @@ def _contiguous(part: Any) -> Any:
 
 
 def _pack_rows(
-    data: _Data, rows: tuple[Any, ...], lengths: list[int]
+    data: _Data, rows: tuple[Any, ...], lengths: list[int], total: int
 ) -> tuple[tuple[int, tuple[int, ...]] | None, Any]:
     """Lay every sample's routed experts out as one array where they line up: numpy arrays of
     one dtype and row shape, one row per token. Returns that array's dtype code and row shape
-    for the header (or None), and the rows' column for the header (see `_WireSamples`)."""
+    for the header (or None), and the rows' column for the header (see `_WireSamples`).
+    The common cases (every sample has rows, or none has) are a few calls into C each."""
     kinds = list(map(type, rows))
-    if kinds.count(type(None)) == len(kinds):
+    count = len(kinds)
+    if kinds.count(np.ndarray) == count:
+        first = rows[0]
+        dtype, row = first.dtype, first.shape[1:]
+        if (
+            first.ndim
+            and dtype in _DTYPE_CODE
+            and list(map(_dtype_of, rows)).count(dtype) == count
+            and list(map(_shape_of, rows))
+            == list(zip(lengths, *map(itertools.repeat, row), strict=False))
+        ):
+            data.place(rows, dtype, (total, *row))
+            return (_DTYPE_CODE[dtype], row), True
+        return None, rows  # each sample's own array, through the hook
+    if kinds.count(type(None)) == count:
         return None, None
     first = next(r for r in rows if r is not None)
     if type(first) is not np.ndarray or first.ndim == 0 or first.dtype not in _DTYPE_CODE:
-        return None, rows  # each sample's own array, through the hook
-    dtype, row = first.dtype, first.shape[1:]
-    if kinds.count(np.ndarray) == len(kinds):  # the common case: every sample has rows
-        dtypes = list(map(_dtype_of, rows))
-        if dtypes.count(dtype) == len(dtypes) and list(map(_shape_of, rows)) == list(
-            zip(lengths, *map(itertools.repeat, row), strict=False)
-        ):
-            data.place(rows, dtype, (sum(lengths), *row))
-            return (_DTYPE_CODE[dtype], row), True
         return None, rows
+    dtype, row = first.dtype, first.shape[1:]
     for r, n in zip(rows, lengths, strict=True):
         if r is not None and (
             type(r) is not np.ndarray or r.dtype != dtype or r.shape[1:] != row or len(r) != n
@@ -430,11 +455,11 @@ def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
         )
     reader = _READER
     # Views of a mutable buffer would be writable: read through a read-only view instead.
-    reader.buf = data if isinstance(data, bytes) else memoryview(data).toreadonly()
-    reader.start, reader.size = data_start, data_len
+    buf = data if isinstance(data, bytes) else memoryview(data).toreadonly()
+    reader.buf, reader.start, reader.size = buf, data_start, data_len
     try:
-        wire = reader.decoder.decode(memoryview(data)[_PREFIX.size : header_end])
-        return _unpack(wire, reader)
+        wire = reader.decoder.decode(data[_PREFIX.size : header_end])
+        return _unpack(wire, buf, data_start, data_len)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CodecError(f"corrupt group header: {exc}") from None
     except RecursionError:
@@ -477,42 +502,48 @@ class _Reader(threading.local):
         arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.start + offset)
         return arr if ndim == 1 else arr.reshape(shape)
 
-    def packed(
-        self, prompt: int, total: int, row_count: int, rows: tuple[int, tuple[int, ...]] | None
-    ) -> tuple[Any, Any, Any, Any, Any]:
-        """The packed prompt (`prompt` tokens), token ids, logprobs, versions (`total` entries
-        each) and routed experts (None, or `row_count` rows of `rows`: dtype code and row
-        shape), where `_layout` placed them: back to back from the start of the data region,
-        each on the next aligned offset. Straight-line code: this runs once per decoded group."""
-        size = total * 4  # every packed dtype (int32, float32, int32) has 4-byte items
-        step = size + (-size % ALIGN)
-        first = prompt * 4 + (-prompt * 4 % ALIGN)
-        end = first + 2 * step + size
-        if end > self.size:
-            raise CodecError(f"packed arrays of {prompt} + {total} entries overrun the data region")
-        buf, start = self.buf, self.start
-        prompt_tokens = np.frombuffer(buf, _INT32, prompt, start)
-        start += first
-        tokens = np.frombuffer(buf, _PACKED_DTYPES[0], total, start)
-        logprobs = np.frombuffer(buf, _PACKED_DTYPES[1], total, start + step)
-        versions = np.frombuffer(buf, _PACKED_DTYPES[2], total, start + 2 * step)
-        if rows is None:
-            return prompt_tokens, tokens, logprobs, versions, None
-        code, row = rows
-        if not 0 <= code < len(_DTYPES) or len(row) >= _MAX_NDIM or min(row, default=0) < 0:
-            raise CodecError(f"bad packed rows header (dtype code {code}, rows {row})")
-        dtype, offset = _DTYPES[code], end + (-end % ALIGN)
-        count = row_count * math.prod(row)
-        if offset + count * dtype.itemsize > self.size:
-            raise CodecError(f"packed arrays of {total} entries overrun the data region")
-        experts = np.frombuffer(buf, dtype, count, self.start + offset).reshape((row_count, *row))
-        return prompt_tokens, tokens, logprobs, versions, experts
-
 
 _READER = _Reader()
 
 
-def _unpack(wire: Any, reader: _Reader) -> RolloutGroup:
+def _packed(
+    buf: Any,
+    start: int,
+    size: int,
+    prompt: int,
+    total: int,
+    row_count: int,
+    rows: tuple[int, tuple[int, ...]] | None,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """The packed prompt (`prompt` tokens), token ids, logprobs, versions (`total` entries
+    each) and routed experts (None, or `row_count` rows of `rows`: dtype code and row shape)
+    in the data region (`size` bytes from `start` in `buf`), where `_Data` placed them: back
+    to back, each on the next aligned offset. Straight-line code: this runs once per decoded
+    group."""
+    nbytes = total * 4  # every packed dtype (int32, float32, int32) has 4-byte items
+    step = nbytes + (-nbytes % ALIGN)
+    first = prompt * 4 + (-prompt * 4 % ALIGN)
+    end = first + 2 * step + nbytes
+    if end > size:
+        raise CodecError(f"packed arrays of {prompt} + {total} entries overrun the data region")
+    prompt_tokens = np.frombuffer(buf, _INT32, prompt, start)
+    at = start + first
+    tokens = np.frombuffer(buf, _PACKED_DTYPES[0], total, at)
+    logprobs = np.frombuffer(buf, _PACKED_DTYPES[1], total, at + step)
+    versions = np.frombuffer(buf, _PACKED_DTYPES[2], total, at + 2 * step)
+    if rows is None:
+        return prompt_tokens, tokens, logprobs, versions, None
+    code, row = rows
+    if not 0 <= code < len(_DTYPES) or len(row) >= _MAX_NDIM or min(row, default=0) < 0:
+        raise CodecError(f"bad packed rows header (dtype code {code}, rows {row})")
+    dtype, offset = _DTYPES[code], end + (-end % ALIGN)
+    if offset + row_count * math.prod(row) * dtype.itemsize > size:
+        raise CodecError(f"packed arrays of {total} entries overrun the data region")
+    experts = np.ndarray((row_count, *row), dtype, buf, start + offset)
+    return prompt_tokens, tokens, logprobs, versions, experts
+
+
+def _unpack(wire: Any, buf: Any, start: int, size: int) -> RolloutGroup:
     """Rebuild the group: slice the packed arrays back into each sample's views. The samples
     are built by `map` over the columns, so no Python bytecode runs per sample (only
     `RolloutState.__post_init__`, whose fast path decoded arrays take: their dtypes are
@@ -535,8 +566,8 @@ def _unpack(wire: Any, reader: _Reader) -> RolloutGroup:
         packed_rows = sum([n for n, r in zip(lengths, mine, strict=True) if r is True])
     else:
         packed_rows = 0
-    prompt, tokens, logprobs, versions, rows = reader.packed(
-        fields[_PROMPT_AT], bounds[-1], packed_rows, layout
+    prompt, tokens, logprobs, versions, rows = _packed(
+        buf, start, size, fields[_PROMPT_AT], bounds[-1], packed_rows, layout
     )
     if mine is True:
         if rows is None:
