@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 import struct
 import sys
 import threading
@@ -397,23 +396,19 @@ def _pack_rows(
 ) -> tuple[tuple[int, tuple[int, ...]] | None, Any]:
     """Lay every sample's routed experts out as one array where they line up: numpy arrays of
     one dtype and row shape, one row per token. Returns that array's dtype code and row shape
-    for the header (or None), and the rows' column for the header (see `_WireSamples`).
-    The common cases (every sample has rows, or none has) are a few calls into C each."""
+    for the header (or None), and the rows' column for the header (see `_WireSamples`)."""
     kinds = list(map(type, rows))
     count = len(kinds)
-    if kinds.count(np.ndarray) == count:
+    if kinds.count(np.ndarray) == count:  # the common case: every sample has rows
         first = rows[0]
         dtype, row = first.dtype, first.shape[1:]
-        if (
-            first.ndim
-            and dtype in _DTYPE_CODE
-            and list(map(_dtype_of, rows)).count(dtype) == count
-            and list(map(_shape_of, rows))
-            == list(zip(lengths, *map(itertools.repeat, row), strict=False))
-        ):
-            data.place(rows, dtype, (total, *row))
-            return (_DTYPE_CODE[dtype], row), True
-        return None, rows  # each sample's own array, through the hook
+        if not first.ndim or dtype not in _DTYPE_CODE:
+            return None, rows  # each sample's own array, through the hook
+        for r, n in zip(rows, lengths, strict=True):
+            if r.dtype != dtype or r.shape != (n, *row):
+                return None, rows
+        data.place(rows, dtype, (total, *row))
+        return (_DTYPE_CODE[dtype], row), True
     if kinds.count(type(None)) == count:
         return None, None
     first = next(r for r in rows if r is not None)
@@ -428,10 +423,6 @@ def _pack_rows(
     present = [r for r in rows if r is not None]
     data.place(present, dtype, (sum(len(r) for r in present), *row))
     return (_DTYPE_CODE[dtype], row), [None if r is None else True for r in rows]
-
-
-_dtype_of = operator.attrgetter("dtype")
-_shape_of = operator.attrgetter("shape")
 
 
 def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
@@ -456,7 +447,7 @@ def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
     reader = _READER
     # Views of a mutable buffer would be writable: read through a read-only view instead.
     buf = data if isinstance(data, bytes) else memoryview(data).toreadonly()
-    reader.buf, reader.start, reader.size = buf, data_start, data_len
+    reader.region = (buf, data_start, data_len)
     try:
         wire = reader.decoder.decode(data[_PREFIX.size : header_end])
         return _unpack(wire, buf, data_start, data_len)
@@ -469,7 +460,7 @@ def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
             raise
         raise CodecError(f"corrupt group: {exc}") from None
     finally:
-        reader.buf = None  # the reader must not keep the message alive
+        reader.region = None  # the reader must not keep the message alive
 
 
 class _Reader(threading.local):
@@ -478,9 +469,9 @@ class _Reader(threading.local):
     `decode` runs (a decode never starts another in the same thread)."""
 
     def __init__(self) -> None:
-        self.buf: Any = None
-        self.start = 0  # where the data region starts in `buf`
-        self.size = 0  # its length
+        # The message, where its data region starts in it and the region's length; one
+        # attribute, set and cleared once per decode (a thread-local's attributes are slow).
+        self.region: tuple[Any, int, int] | None = None
         self.decoder = msgspec.msgpack.Decoder(_WireGroup, ext_hook=self.array)
 
     def array(self, code: int, payload: memoryview) -> npt.NDArray[Any]:
@@ -495,11 +486,13 @@ class _Reader(threading.local):
             raise CodecError(f"bad array header (dtype code {dtype_code})")
         dtype = _DTYPES[dtype_code]
         count = math.prod(shape)
-        if min(shape, default=0) < 0 or offset + count * dtype.itemsize > self.size:
+        assert self.region is not None
+        buf, start, size = self.region
+        if min(shape, default=0) < 0 or offset + count * dtype.itemsize > size:
             raise CodecError(f"array of shape {shape} at {offset} lies outside the data region")
         if offset % ALIGN:
             raise CodecError(f"array at offset {offset} is not aligned to {ALIGN} bytes")
-        arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.start + offset)
+        arr = np.frombuffer(buf, dtype=dtype, count=count, offset=start + offset)
         return arr if ndim == 1 else arr.reshape(shape)
 
 
@@ -572,7 +565,7 @@ def _unpack(wire: Any, buf: Any, start: int, size: int) -> RolloutGroup:
     if mine is True:
         if rows is None:
             raise CodecError("corrupt group header: packed rows without their layout")
-        mine = map(rows.__getitem__, slices)
+        mine = [rows[at] for at in slices]
     elif mine is None:
         mine = itertools.repeat(None)
     elif mine is False:
@@ -584,9 +577,9 @@ def _unpack(wire: Any, buf: Any, start: int, size: int) -> RolloutGroup:
     fields[_SAMPLES_AT] = tuple(
         map(
             RolloutState,
-            map(tokens.__getitem__, slices),
-            map(logprobs.__getitem__, slices),
-            map(versions.__getitem__, slices),
+            [tokens[at] for at in slices],  # (cheaper than a map of `__getitem__`)
+            [logprobs[at] for at in slices],
+            [versions[at] for at in slices],
             *columns[1:],
         )
     )
