@@ -162,11 +162,16 @@ _WireSamples: Any = msgspec.defstruct(
     array_like=True,
     frozen=True,
 )
+# The packed rows' dtype code and row shape, checked by msgspec as it decodes them.
+_RowsLayout = tuple[
+    Annotated[int, msgspec.Meta(ge=0, lt=len(_DTYPES))],
+    Annotated[tuple[_Length, ...], msgspec.Meta(max_length=_MAX_NDIM - 1)],
+]
 _PROMPT_AT = _GROUP_FIELDS.index("prompt_tokens")
 _SAMPLES_AT = _GROUP_FIELDS.index("samples")
 _WireGroup: Any = msgspec.defstruct(
     "_WireGroup",
-    [(_ROWS, tuple[int, tuple[int, ...]] | None)]  # packed rows: dtype code, row shape
+    [(_ROWS, _RowsLayout | None)]
     + [
         (spec[0], _WireSamples)
         if spec[0] == "samples"
@@ -527,8 +532,6 @@ def _packed(
     if rows is None:
         return prompt_tokens, tokens, logprobs, versions, None
     code, row = rows
-    if not 0 <= code < len(_DTYPES) or len(row) >= _MAX_NDIM or min(row, default=0) < 0:
-        raise CodecError(f"bad packed rows header (dtype code {code}, rows {row})")
     dtype, offset = _DTYPES[code], end + (-end % ALIGN)
     if offset + row_count * math.prod(row) * dtype.itemsize > size:
         raise CodecError(f"packed arrays of {total} entries overrun the data region")

@@ -297,9 +297,10 @@ def test_misaligned_array_offset_is_a_codec_error() -> None:
 @pytest.mark.parametrize(
     ("rows", "message"),
     [
-        ([99, [2]], "dtype code 99"),
-        ([-1, [2]], "dtype code -1"),
-        ([2, [-2]], "rows"),
+        ([99, [2]], r"header: Expected `int` <= 11 - at `\$\[0\]\[0\]`"),  # dtype code
+        ([-1, [2]], r"header: Expected `int` >= 0 - at `\$\[0\]\[0\]`"),
+        ([2, [-2]], r"header: Expected `int` >= 0 - at `\$\[0\]\[1\]\[0\]`"),  # row shape
+        ([2, [1] * 40], r"header: Expected `array` of length <= 31"),
         ([2, [1 << 40]], "overrun"),
     ],
 )
