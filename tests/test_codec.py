@@ -584,6 +584,16 @@ def test_encode_into_dirty_storage_writes_the_same_bytes_as_encode() -> None:
     assert_groups_equal(group, decode(view))
 
 
+@pytest.mark.parametrize("tokens", [5, 20_000])  # packed arrays under / over _JOIN_LIMIT
+def test_encode_into_writes_the_same_bytes_as_encode_for_short_and_long_samples(
+    tokens: int,
+) -> None:
+    group = make_group(samples=2, tokens=tokens, payload=3, metadata={"arr": np.arange(3)})
+    expected = encode(group)
+    storage = np.full(len(expected), 0xCD, np.uint8)
+    assert bytes(encode_into(group, lambda size: storage)) == expected
+
+
 @settings(max_examples=100, deadline=None)
 @given(groups())
 def test_property_encode_into_matches_encode(group: RolloutGroup) -> None:
