@@ -1,8 +1,7 @@
 """Encode a `RolloutGroup` to bytes and back, with zero-copy decoding.
 
-The message is msgspec msgpack in which every array is an extension value (code 1) holding
-only its dtype, shape and offset; the raw array bytes follow the msgpack header in one data
-region, each array starting on a 64-byte boundary::
+The message is a msgspec msgpack header followed by one data region that holds the raw bytes of
+every array, each starting on a 64-byte boundary::
 
     "ARGR" | format u16 | reserved u16 | header_len u32 | data_len u64 | header | pad | data
 
@@ -13,21 +12,25 @@ exactly once, into the final `bytes` object (`encode`) or into memory the caller
 (`encode_into`). Torch tensors are accepted and moved to the CPU.
 
 The work is per group, not per sample (format 5). The prompt's tokens and the samples' token
-ids, logprobs and versions are written back to back as four arrays per group at the start of
-the data region, and the samples' routed experts as one more when every sample's rows line up
-(same dtype and row shape, one row per token). Where those packed arrays lie follows from the
-lengths in the header (and the rows' dtype and row shape), so they need no extension value at
-all: no Python hook runs for them on either side, `decode` makes each with one `np.frombuffer`
-and slices it back into per-sample views. The samples' other fields travel as columns, one
-msgpack array per field rather than one per sample: `encode` gets them with one `zip`, msgspec
-decodes and checks them as one object, and `decode` builds every sample with one `map` over
-them, so no Python bytecode runs per sample on either side. Each extension value costs a Python
-callback on decode (about 2 µs), and for groups of 8 samples such fixed costs, not the copy,
-dominate. Both sides reuse one encoder and one typed decoder per thread.
+ids, logprobs and versions are written back to back as four packed arrays at the start of the
+data region, and the samples' routed experts as one more when every sample's rows line up
+(same dtype and row shape, one row per token). Where the packed arrays lie follows from the
+lengths in the header (and the rows' dtype and row shape), so they need no extension value:
+`decode` makes each with one numpy call and slices it into per-sample views. Any other array
+(in metadata or `extra`, a loss mask, turn boundaries, rows that do not line up) is an
+extension value (code 1) holding its dtype, shape and offset, and costs a Python callback on
+each side (about 2 µs on decode). The samples' other fields travel as columns, one msgpack
+array per field rather than one struct per sample: `encode` gets them with one `zip`, msgspec
+decodes and checks them as one object, and `decode` builds every sample with one `map` of
+`RolloutState` over them. For groups of 8 samples such fixed costs, not the copy, dominate up
+to about 1 MiB; what is left per sample is numpy making views (four per sample) and
+`RolloutState.__post_init__` on decode, and the check that the rows line up on encode. Both
+sides reuse one encoder and one typed decoder per thread.
 
-Corrupt or truncated input raises `CodecError` after checking the frame, every extension's
-bounds and alignment and the typed schema; array *contents* are not checksummed (checkpoints add
-a checksum of their own, in-memory buffer entries are read-only).
+Corrupt or truncated input raises `CodecError` after checking the frame, the packed arrays'
+extent, every extension's bounds and alignment and the typed schema (which also bounds the
+lengths and the rows' dtype code and shape); array *contents* are not checksummed (checkpoints
+add a checksum of their own, in-memory buffer entries are read-only).
 
 Metadata and `extra` take what msgpack does plus numpy arrays, torch tensors and numpy scalars
 (which pandas and HF datasets hand out; they are stored as the Python scalar). Anything else,
@@ -367,10 +370,10 @@ def encode_into(
 def _layout(group: RolloutGroup) -> _Data:
     """The message: its head (frame prefix, msgpack header, padding) and its data region.
 
-    The per-group cost is fixed, not per sample, and mostly in C: the samples are turned into
-    columns with one `zip`, the packed arrays are laid out whole, and no Python callback runs
-    for them; only arrays elsewhere (metadata, `extra`, routed experts that do not line up)
-    go through the encoder's hook.
+    The per-group cost is mostly fixed and in C: the samples are turned into columns with one
+    `zip`, the packed arrays are laid out whole, and no Python callback runs for them; only
+    arrays elsewhere (metadata, `extra`, a loss mask, turn boundaries, routed experts that do
+    not line up) go through the encoder's hook.
     """
     if group.metadata:
         _check_depth(group.metadata, f"group {group.uid}'s metadata")
@@ -551,9 +554,9 @@ def _packed(
 
 
 def _unpack(wire: Any, buf: Any, start: int, size: int) -> RolloutGroup:
-    """Rebuild the group: slice the packed arrays back into each sample's views. The samples
-    are built by `map` over the columns, so no Python bytecode runs per sample (only
-    `RolloutState.__post_init__`, whose fast path decoded arrays take: their dtypes are
+    """Rebuild the group: slice the packed arrays back into each sample's views, and build the
+    samples with one `map` of `RolloutState` over the columns. Per sample that leaves the views
+    and `RolloutState.__post_init__`, whose fast path decoded arrays take (their dtypes are
     numpy's own instances)."""
     layout, *fields = msgspec.structs.astuple(wire)
     columns = list(msgspec.structs.astuple(fields[_SAMPLES_AT]))
@@ -563,10 +566,11 @@ def _unpack(wire: Any, buf: Any, start: int, size: int) -> RolloutGroup:
     sized = columns if type(mine) is tuple else columns[:_ROWS_COLUMN]
     if list(map(len, sized)) != [count] * len(sized):
         raise CodecError(f"corrupt group header: sample columns of lengths {list(map(len, sized))}")
-    bounds = list(itertools.accumulate(lengths, initial=0))
-    slices = list(map(slice, bounds, bounds[1:]))
+    ends = list(itertools.accumulate(lengths))
+    total = ends[-1] if ends else 0  # (no samples: `RolloutGroup` refuses it below)
+    slices = list(map(slice, [0, *ends], ends))
     if mine is True:
-        packed_rows = bounds[-1]
+        packed_rows = total
     elif type(mine) is tuple:
         # The packed rows are those of the samples that carry True in their place, in order,
         # so the samples use exactly all of them.
@@ -574,7 +578,7 @@ def _unpack(wire: Any, buf: Any, start: int, size: int) -> RolloutGroup:
     else:
         packed_rows = 0
     prompt, tokens, logprobs, versions, rows = _packed(
-        buf, start, size, fields[_PROMPT_AT], bounds[-1], packed_rows, layout
+        buf, start, size, fields[_PROMPT_AT], total, packed_rows, layout
     )
     if mine is True:
         if rows is None:
