@@ -416,31 +416,24 @@ def _pack_rows(
     """Lay every sample's routed experts out as one array where they line up: numpy arrays of
     one dtype and row shape, one row per token. Returns that array's dtype code and row shape
     for the header (or None), and the rows' column for the header (see `_WireSamples`)."""
-    kinds = list(map(type, rows))
-    count = len(kinds)
-    if kinds.count(np.ndarray) == count:  # the common case: every sample has rows
-        first = rows[0]
-        dtype, row = first.dtype, first.shape[1:]
-        if not first.ndim or dtype not in _DTYPE_CODE:
-            return None, rows  # each sample's own array, through the hook
-        for r, n in zip(rows, lengths, strict=True):
-            if r.dtype != dtype or r.shape != (n, *row):
-                return None, rows
+    first = rows[0]
+    if first is None:
+        first = next((r for r in rows if r is not None), None)
+        if first is None:
+            return None, None  # no sample has any
+    if type(first) is not np.ndarray or not first.ndim or first.dtype not in _DTYPE_CODE:
+        return None, rows  # each sample's own array, through the hook
+    dtype, row = first.dtype, first.shape[1:]
+    count, gaps = total, False  # the rows to pack; whether a sample has none
+    for r, n in zip(rows, lengths, strict=True):
+        if r is None:
+            count, gaps = count - n, True
+        elif type(r) is not np.ndarray or r.dtype != dtype or r.shape != (n, *row):
+            return None, rows
+    if not gaps:  # the common case
         data.place(rows, dtype, (total, *row))
         return (_DTYPE_CODE[dtype], row), True
-    if kinds.count(type(None)) == count:
-        return None, None
-    first = next(r for r in rows if r is not None)
-    if type(first) is not np.ndarray or first.ndim == 0 or first.dtype not in _DTYPE_CODE:
-        return None, rows
-    dtype, row = first.dtype, first.shape[1:]
-    for r, n in zip(rows, lengths, strict=True):
-        if r is not None and (
-            type(r) is not np.ndarray or r.dtype != dtype or r.shape[1:] != row or len(r) != n
-        ):
-            return None, rows
-    present = [r for r in rows if r is not None]
-    data.place(present, dtype, (sum(len(r) for r in present), *row))
+    data.place([r for r in rows if r is not None], dtype, (count, *row))
     return (_DTYPE_CODE[dtype], row), [None if r is None else True for r in rows]
 
 

@@ -84,6 +84,17 @@ def test_decode_is_zero_copy_read_only_and_aligned() -> None:
         out.samples[0].tokens[0] = 1
 
 
+def test_decoded_arrays_have_numpy_own_dtypes() -> None:
+    """`RolloutState.__post_init__` takes its fast path (identity checks) for decoded samples
+    only if their dtypes are numpy's own instances, not equal copies."""
+    out = decode(encode(make_group(samples=2, tokens=5)))
+    for s in out.samples:
+        assert s.tokens.dtype is np.dtype(np.int32)
+        assert s.logprobs.dtype is np.dtype(np.float32)
+        assert s.versions.dtype is np.dtype(np.int32)
+    assert out.prompt_tokens.dtype is np.dtype(np.int32)
+
+
 def test_decoding_a_mutable_buffer_still_gives_read_only_views(group: RolloutGroup) -> None:
     data = bytearray(encode(group))
     out = decode(data)
