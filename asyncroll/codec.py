@@ -1,8 +1,7 @@
 """Encode a `RolloutGroup` to bytes and back, with zero-copy decoding.
 
-The message is msgspec msgpack in which every array is an extension value (code 1) holding
-only its dtype, shape and offset; the raw array bytes follow the msgpack header in one data
-region, each array starting on a 64-byte boundary::
+The message is a msgspec msgpack header followed by one data region that holds the raw bytes of
+every array, each starting on a 64-byte boundary::
 
     "ARGR" | format u16 | reserved u16 | header_len u32 | data_len u64 | header | pad | data
 
@@ -12,20 +11,26 @@ which numpy tolerates but kernels and `torch.from_numpy` pay for). Encoding copi
 exactly once, into the final `bytes` object (`encode`) or into memory the caller recycles
 (`encode_into`). Torch tensors are accepted and moved to the CPU.
 
-The work is per group, not per sample (format 4). The samples' token ids, logprobs and
-versions are written back to back as three arrays per group at the start of the data region,
-and their routed experts as one more when every sample's rows line up (same dtype and row
-shape, one row per token; a sample then carries True in their place, otherwise its own
-array). Where those packed arrays lie follows from the samples' lengths (and the rows' dtype
-and row shape, in the header), so they need no extension value at all: no Python hook runs
-for them on either side, `decode` makes each with one `np.frombuffer` and slices it back into
-per-sample views. Each extension value costs a Python callback on decode (about 2 µs: format
-3 paid four per group), and for groups of 8 samples such fixed costs, not the copy, dominate.
-Both sides reuse one encoder and one typed decoder per thread.
+The work is per group, not per sample (format 5). The prompt's tokens and the samples' token
+ids, logprobs and versions are written back to back as four packed arrays at the start of the
+data region, and the samples' routed experts as one more when every sample's rows line up
+(same dtype and row shape, one row per token). Where the packed arrays lie follows from the
+lengths in the header (and the rows' dtype and row shape), so they need no extension value:
+`decode` makes each with one numpy call and slices it into per-sample views. Any other array
+(in metadata or `extra`, a loss mask, turn boundaries, rows that do not line up) is an
+extension value (code 1) holding its dtype, shape and offset, and costs a Python callback on
+each side (about 2 µs on decode). The samples' other fields travel as columns, one msgpack
+array per field rather than one struct per sample: `encode` gets them with one `zip`, msgspec
+decodes and checks them as one object, and `decode` builds every sample with one `map` of
+`RolloutState` over them. For groups of 8 samples such fixed costs, not the copy, dominate up
+to about 1 MiB; what is left per sample is numpy making views (four per sample) and
+`RolloutState.__post_init__` on decode, and the check that the rows line up on encode. Both
+sides reuse one encoder and one typed decoder per thread.
 
-Corrupt or truncated input raises `CodecError` after checking the frame, every extension's
-bounds and alignment and the typed schema; array *contents* are not checksummed (checkpoints add
-a checksum of their own, in-memory buffer entries are read-only).
+Corrupt or truncated input raises `CodecError` after checking the frame, the packed arrays'
+extent, every extension's bounds and alignment and the typed schema (which also bounds the
+lengths and the rows' dtype code and shape); array *contents* are not checksummed (checkpoints
+add a checksum of their own, in-memory buffer entries are read-only).
 
 Metadata and `extra` take what msgpack does plus numpy arrays, torch tensors and numpy scalars
 (which pandas and HF datasets hand out; they are stored as the Python scalar). Anything else,
@@ -38,12 +43,13 @@ writable copies: that data is small and long-lived, so it must not pin the buffe
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 import sys
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -62,7 +68,7 @@ __all__ = [
 ]
 
 MAGIC = b"ARGR"
-FORMAT_VERSION = 4  # 4: packed arrays at offsets that follow from the header, no extensions
+FORMAT_VERSION = 5  # 5: the prompt packed too, the samples as columns
 ALIGN = 64
 _PREFIX = struct.Struct("<4sHHIQ")
 _EXT_ARRAY = 1  # in a group: the array's bytes lie in the data region
@@ -82,6 +88,8 @@ _SUPPORTED = (
     "and torch tensors"
 )
 _ZEROS = memoryview(bytes(ALIGN))
+_HEAD = (b"", b"", b"")  # where a message's parts leave room for its head
+_JOIN_LIMIT = 256 * 1024  # `encode_into` copies packed arrays up to this size twice (see there)
 
 _DTYPES: tuple[np.dtype[Any], ...] = tuple(
     np.dtype(t) if np.dtype(t).byteorder in "=|" and sys.byteorder == "little"
@@ -106,14 +114,13 @@ class CodecError(ValueError):
 
 _PACKED = ("tokens", "logprobs", "versions")  # RolloutState's first three fields
 _PACKED_DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.int32))
+_INT32 = _PACKED_DTYPES[0]
 _ROWS = "routed_experts"  # one row per token: packed as well when every sample's rows line up
 
 
-def _field_specs(cls: Any, skip: tuple[str, ...] = ()) -> list[tuple[Any, ...]]:
+def _field_specs(cls: Any) -> list[tuple[Any, ...]]:
     specs: list[tuple[Any, ...]] = []
     for f in msgspec.structs.fields(cls):
-        if f.name in skip:
-            continue
         if f.default is not msgspec.NODEFAULT:
             specs.append((f.name, f.type, f.default))
         elif f.default_factory is not msgspec.NODEFAULT:
@@ -124,36 +131,62 @@ def _field_specs(cls: Any, skip: tuple[str, ...] = ()) -> list[tuple[Any, ...]]:
 
 
 _STATE_FIELDS = [f.name for f in msgspec.structs.fields(RolloutState)]
-if _STATE_FIELDS[:3] != list(_PACKED) or _ROWS not in _STATE_FIELDS:
+_GROUP_FIELDS = [f.name for f in msgspec.structs.fields(RolloutGroup)]
+if (
+    _STATE_FIELDS[:3] != list(_PACKED)
+    or _ROWS not in _STATE_FIELDS
+    or not {"prompt_tokens", "samples"} <= set(_GROUP_FIELDS)
+):
     raise ImportError(
-        "asyncroll.codec expects tokens, logprobs, versions first in RolloutState, and "
-        f"{_ROWS} in it"
+        "asyncroll.codec expects tokens, logprobs, versions first in RolloutState, "
+        f"{_ROWS} in it, and prompt_tokens and samples in RolloutGroup"
     )
-_SAMPLE_REST = len(_PACKED)  # RolloutState fields after the packed ones go on the wire as is,
-_ROWS_AT = _STATE_FIELDS.index(_ROWS) - _SAMPLE_REST  # ...except the rows: True when packed
-_WireSample: Any = msgspec.defstruct(
-    "_WireSample",
-    [("length", int)]
+_SAMPLE_REST = len(_PACKED)  # RolloutState fields from here on go on the wire as columns
+_ROWS_AT = _STATE_FIELDS.index(_ROWS)
+_ROWS_COLUMN = _ROWS_AT - _SAMPLE_REST + 1  # the rows' place among `_WireSamples`' columns
+_EXTRA_AT = _STATE_FIELDS.index("extra")
+_Length = Annotated[int, msgspec.Meta(ge=0)]
+
+
+def _column(tp: Any) -> Any:
+    """The wire type of one column of samples: a tuple of `tp`, one per sample."""
+    return tuple[tp, ...]
+
+
+# The samples as columns, one tuple per field: msgspec builds and checks one object per group
+# instead of one per sample. The rows' column is True when every sample's rows are packed,
+# None when no sample has any, otherwise one entry per sample (True, None or its own array).
+_WireSamples: Any = msgspec.defstruct(
+    "_WireSamples",
+    [("length", _column(_Length))]
     + [
-        (_ROWS, Any, None) if spec[0] == _ROWS else spec
-        for spec in _field_specs(RolloutState, _PACKED)
+        (f.name, bool | tuple[Any, ...] | None if f.name == _ROWS else _column(f.type))
+        for f in msgspec.structs.fields(RolloutState)[_SAMPLE_REST:]
     ],
     array_like=True,
     frozen=True,
 )
-_GROUP_FIELDS = [f.name for f in msgspec.structs.fields(RolloutGroup)]
+# The packed rows' dtype code and row shape, checked by msgspec as it decodes them.
+_RowsLayout = tuple[
+    Annotated[int, msgspec.Meta(ge=0, lt=len(_DTYPES))],
+    Annotated[tuple[_Length, ...], msgspec.Meta(max_length=_MAX_NDIM - 1)],
+]
+_PROMPT_AT = _GROUP_FIELDS.index("prompt_tokens")
 _SAMPLES_AT = _GROUP_FIELDS.index("samples")
 _WireGroup: Any = msgspec.defstruct(
     "_WireGroup",
-    [(_ROWS, tuple[int, tuple[int, ...]] | None)]  # packed rows: dtype code, row shape
+    [(_ROWS, _RowsLayout | None)]
     + [
-        (spec[0], tuple[_WireSample, ...]) if spec[0] == "samples" else spec
+        (spec[0], _WireSamples)
+        if spec[0] == "samples"
+        else (spec[0], _Length)  # the prompt's length: its tokens are packed too
+        if spec[0] == "prompt_tokens"
+        else spec
         for spec in _field_specs(RolloutGroup)
     ],
     array_like=True,
     frozen=True,
 )
-_WIRE_GROUP_HEAD = 1  # the packed rows' layout, then the group's own fields
 
 
 def _to_numpy(obj: Any) -> npt.NDArray[Any]:
@@ -216,17 +249,35 @@ def _encode_failed(exc: TypeError | OverflowError | RecursionError, what: str) -
 
 
 class _Data:
-    """The data region being laid out: its parts (arrays, padding), its length so far, and its
-    segments (offset, arrays, dtype, shape: one per extension value) for `encode_into`."""
+    """The message being laid out: its parts (the head, which `_layout` fills in last: frame
+    prefix, msgpack header, padding; then the data region's arrays and padding), the data
+    region's length so far, and its segments (offset, arrays, dtype, shape: one per packed
+    field or extension value) for `encode_into`. The data region starts with the packed
+    prompt, token ids, logprobs and versions, where `_packed` will find them."""
 
-    __slots__ = ("offset", "parts", "segments")
+    __slots__ = ("offset", "packed_end", "packed_parts", "parts", "segments")
 
-    def __init__(self) -> None:
-        self.parts: list[Any] = []
-        self.segments: list[tuple[int, list[Any], np.dtype[Any], tuple[int, ...]]] = []
-        self.offset = 0
+    def __init__(self, prompt: npt.NDArray[np.int32], columns: list[Any], total: int) -> None:
+        # Straight-line code (this runs once per encoded group): every packed dtype has
+        # 4-byte items, so the offsets follow from the two lengths alone.
+        tokens, logprobs, versions = columns[:3]
+        size, first = total * 4, len(prompt) * 4
+        pad, lead = _ZEROS[: -size % ALIGN], _ZEROS[: -first % ALIGN]
+        start = first + len(lead)
+        step = size + len(pad)
+        self.parts: list[Any] = [
+            *_HEAD, prompt, lead, *tokens, pad, *logprobs, pad, *versions
+        ]  # fmt: skip
+        self.segments: list[tuple[int, Sequence[Any], np.dtype[Any], tuple[int, ...]]] = [
+            (0, (prompt,), _INT32, (len(prompt),)),
+            (start, tokens, _PACKED_DTYPES[0], (total,)),
+            (start + step, logprobs, _PACKED_DTYPES[1], (total,)),
+            (start + 2 * step, versions, _PACKED_DTYPES[2], (total,)),
+        ]
+        self.offset = self.packed_end = start + 2 * step + size
+        self.packed_parts = len(self.parts)  # the head's and the packed arrays' parts
 
-    def place(self, arrays: list[Any], dtype: np.dtype[Any], shape: tuple[int, ...]) -> int:
+    def place(self, arrays: Sequence[Any], dtype: np.dtype[Any], shape: tuple[int, ...]) -> int:
         """Lay `arrays` (of one dtype) out back to back as one array of `shape` at the next
         aligned offset, and return that offset. (`bytes.join` reads contiguous numpy arrays
         through the buffer protocol.)"""
@@ -266,15 +317,14 @@ _WRITER = _Writer()
 
 def encode(group: RolloutGroup) -> bytes:
     """Encode a group to one immutable `bytes` message (one copy of each array's data)."""
-    head, data = _layout(group)
-    return _joined(head, data)
+    return _joined(_layout(group).parts)
 
 
-def _joined(head: list[Any], data: _Data) -> bytes:
+def _joined(parts: list[Any]) -> bytes:
     try:
-        return b"".join([*head, *data.parts])
+        return b"".join(parts)
     except TypeError:  # a strided view (a sample built by hand): copy it to contiguous first
-        return b"".join([*head, *(_contiguous(p) for p in data.parts)])
+        return b"".join([_contiguous(p) for p in parts])
 
 
 def encode_into(
@@ -286,56 +336,59 @@ def encode_into(
     `bytes` as from `encode`. A buffer that recycles its storage this way writes into pages
     that are already mapped instead of faulting in fresh ones for every group.
     """
-    head, data = _layout(group)
-    prefix = b"".join(head)
-    size = len(prefix) + data.offset
+    data = _layout(group)
+    parts = data.parts
+    head = len(parts[0]) + len(parts[1]) + len(parts[2])
+    size = head + data.offset
     out = storage(size)
     if out is None:
-        return _joined(head, data)
-    out[: len(prefix)] = np.frombuffer(prefix, np.uint8)
-    end = len(prefix)
-    for start, arrays, dtype, shape in data.segments:
-        start += len(prefix)
-        if start > end:
-            out[end:start] = 0  # padding: the same bytes as `encode`, whatever was there before
+        return _joined(parts)
+    # The head and the packed prompt, token ids, logprobs and versions go in as one `bytes`
+    # when they are small: a second copy of up to `_JOIN_LIMIT` bytes (a few µs at most) costs
+    # less than `np.concatenate`'s fixed costs (about 0.5 µs per call and 0.2 µs per array:
+    # three calls of 8 arrays for a group of 8). Then each other segment, with numpy.
+    if data.packed_end <= _JOIN_LIMIT:
+        first, done = _joined(parts[: data.packed_parts]), len(_PACKED) + 1
+    else:
+        first, done = b"".join(parts[: len(_HEAD)]), 0
+    view = out.data  # bytes go in through the memoryview: cheaper than numpy's assignment
+    view[: len(first)] = first
+    end = len(first)
+    for start, arrays, dtype, shape in data.segments[done:]:
+        start += head
+        if start > end:  # padding: the same bytes as `encode`, whatever was there before
+            view[end:start] = _ZEROS[: start - end]
         target = np.ndarray(shape, dtype, buffer=out, offset=start)
         end = start + target.nbytes
         if len(arrays) == 1:
             target[...] = arrays[0]
         elif end > start:
             np.concatenate(arrays, out=target)
-    return out.data[:size].toreadonly()
+    return view[:size].toreadonly()
 
 
-def _layout(group: RolloutGroup) -> tuple[list[Any], _Data]:
-    """The message's head (frame prefix, msgpack header, padding) and its data region.
+def _layout(group: RolloutGroup) -> _Data:
+    """The message: its head (frame prefix, msgpack header, padding) and its data region.
 
-    The per-group cost is fixed, not per sample: no Python callback runs for the samples'
-    token ids, logprobs, versions and routed experts (their extension values are built here,
-    and the samples go on the wire as plain lists); only arrays elsewhere (metadata, `extra`,
-    routed experts that do not line up) go through the encoder's hook.
+    The per-group cost is mostly fixed and in C: the samples are turned into columns with one
+    `zip`, the packed arrays are laid out whole, and no Python callback runs for them; only
+    arrays elsewhere (metadata, `extra`, a loss mask, turn boundaries, routed experts that do
+    not line up) go through the encoder's hook.
     """
-    data = _Data()
-    samples = group.samples
     if group.metadata:
         _check_depth(group.metadata, f"group {group.uid}'s metadata")
-    for s in samples:
-        if s.extra:
-            _check_depth(s.extra, f"group {group.uid}'s sample extra")
-    states = [msgspec.structs.astuple(s) for s in samples]
-    lengths = [len(state[0]) for state in states]
+    columns = list(zip(*map(msgspec.structs.astuple, group.samples), strict=True))
+    if any(columns[_EXTRA_AT]):
+        for extra in columns[_EXTRA_AT]:
+            _check_depth(extra, f"group {group.uid}'s sample extra")
+    lengths = list(map(len, columns[0]))
     total = sum(lengths)
-    for i, dtype in enumerate(_PACKED_DTYPES):  # where `_Reader.packed` will find them
-        data.place([state[i] for state in states], dtype, (total,))
-    rows = _pack_rows(data, [state[_SAMPLE_REST + _ROWS_AT] for state in states], lengths)
-    wire_samples = []
-    for state, n in zip(states, lengths, strict=True):
-        wire = [n, *state[_SAMPLE_REST:]]
-        if rows is not None and wire[1 + _ROWS_AT] is not None:
-            wire[1 + _ROWS_AT] = True  # its rows are the next n of the packed array
-        wire_samples.append(wire)
+    prompt = group.prompt_tokens
+    data = _Data(prompt, columns, total)
+    rows, columns[_ROWS_AT] = _pack_rows(data, columns[_ROWS_AT], lengths, total)
     fields = list(msgspec.structs.astuple(group))
-    fields[_SAMPLES_AT] = wire_samples
+    fields[_PROMPT_AT] = len(prompt)
+    fields[_SAMPLES_AT] = [lengths, *columns[_SAMPLE_REST:]]
     writer = _WRITER
     writer.data = data
     try:
@@ -345,33 +398,43 @@ def _layout(group: RolloutGroup) -> tuple[list[Any], _Data]:
     finally:
         writer.data = None
     start = _PREFIX.size + len(header)
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), data.offset)
-    return [prefix, header, _ZEROS[: -start % ALIGN]], data
+    data.parts[: len(_HEAD)] = (
+        _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), data.offset),
+        header,
+        _ZEROS[: -start % ALIGN],
+    )
+    return data
 
 
 def _contiguous(part: Any) -> Any:
     return np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part
 
 
-def _pack_rows(data: _Data, rows: list[Any], lengths: list[int]) -> Any:
-    """Every sample's routed experts laid out as one array, and its dtype code and row shape
-    for the header; or None when no sample has any or they do not line up (then each sample
-    carries its own, through the hook): packed rows must be numpy arrays of one dtype and row
-    shape, one row per token."""
-    present = [r for r in rows if r is not None]
-    if not present:
-        return None
-    first = present[0]
-    if type(first) is not np.ndarray or first.ndim == 0 or first.dtype not in _DTYPE_CODE:
-        return None
+def _pack_rows(
+    data: _Data, rows: tuple[Any, ...], lengths: list[int], total: int
+) -> tuple[tuple[int, tuple[int, ...]] | None, Any]:
+    """Lay every sample's routed experts out as one array where they line up: numpy arrays of
+    one dtype and row shape, one row per token. Returns that array's dtype code and row shape
+    for the header (or None), and the rows' column for the header (see `_WireSamples`)."""
+    first = rows[0]
+    if first is None:
+        first = next((r for r in rows if r is not None), None)
+        if first is None:
+            return None, None  # no sample has any
+    if type(first) is not np.ndarray or not first.ndim or first.dtype not in _DTYPE_CODE:
+        return None, rows  # each sample's own array, through the hook
     dtype, row = first.dtype, first.shape[1:]
+    count, gaps = total, False  # the rows to pack; whether a sample has none
     for r, n in zip(rows, lengths, strict=True):
-        if r is not None and (
-            type(r) is not np.ndarray or r.dtype != dtype or r.shape[1:] != row or len(r) != n
-        ):
-            return None
-    data.place(present, dtype, (sum(len(r) for r in present), *row))
-    return _DTYPE_CODE[dtype], row
+        if r is None:
+            count, gaps = count - n, True
+        elif type(r) is not np.ndarray or r.dtype != dtype or r.shape != (n, *row):
+            return None, rows
+    if not gaps:  # the common case
+        data.place(rows, dtype, (total, *row))
+        return (_DTYPE_CODE[dtype], row), True
+    data.place([r for r in rows if r is not None], dtype, (count, *row))
+    return (_DTYPE_CODE[dtype], row), [None if r is None else True for r in rows]
 
 
 def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
@@ -395,11 +458,11 @@ def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
         )
     reader = _READER
     # Views of a mutable buffer would be writable: read through a read-only view instead.
-    reader.buf = data if isinstance(data, bytes) else memoryview(data).toreadonly()
-    reader.start, reader.size = data_start, data_len
+    buf = data if isinstance(data, bytes) else memoryview(data).toreadonly()
+    reader.region = (buf, data_start, data_len)
     try:
-        wire = reader.decoder.decode(memoryview(data)[_PREFIX.size : header_end])
-        return _unpack(msgspec.structs.astuple(wire), reader)
+        wire = reader.decoder.decode(data[_PREFIX.size : header_end])
+        return _unpack(wire, buf, data_start, data_len)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CodecError(f"corrupt group header: {exc}") from None
     except RecursionError:
@@ -409,7 +472,7 @@ def decode(data: bytes | bytearray | memoryview) -> RolloutGroup:
             raise
         raise CodecError(f"corrupt group: {exc}") from None
     finally:
-        reader.buf = None  # the reader must not keep the message alive
+        reader.region = None  # the reader must not keep the message alive
 
 
 class _Reader(threading.local):
@@ -418,9 +481,9 @@ class _Reader(threading.local):
     `decode` runs (a decode never starts another in the same thread)."""
 
     def __init__(self) -> None:
-        self.buf: Any = None
-        self.start = 0  # where the data region starts in `buf`
-        self.size = 0  # its length
+        # The message, where its data region starts in it and the region's length; one
+        # attribute, set and cleared once per decode (a thread-local's attributes are slow).
+        self.region: tuple[Any, int, int] | None = None
         self.decoder = msgspec.msgpack.Decoder(_WireGroup, ext_hook=self.array)
 
     def array(self, code: int, payload: memoryview) -> npt.NDArray[Any]:
@@ -435,73 +498,119 @@ class _Reader(threading.local):
             raise CodecError(f"bad array header (dtype code {dtype_code})")
         dtype = _DTYPES[dtype_code]
         count = math.prod(shape)
-        if min(shape, default=0) < 0 or offset + count * dtype.itemsize > self.size:
+        assert self.region is not None
+        buf, start, size = self.region
+        if min(shape, default=0) < 0 or offset + count * dtype.itemsize > size:
             raise CodecError(f"array of shape {shape} at {offset} lies outside the data region")
         if offset % ALIGN:
             raise CodecError(f"array at offset {offset} is not aligned to {ALIGN} bytes")
-        arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.start + offset)
+        arr = np.frombuffer(buf, dtype=dtype, count=count, offset=start + offset)
         return arr if ndim == 1 else arr.reshape(shape)
-
-    def packed(
-        self, total: int, row_count: int, rows: tuple[int, tuple[int, ...]] | None
-    ) -> tuple[Any, Any, Any, Any]:
-        """The packed token ids, logprobs, versions (`total` entries each) and routed experts
-        (None, or `row_count` rows of `rows`: dtype code and row shape), where `_layout`
-        placed them: back to back from the start of the data region, each on the next
-        aligned offset. Straight-line code: this runs once per decoded group."""
-        size = total * 4  # every packed dtype (int32, float32, int32) has 4-byte items
-        step = size + (-size % ALIGN)
-        end = 2 * step + size
-        if end > self.size:
-            raise CodecError(f"packed arrays of {total} entries overrun the data region")
-        buf, start = self.buf, self.start
-        tokens = np.frombuffer(buf, _PACKED_DTYPES[0], total, start)
-        logprobs = np.frombuffer(buf, _PACKED_DTYPES[1], total, start + step)
-        versions = np.frombuffer(buf, _PACKED_DTYPES[2], total, start + 2 * step)
-        if rows is None:
-            return tokens, logprobs, versions, None
-        code, row = rows
-        if not 0 <= code < len(_DTYPES) or len(row) >= _MAX_NDIM or min(row, default=0) < 0:
-            raise CodecError(f"bad packed rows header (dtype code {code}, rows {row})")
-        dtype, offset = _DTYPES[code], end + (-end % ALIGN)
-        count = row_count * math.prod(row)
-        if offset + count * dtype.itemsize > self.size:
-            raise CodecError(f"packed arrays of {total} entries overrun the data region")
-        experts = np.frombuffer(buf, dtype, count, start + offset).reshape((row_count, *row))
-        return tokens, logprobs, versions, experts
 
 
 _READER = _Reader()
 
 
-def _unpack(wire: tuple[Any, ...], reader: _Reader) -> RolloutGroup:
-    """Rebuild the group: slice the packed arrays back into each sample's views."""
-    fields = list(wire[_WIRE_GROUP_HEAD:])
-    states = [msgspec.structs.astuple(ws) for ws in fields[_SAMPLES_AT]]
-    lengths = [state[0] for state in states]
-    if min(lengths, default=0) < 0:
-        raise CodecError(f"negative sample lengths {lengths}")
-    # The packed rows are those of the samples that carry True in their place, in order, so
-    # the samples use exactly all of them.
-    packed_rows = sum([state[0] for state in states if state[1 + _ROWS_AT] is True])
-    tokens, logprobs, versions, rows = reader.packed(sum(lengths), packed_rows, wire[0])
-    samples = []
-    end = row_end = 0
-    for state, n in zip(states, lengths, strict=True):
-        start, end = end, end + n
-        rest: Any = state[1:]
-        mine = rest[_ROWS_AT]
-        if mine is True and rows is not None:
-            rest = list(rest)
-            rest[_ROWS_AT] = rows[row_end : row_end + n]
-            row_end += n
-        elif mine is not None and type(mine) is not np.ndarray:
-            raise CodecError(f"bad routed experts of a sample: {type(mine).__name__}")
-        samples.append(
-            RolloutState(tokens[start:end], logprobs[start:end], versions[start:end], *rest)
+def _packed(
+    buf: Any,
+    start: int,
+    size: int,
+    prompt: int,
+    total: int,
+    row_count: int,
+    rows: tuple[int, tuple[int, ...]] | None,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """The packed prompt (`prompt` tokens), token ids, logprobs, versions (`total` entries
+    each) and routed experts (None, or `row_count` rows of `rows`: dtype code and row shape)
+    in the data region (`size` bytes from `start` in `buf`), where `_Data` placed them: back
+    to back, each on the next aligned offset. Straight-line code: this runs once per decoded
+    group."""
+    nbytes = total * 4  # every packed dtype (int32, float32, int32) has 4-byte items
+    step = nbytes + (-nbytes % ALIGN)
+    first = prompt * 4 + (-prompt * 4 % ALIGN)
+    end = first + 2 * step + nbytes
+    if end > size:
+        raise CodecError(f"packed arrays of {prompt} + {total} entries overrun the data region")
+    prompt_tokens = np.frombuffer(buf, _INT32, prompt, start)
+    at = start + first
+    tokens = np.frombuffer(buf, _PACKED_DTYPES[0], total, at)
+    logprobs = np.frombuffer(buf, _PACKED_DTYPES[1], total, at + step)
+    versions = np.frombuffer(buf, _PACKED_DTYPES[2], total, at + 2 * step)
+    if rows is None:
+        return prompt_tokens, tokens, logprobs, versions, None
+    code, row = rows
+    dtype, offset = _DTYPES[code], end + (-end % ALIGN)
+    if offset + row_count * math.prod(row) * dtype.itemsize > size:
+        raise CodecError(f"packed arrays of {total} entries overrun the data region")
+    experts = np.ndarray((row_count, *row), dtype, buf, start + offset)
+    return prompt_tokens, tokens, logprobs, versions, experts
+
+
+def _unpack(wire: Any, buf: Any, start: int, size: int) -> RolloutGroup:
+    """Rebuild the group: slice the packed arrays back into each sample's views, and build the
+    samples with one `map` of `RolloutState` over the columns. Per sample that leaves the views
+    and `RolloutState.__post_init__`, whose fast path decoded arrays take (their dtypes are
+    numpy's own instances)."""
+    layout, *fields = msgspec.structs.astuple(wire)
+    columns = list(msgspec.structs.astuple(fields[_SAMPLES_AT]))
+    lengths = columns[0]
+    count = len(lengths)
+    mine = columns[_ROWS_COLUMN]
+    sized = columns if type(mine) is tuple else columns[:_ROWS_COLUMN]
+    if list(map(len, sized)) != [count] * len(sized):
+        raise CodecError(f"corrupt group header: sample columns of lengths {list(map(len, sized))}")
+    ends = list(itertools.accumulate(lengths))
+    total = ends[-1] if ends else 0  # (no samples: `RolloutGroup` refuses it below)
+    slices = list(map(slice, [0, *ends], ends))
+    if mine is True:
+        packed_rows = total
+    elif type(mine) is tuple:
+        # The packed rows are those of the samples that carry True in their place, in order,
+        # so the samples use exactly all of them.
+        packed_rows = sum([n for n, r in zip(lengths, mine, strict=True) if r is True])
+    else:
+        packed_rows = 0
+    prompt, tokens, logprobs, versions, rows = _packed(
+        buf, start, size, fields[_PROMPT_AT], total, packed_rows, layout
+    )
+    if mine is True:
+        if rows is None:
+            raise CodecError("corrupt group header: packed rows without their layout")
+        mine = [rows[at] for at in slices]
+    elif mine is None:
+        mine = itertools.repeat(None)
+    elif mine is False:
+        raise CodecError("corrupt group header: routed experts False")
+    else:
+        mine = _own_rows(mine, lengths, rows)
+    columns[_ROWS_COLUMN] = mine
+    fields[_PROMPT_AT] = prompt
+    fields[_SAMPLES_AT] = tuple(
+        map(
+            RolloutState,
+            [tokens[at] for at in slices],  # (cheaper than a map of `__getitem__`)
+            [logprobs[at] for at in slices],
+            [versions[at] for at in slices],
+            *columns[1:],
         )
-    fields[_SAMPLES_AT] = tuple(samples)
+    )
     return RolloutGroup(*fields)
+
+
+def _own_rows(column: tuple[Any, ...], lengths: tuple[int, ...], rows: Any) -> list[Any]:
+    """The samples' routed experts where not every sample's are packed: the next rows of the
+    packed array for True, a sample's own array, or None."""
+    out: list[Any] = []
+    end = 0
+    for r, n in zip(column, lengths, strict=True):
+        if r is True and rows is not None:
+            out.append(rows[end : end + n])
+            end += n
+        elif r is None or type(r) is np.ndarray:
+            out.append(r)
+        else:
+            raise CodecError(f"bad routed experts of a sample: {type(r).__name__}")
+    return out
 
 
 # -- single values -------------------------------------------------------------------------------

@@ -84,6 +84,17 @@ def test_decode_is_zero_copy_read_only_and_aligned() -> None:
         out.samples[0].tokens[0] = 1
 
 
+def test_decoded_arrays_have_numpy_own_dtypes() -> None:
+    """`RolloutState.__post_init__` takes its fast path (identity checks) for decoded samples
+    only if their dtypes are numpy's own instances, not equal copies."""
+    out = decode(encode(make_group(samples=2, tokens=5)))
+    for s in out.samples:
+        assert s.tokens.dtype is np.dtype(np.int32)
+        assert s.logprobs.dtype is np.dtype(np.float32)
+        assert s.versions.dtype is np.dtype(np.int32)
+    assert out.prompt_tokens.dtype is np.dtype(np.int32)
+
+
 def test_decoding_a_mutable_buffer_still_gives_read_only_views(group: RolloutGroup) -> None:
     data = bytearray(encode(group))
     out = decode(data)
@@ -279,16 +290,17 @@ def test_deeply_nested_metadata_in_a_message_is_a_codec_error(depth: int) -> Non
 
 
 def test_misaligned_array_offset_is_a_codec_error() -> None:
-    def shift_first_array(header: bytes) -> bytes:
+    def shift_metadata_array(header: bytes) -> bytes:
         wire = msgspec.msgpack.decode(header)  # extension values stay raw `Ext` objects
-        at = next(i for i, v in enumerate(wire) if isinstance(v, msgspec.msgpack.Ext))
-        ext = wire[at]  # the prompt's tokens: dtype code, ndim, offset, length
+        metadata = wire[8]  # rows, uid, prompt_id, task, prompt, samples, status, error, metadata
+        ext = metadata["arr"]  # dtype code, ndim, offset, length
         code, ndim, offset, count = struct.unpack("<BBQq", ext.data)
         shifted = struct.pack("<BBQq", code, ndim, offset - 1, count)  # it is the last array
-        wire[at] = msgspec.msgpack.Ext(ext.code, shifted)
+        metadata["arr"] = msgspec.msgpack.Ext(ext.code, shifted)
         return msgspec.msgpack.encode(wire)
 
-    hostile = reframe(encode(make_group(samples=2, tokens=40)), shift_first_array)
+    group = make_group(samples=2, tokens=40, metadata={"arr": np.arange(5)})
+    hostile = reframe(encode(group), shift_metadata_array)
     with pytest.raises(CodecError, match="aligned"):
         decode(hostile)
 
@@ -296,9 +308,10 @@ def test_misaligned_array_offset_is_a_codec_error() -> None:
 @pytest.mark.parametrize(
     ("rows", "message"),
     [
-        ([99, [2]], "dtype code 99"),
-        ([-1, [2]], "dtype code -1"),
-        ([2, [-2]], "rows"),
+        ([99, [2]], r"header: Expected `int` <= 11 - at `\$\[0\]\[0\]`"),  # dtype code
+        ([-1, [2]], r"header: Expected `int` >= 0 - at `\$\[0\]\[0\]`"),
+        ([2, [-2]], r"header: Expected `int` >= 0 - at `\$\[0\]\[1\]\[0\]`"),  # row shape
+        ([2, [1] * 40], r"header: Expected `array` of length <= 31"),
         ([2, [1 << 40]], "overrun"),
     ],
 )
@@ -323,6 +336,70 @@ def test_sample_lengths_that_overrun_the_packed_arrays_are_a_codec_error() -> No
 
     with pytest.raises(CodecError, match="overrun"):
         decode(reframe(encode(make_group(samples=2, tokens=8)), longer))
+
+
+def rewrite_wire(change: Callable[[list[Any]], None]) -> Callable[[bytes], bytes]:
+    """A header rewrite for `reframe`: `change` edits the decoded wire list in place. Its
+    fields: packed rows, uid, prompt_id, task, prompt length, the samples' columns (length,
+    status, finish_reason, reward, error, routed experts, extra, loss_mask, turn_ends), then
+    the group's other fields."""
+
+    def rewrite(header: bytes) -> bytes:
+        wire = msgspec.msgpack.decode(header)
+        change(wire)
+        return msgspec.msgpack.encode(wire)
+
+    return rewrite
+
+
+def _set(path: tuple[int, ...], value: Any) -> Callable[[list[Any]], None]:
+    def change(wire: list[Any]) -> None:
+        target = wire
+        for i in path[:-1]:
+            target = target[i]
+        target[path[-1]] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_set((4,), -1), "header"),  # a negative prompt length
+        (_set((4,), 1 << 40), "overrun"),
+        (_set((5, 0, 1), -3), "header"),  # a negative sample length
+        (_set((5, 0), [4]), "columns"),  # one length for two samples
+        (_set((5, 1), ["completed"]), "columns"),  # one status for two samples
+        (_set((5, 5), True), "packed rows"),  # packed rows the header does not lay out
+        (_set((5, 5), False), "routed experts"),
+        (_set((5, 5), [None, "x"]), "routed experts"),
+        (_set((5, 0), []), "corrupt group"),  # no samples at all
+    ],
+)
+def test_hostile_sample_columns_are_a_codec_error(
+    change: Callable[[list[Any]], None], message: str
+) -> None:
+    hostile = reframe(encode(make_group(samples=2, tokens=4)), rewrite_wire(change))
+    with pytest.raises(CodecError, match=message):
+        decode(hostile)
+
+
+def test_hostile_mixed_rows_column_is_a_codec_error() -> None:
+    group = make_group(samples=2, tokens=4, payload=2)
+    packed = reframe(encode(group), rewrite_wire(_set((5, 5), [True, "x"])))
+    with pytest.raises(CodecError, match="routed experts"):
+        decode(packed)
+
+
+def test_mixed_routed_experts_round_trip() -> None:
+    """Rows packed for some samples, absent for others, a sample's own (other row shape)."""
+    group = make_group(samples=3, tokens=5, payload=2)
+    odd = msgspec.structs.replace(group.samples[1], routed_experts=None)
+    mixed = msgspec.structs.replace(group, samples=(group.samples[0], odd, group.samples[2]))
+    assert_groups_equal(mixed, decode(encode(mixed)))
+    own = msgspec.structs.replace(group.samples[2], routed_experts=np.ones((5, 4), np.uint8))
+    unaligned = msgspec.structs.replace(group, samples=(group.samples[0], odd, own))
+    assert_groups_equal(unaligned, decode(encode(unaligned)))
 
 
 # -- encode_value / decode_value -----------------------------------------------------------------
@@ -439,6 +516,8 @@ def samples(draw: st.DrawFn) -> RolloutState:
         extra=draw(
             st.dictionaries(st.text(max_size=5), st.one_of(scalars, array_in_extra), max_size=3)
         ),
+        loss_mask=draw(st.one_of(st.none(), hnp.arrays(np.uint8, n))),
+        turn_ends=draw(st.sampled_from([None, np.array([n], np.int32)])),
     )
 
 
@@ -514,6 +593,16 @@ def test_encode_into_dirty_storage_writes_the_same_bytes_as_encode() -> None:
     assert bytes(view) == expected
     assert view.readonly
     assert_groups_equal(group, decode(view))
+
+
+@pytest.mark.parametrize("tokens", [5, 20_000])  # packed arrays under / over _JOIN_LIMIT
+def test_encode_into_writes_the_same_bytes_as_encode_for_short_and_long_samples(
+    tokens: int,
+) -> None:
+    group = make_group(samples=2, tokens=tokens, payload=3, metadata={"arr": np.arange(3)})
+    expected = encode(group)
+    storage = np.full(len(expected), 0xCD, np.uint8)
+    assert bytes(encode_into(group, lambda size: storage)) == expected
 
 
 @settings(max_examples=100, deadline=None)
