@@ -93,11 +93,17 @@ class TransferStub:
         self.fail_update = False
         self.alive = True  # False: every route answers 503, as a server that went away
         self.label = "default"
+        self.joined = False  # in the trainer's NCCL group (`/init_weight_transfer_engine`)
         self.init_infos: list[dict[str, Any]] = []
         self.update_infos: list[dict[str, Any]] = []
 
     def calls(self) -> list[str]:
         return [call for who, call in self.log if who == self.name]
+
+    def restart(self) -> None:
+        """A new server process in the same place: vLLM's initial label, its own weights, in
+        no NCCL group; it answers every probe as before."""
+        self.label, self.joined = "default", False
 
     def app(self) -> web.Application:
         def record(call: str) -> None:
@@ -127,6 +133,7 @@ class TransferStub:
             if not self.configured:
                 return not_configured()
             self.init_infos.append((await request.json())["init_info"])
+            self.joined = True
             record(request.path)
             await asyncio.wait_for(self.sender.joined.wait(), WAIT_S)  # NCCL rendezvous
             return web.json_response({"message": "Weight transfer initialized"})
@@ -134,6 +141,9 @@ class TransferStub:
         async def update(request: web.Request) -> web.Response:
             if self.fail_update:
                 return web.Response(status=500, text="ValueError: bad update_info")
+            if not self.joined:  # vLLM's words; on GPUs the trainer's broadcast would hang
+                text = "RuntimeError: NCCL weight transfer not initialized. Call init_transfer"
+                return web.Response(status=500, text=text + "_engine() first.")
             self.update_infos.append((await request.json())["update_info"])
             record("/update_weights receiving")
             self.sender.receiving += 1
@@ -148,6 +158,13 @@ class TransferStub:
                 return web.Response(status=500, text="NCCL aborted")
             record("/update_weights received")
             return web.json_response({"message": "Weights updated"})
+
+        async def shutdown(request: web.Request) -> web.Response:
+            self.joined = False
+            return await control(request)
+
+        async def weight_info(_: web.Request) -> web.Response:
+            return web.json_response({"weight_version": self.label})
 
         async def version(request: web.Request) -> web.Response:
             self.label = (await request.json())["new_version"]
@@ -183,7 +200,8 @@ class TransferStub:
             app.router.add_post(path, control)
         for path in ("/start_weight_update", "/finish_weight_update"):
             app.router.add_post(path, transfer)
-        app.router.add_post("/shutdown_weight_transfer_engine", control)
+        app.router.add_post("/shutdown_weight_transfer_engine", shutdown)
+        app.router.add_get("/weight_info", weight_info)
         app.router.add_get("/get_world_size", world_size)
         app.router.add_post("/init_weight_transfer_engine", init)
         app.router.add_post("/update_weights", update)
@@ -348,6 +366,56 @@ async def test_a_rejoining_replica_stays_out_until_the_next_update_includes_it(
     assert stubs[0].calls().count("/shutdown_weight_transfer_engine") == 1
     assert [s.init_infos[-1]["rank_offset"] for s in stubs] == [1, 2]
     assert len(sender.groups) == 2 and all(s.label == "2" for s in stubs)
+
+
+async def test_a_replica_restarted_between_probes_rejoins_the_group_at_the_next_update(
+    setup: Setup,
+) -> None:
+    """A replica can restart (a new process: vLLM's initial label, in no NCCL group) and
+    answer every probe before the engine notices. The next update finds it by its weight
+    label and rebuilds the group with it, instead of broadcasting to a group it has left
+    (which on GPUs hangs until the timeout and then takes every replica out)."""
+    engine, sender, stubs = setup.engine, setup.sender, setup.stubs
+    await engine.update_weights(WEIGHTS, version=1)
+    stubs[1].restart()
+    await engine.update_weights(WEIGHTS, version=2)
+    assert [r.state for r in engine.replicas] == [ReplicaState.UP] * 2
+    assert len(sender.groups) == 2 and all(s.label == "2" and s.joined for s in stubs)
+    assert stubs[0].calls().count("/shutdown_weight_transfer_engine") == 1
+    assert stubs[1].calls().count("/shutdown_weight_transfer_engine") == 0  # it had no end
+    (sample,) = await asyncio.wait_for(engine.generate(_request("after-0")), WAIT_S)
+    assert sample.versions.tolist() == [2]
+
+
+async def test_a_replica_restarted_behind_the_engines_back_fails_one_request_then_waits(
+    setup: Setup,
+) -> None:
+    """Between updates, a restarted replica is found by the first request it serves (its
+    tokens carry vLLM's initial label). That request fails; the replica must then leave the
+    rotation until it can be given the current weights (over NCCL: the next update), not
+    keep failing every request routed to it while its health probe says it is fine."""
+    engine, stubs = setup.engine, setup.stubs
+    await engine.update_weights(WEIGHTS, version=1)
+    stubs[1].restart()
+    before = stubs[1].calls().count("generate")
+    failed = []
+    for k in range(200):  # until a session maps to the restarted replica
+        try:
+            await asyncio.wait_for(engine.generate(_request(f"run-{k}-0")), WAIT_S)
+        except ReplicaError as exc:
+            failed.append(str(exc))
+        if stubs[1].calls().count("generate") > before:
+            break
+    assert stubs[1].calls().count("generate") == before + 1
+    assert len(failed) == 1 and "labelled 'default'" in failed[0]
+    assert engine.replicas[1].state is ReplicaState.UNSYNCED  # the next route syncs it
+    for k in range(20):  # nothing more reaches it, and nothing fails
+        await asyncio.wait_for(engine.generate(_request(f"again-{k}-0")), WAIT_S)
+    assert stubs[1].calls().count("generate") == before + 1
+    assert engine.replicas[1].state is ReplicaState.STALE  # answers; weights came over NCCL
+    await engine.update_weights(WEIGHTS, version=2)
+    assert [r.state for r in engine.replicas] == [ReplicaState.UP] * 2
+    assert all(s.label == "2" and s.joined for s in stubs)
 
 
 async def test_servers_without_weight_transfer_config_fail_the_update_saying_so(

@@ -35,6 +35,11 @@ class ReplicaError(RuntimeError):
         self.url = url
 
 
+class UnsyncedReplicaError(ReplicaError):
+    """The replica serves weights this engine never gave it: its process restarted behind the
+    engine's back (vLLM's initial weight label), and it answers every probe all the same."""
+
+
 class Replica:
     """One `vllm serve` base URL and what the engine knows of it."""
 
@@ -51,6 +56,11 @@ class Replica:
         self.state = ReplicaState.DOWN
         self.error = error
         self.retry_at = retry_at
+
+    def mark_unsynced(self, error: str) -> None:
+        """Out of the rotation until synced again (at once, by the next request's route)."""
+        self.state = ReplicaState.UNSYNCED
+        self.error = error
 
     def __repr__(self) -> str:
         return f"Replica({self.url!r}, {self.state.value})"

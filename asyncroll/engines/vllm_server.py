@@ -71,7 +71,7 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
-from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState
+from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, UnsyncedReplicaError
 
 _FINISH_REASONS = frozenset({"stop", "length", "abort"})
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
@@ -278,7 +278,11 @@ class VLLMServerEngine:
             del self._live[rid]
             self._recent.ended(rid)
             self._progress.notify()
-        return [self._output(s, rid, replica) for s in samples]
+        try:
+            return [self._output(s, rid, replica) for s in samples]
+        except ReplicaError as exc:  # what the replica answered is wrong: as a failed stream
+            await self._failed(replica, exc)
+            raise
 
     async def abort(self, request_id: str) -> None:
         """Abort every request of the group on its replica; its `generate` then returns the
@@ -491,13 +495,22 @@ class VLLMServerEngine:
         processes when it answers again, so the next update rebuilds the group."""
         loop = asyncio.get_running_loop()
         replica.mark_down(str(exc), loop.time() + self.health_interval_s)
+        self._leave_group(replica)
+
+    def _leave_group(self, replica: Replica) -> None:
         if self._group is not None and replica in self._group:
             self._group = tuple(r for r in self._group if r is not replica)
 
     async def _failed(self, replica: Replica, exc: ReplicaError) -> None:
         """A request to `replica` failed: it leaves the rotation unless it still answers its
-        health probe (then only the request failed)."""
-        if replica.state is ReplicaState.UP and not await rp.healthy(
+        health probe (then only the request failed). One that served weights this engine
+        never gave it is a new process: it leaves the rotation (and the NCCL group) until the
+        next request's route syncs it again, whatever its health probe says."""
+        if isinstance(exc, UnsyncedReplicaError):
+            if replica.state is ReplicaState.UP:
+                replica.mark_unsynced(str(exc))
+                self._leave_group(replica)
+        elif replica.state is ReplicaState.UP and not await rp.healthy(
             self._session(), replica, self.health_timeout_s
         ):
             self._down(replica, exc)
@@ -615,6 +628,7 @@ class VLLMServerEngine:
             await self._revive_due_locked()
             members = [r for r in self.replicas if r.state in (ReplicaState.UP, ReplicaState.STALE)]
             members = await self._on_every(members, lambda r: self._call(r, "POST", _PAUSE))
+            members = await self._on_every(members, self._leave_group_if_restarted)
             if not members:
                 raise EngineDeadError(f"no replica is up: {self._states()}")
             if self._group != tuple(members):
@@ -626,6 +640,15 @@ class VLLMServerEngine:
             for replica in members:
                 replica.state = ReplicaState.UP
             self._version = version
+
+    async def _leave_group_if_restarted(self, replica: Replica) -> None:
+        """Take `replica` out of the NCCL group if it does not carry this engine's weight
+        label (vLLM's initial one: it restarted between probes, and its new workers are in no
+        group), so that the group is rebuilt with it instead of broadcasting to ranks that
+        are not there (a broadcast that would hang until its timeout)."""
+        reply = await self._call(replica, "GET", "/weight_info")
+        if not isinstance(reply, dict) or reply.get("weight_version") != str(self._version):
+            self._leave_group(replica)
 
     async def _form_group(
         self, sender: nccl_transfer.WeightSender, members: list[Replica]
@@ -886,7 +909,7 @@ class VLLMServerEngine:
         try:
             return int(label)
         except ValueError:
-            raise ReplicaError(
+            raise UnsyncedReplicaError(
                 replica.url,
                 f"served tokens labelled {label!r}, a version this engine never set "
                 "(did it restart without the current weights?)",

@@ -75,11 +75,22 @@ async def test_request_made_while_paused_is_held_and_runs_on_the_new_weights(
     assert len(list(engine.weights_dir.iterdir())) == 1  # type: ignore[union-attr]
 
 
+async def weight_label(url: str) -> object:
+    """The server's weight version label, as the engine reads it before an NCCL broadcast."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/weight_info") as reply:
+        assert reply.status == 200
+        return (await reply.json())["weight_version"]
+
+
 async def test_update_from_a_path_the_trainer_wrote(
-    server_engine: VLLMServerEngine, server_model: Path, tmp_path: Path
+    server_engine: VLLMServerEngine,
+    vllm_server: ServerProcess,
+    server_model: Path,
+    tmp_path: Path,
 ) -> None:
     """The trainer writes the checkpoint folder itself; a folder without safetensors is refused
-    before vLLM sees it (a failed reload kills a vLLM engine)."""
+    before vLLM sees it (a failed reload kills a vLLM engine). The label the engine set is
+    what `/weight_info` reports (the engine finds a restarted replica by it)."""
     from safetensors.torch import save_file
 
     engine = server_engine
@@ -93,6 +104,7 @@ async def test_update_from_a_path_the_trainer_wrote(
             request("path-after", PROMPT, max_new_tokens=12, temperature=0.0)
         )
         assert (out.versions == 4).all() and not np.array_equal(out.tokens, before)
+        assert await weight_label(vllm_server.url) == "4"
     finally:
         await engine.update_weights(original_weights(server_model), version=0)
 
