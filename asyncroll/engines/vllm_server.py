@@ -14,7 +14,10 @@ reference notes):
 * **Versions come from the server.** Every replica is given the version label
   (`/update_weight_version`) with its weights, and each token's version is the label of the
   weights that sampled it, as vLLM reports it. A label the engine never set (a replica that
-  restarted and was not synced) fails the request instead of being trusted.
+  restarted between health probes) fails the request instead of being trusted, and takes the
+  replica out of the rotation until the next route syncs it. Before an NCCL broadcast every
+  member's label is read (`/weight_info`): one that restarted is in no group any more, so the
+  group is rebuilt with it.
 * **No request straddles a weight update.** vLLM queues requests that arrive while it is paused
   and runs them later on whatever weights it then has. So admission stops *here* first: while
   paused (or updating), `generate` holds new requests before they are sent, and lets them go
