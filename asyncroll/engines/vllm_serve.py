@@ -99,11 +99,17 @@ class ServerProcess:
         port: int | None = None,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
-        ready_timeout_s: float = 240.0,
+        ready_timeout_s: float = 900.0,
         **serve_kwargs: object,
     ) -> ServerProcess:
         """Start a replica and return once `/health` answers 200 (`ServerStartError` if the
-        process exits first or `ready_timeout_s` passes; the process group is then stopped)."""
+        process exits first or `ready_timeout_s` passes; the process group is then stopped).
+
+        The default deadline is long because a start is slow where it matters: a large model
+        on GPUs loads, compiles and captures CUDA graphs for minutes, and the tiny test model
+        took 30-55 s on 2 idle CPU cores but over 4 minutes with both cores busy (a full test
+        run beside two busy loops; 240 s, the earlier default, failed there). A process that
+        exits is reported at once, whatever the deadline."""
         port = free_port() if port is None else port
         args = serve_args(model, port, **serve_kwargs)  # type: ignore[arg-type]
         fd, log_name = tempfile.mkstemp(prefix=f"vllm-serve-{port}-", suffix=".log")
