@@ -1,10 +1,12 @@
 """`VLLMServerEngine` without a server: configuration errors, routing, and replicas that are
-not there (the real `vllm serve` tests are in tests/vllm/test_server*.py)."""
+not there, hang or answer garbage (scripted aiohttp stubs; the real `vllm serve` tests are in
+tests/vllm/test_server*.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -189,3 +191,117 @@ async def test_aiohttps_own_timeout_is_a_transport_error_retried_not_the_deadlin
 async def test_a_control_call_past_its_deadline_says_so() -> None:
     with pytest.raises(ReplicaError, match=r"POST /pause: no reply within 0.05 s"):
         await control_on(_Session(None), timeout_s=0.05)
+
+
+def _choice(
+    tokens: list[int], *, index: int = 0, spans: list[tuple[str, int, int]] | None = None
+) -> dict[str, Any]:
+    """One finished sample of a generate stream: `tokens`, labelled version "0" unless
+    `spans` says otherwise."""
+    return {
+        "index": index,
+        "token_ids": tokens,
+        "finish_reason": "length",
+        "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in tokens]},
+        "weight_versions": [
+            {"version": v, "start": s, "end": e}
+            for v, s, e in (spans if spans is not None else [("0", 0, len(tokens))])
+        ],
+    }
+
+
+def _sse(*events: bytes) -> bytes:
+    return b"".join(b"data: " + e + b"\n\n" for e in events)
+
+
+def _stream(*choices: dict[str, Any]) -> bytes:
+    return _sse(*(json.dumps({"choices": [c]}).encode() for c in choices), b"[DONE]")
+
+
+class ScriptedStub:
+    """A replica whose answers the test scripts: the control routes answer as vLLM's do,
+    `/health` answers `health` (vLLM's is empty), every generate answers the raw server-sent
+    events `stream`, and while `hang` is set, `/health` and generate wait for it to be set."""
+
+    def __init__(self) -> None:
+        self.health = b""
+        self.stream = _stream(_choice([7, 8]))
+        self.hang: asyncio.Event | None = None
+        self.generates = 0
+
+    def app(self) -> web.Application:
+        async def hang() -> None:
+            if self.hang is not None:
+                await self.hang.wait()
+
+        async def health(_: web.Request) -> web.Response:
+            await hang()
+            return web.Response(body=self.health)
+
+        async def ok(_: web.Request) -> web.Response:
+            return web.json_response({"success": True})
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            self.generates += 1
+            await hang()
+            reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await reply.prepare(request)
+            await reply.write(self.stream)
+            await reply.write_eof()
+            return reply
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        for path in ("/pause", "/resume", "/reset_prefix_cache", "/update_weight_version"):
+            app.router.add_post(path, ok)
+        app.router.add_post("/abort_requests", ok)
+        app.router.add_post("/inference/v1/generate", generate)
+        return app
+
+
+@contextlib.asynccontextmanager
+async def scripted(
+    count: int, **kwargs: Any
+) -> AsyncIterator[tuple[VLLMServerEngine, list[ScriptedStub]]]:
+    """`count` scripted replicas and an engine over them (`kwargs` for the engine)."""
+    stubs = [ScriptedStub() for _ in range(count)]
+    runners, urls = [], []
+    for stub in stubs:
+        runner = web.AppRunner(stub.app(), shutdown_timeout=1.0)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{port}")
+    engine = VLLMServerEngine(urls, vocab_size=512, **kwargs)
+    try:
+        yield engine, stubs
+    finally:
+        for stub in stubs:
+            if stub.hang is not None:
+                stub.hang.set()
+        await engine.close()
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_a_replica_answering_garbage_to_its_health_probe_leaves_the_rotation() -> None:
+    """A 200 whose body is not JSON (a proxy's error page) was a `msgspec.DecodeError`, not
+    a `ReplicaError`: it escaped the probe, and every `generate` raised it, the other
+    replica's sessions included."""
+    async with scripted(2) as (engine, stubs):
+        stubs[1].health = b"<html>502 Bad Gateway</html>"
+        for k in range(10):
+            (sample,) = await engine.generate(_request(f"run-{k}-0"))
+            assert sample.tokens.tolist() == [7, 8]
+        assert engine.replicas[1].state is ReplicaState.DOWN
+        assert stubs[1].generates == 0
+
+
+@pytest.mark.parametrize("event", [b"{not json", b'{"choices": "none"}'])
+async def test_a_malformed_stream_event_fails_the_request_naming_the_replica(event: bytes) -> None:
+    async with scripted(1) as (engine, (stub,)):
+        stub.stream = _sse(event, b"[DONE]")
+        with pytest.raises(ReplicaError, match="malformed event") as caught:
+            await engine.generate(_request("run-0-0"))
+        assert caught.value.url == engine.replicas[0].url
