@@ -305,3 +305,16 @@ async def test_a_malformed_stream_event_fails_the_request_naming_the_replica(eve
         with pytest.raises(ReplicaError, match="malformed event") as caught:
             await engine.generate(_request("run-0-0"))
         assert caught.value.url == engine.replicas[0].url
+
+
+async def test_more_tokens_than_a_sample_asked_for_fail_the_request() -> None:
+    """The `Engine` contract: never more than a sample's `max_new_tokens`. A replica that
+    streams more (a wrong `max_tokens` on its side) was passed through."""
+    async with scripted(1) as (engine, (stub,)):
+        stub.stream = _stream(_choice([1, 2, 3, 4, 5]))  # `_request` asks for 4
+        with pytest.raises(ReplicaError, match=r"5 tokens .* at most 4") as caught:
+            await engine.generate(_request("run-0-0"))
+        assert caught.value.url == engine.replicas[0].url
+        stub.stream = _stream(_choice([1, 2, 3, 4]))
+        (sample,) = await engine.generate(_request("run-1-0"))
+        assert sample.tokens.tolist() == [1, 2, 3, 4]

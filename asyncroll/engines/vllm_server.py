@@ -282,7 +282,10 @@ class VLLMServerEngine:
             self._recent.ended(rid)
             self._progress.notify()
         try:
-            return [self._output(s, rid, replica) for s in samples]
+            return [
+                self._output(s, rid, replica, asked.max_new_tokens)
+                for s, asked in zip(samples, request.samples, strict=True)
+            ]
         except ReplicaError as exc:  # what the replica answered is wrong: as a failed stream
             await self._failed(replica, exc)
             raise
@@ -882,8 +885,19 @@ class VLLMServerEngine:
             params["seed"] = vllm_groups.part_seed(sampling.seed, part.server_id)
         return params
 
-    def _output(self, sample: _Sample, request_id: str, replica: Replica) -> SampleOutput:
+    def _output(
+        self, sample: _Sample, request_id: str, replica: Replica, max_new_tokens: int
+    ) -> SampleOutput:
+        """One sample as the `Engine` contract has it; a replica's answer that breaks the
+        contract (more tokens than asked for, a finish reason, logprobs or version labels that
+        do not fit) fails the request instead of reaching the trainer."""
         n = len(sample.tokens)
+        if n > max_new_tokens:
+            raise ReplicaError(
+                replica.url,
+                f"returned {n} tokens for a sample of {request_id} that asked for at most"
+                f" {max_new_tokens}",
+            )
         if sample.finish not in _FINISH_REASONS:
             raise ReplicaError(
                 replica.url, f"finished a sample of {request_id} with reason {sample.finish!r}"
