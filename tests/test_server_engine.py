@@ -318,3 +318,26 @@ async def test_more_tokens_than_a_sample_asked_for_fail_the_request() -> None:
         stub.stream = _stream(_choice([1, 2, 3, 4]))
         (sample,) = await engine.generate(_request("run-1-0"))
         assert sample.tokens.tolist() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [
+        [("0", 0, 2), ("0", 0, 1)],  # token 0 twice, token 2 never: lengths add up to 3
+        [("0", -1, 2)],  # a negative start: an empty slice whose length is 3
+        [("0", 0, 3), ("1", 0, 1)],  # token 0 labelled twice, differently
+        [("0", 0, 2)],  # token 2 never
+    ],
+)
+async def test_version_spans_that_do_not_label_each_token_once_fail_the_request(
+    spans: list[tuple[str, int, int]],
+) -> None:
+    """Only the spans' lengths were checked against the token count: the first two passed,
+    and the unlabelled token got whatever `np.empty` held for its version."""
+    async with scripted(1) as (engine, (stub,)):
+        stub.stream = _stream(_choice([1, 2, 3], spans=spans))
+        with pytest.raises(ReplicaError, match="do not label each of the 3 tokens"):
+            await engine.generate(_request("run-0-0"))
+        stub.stream = _stream(_choice([1, 2, 3], spans=[("0", 0, 1), ("0", 1, 1), ("0", 1, 3)]))
+        (sample,) = await engine.generate(_request("run-1-0"))
+        assert sample.versions.tolist() == [0, 0, 0]

@@ -906,12 +906,14 @@ class VLLMServerEngine:
             raise ReplicaError(
                 replica.url, f"returned {len(sample.logprobs)} logprobs for {n} tokens"
             )
-        versions, covered = vllm_groups.token_versions(
+        versions = vllm_groups.token_versions(
             sample.spans, n, lambda label: self._label(label, replica)
         )
-        if covered != n:
+        if versions is None:
             raise ReplicaError(
-                replica.url, f"labelled {covered} of {n} tokens of {request_id} with a version"
+                replica.url,
+                f"its version spans do not label each of the {n} tokens of {request_id} once,"
+                " in order",
             )
         return SampleOutput(
             tokens=np.array(sample.tokens, dtype=np.int32),
