@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 import pytest
 from aiohttp import web
@@ -341,3 +342,21 @@ async def test_version_spans_that_do_not_label_each_token_once_fail_the_request(
         stub.stream = _stream(_choice([1, 2, 3], spans=[("0", 0, 1), ("0", 1, 1), ("0", 1, 3)]))
         (sample,) = await engine.generate(_request("run-1-0"))
         assert sample.versions.tolist() == [0, 0, 0]
+
+
+async def test_a_hung_replica_leaves_the_rotation_when_a_request_times_out() -> None:
+    """A replica that stops answering (generate and `/health` alike) failed a request at
+    `request_timeout_s` but stayed UP: every later request of its sessions was sent there to
+    wait out the deadline too (only a DOWN replica is probed, and nothing took it down)."""
+    async with scripted(2, request_timeout_s=0.2, health_timeout_s=0.2) as (engine, stubs):
+        await engine.check_replicas()  # both synced and UP
+        hung = engine.replicas[1]
+        stubs[1].hang = asyncio.Event()  # never set while the engine runs
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is hung)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        with pytest.raises(ReplicaError, match="request_timeout_s"):
+            await engine.generate(request)
+        assert hung.state is ReplicaState.DOWN
+        (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
+        assert sample.tokens.tolist() == [7, 8]  # served by the other replica
+        assert stubs[1].generates == 1

@@ -272,11 +272,13 @@ class VLLMServerEngine:
                 await self._run_parts(live, samples, request.sampling)
         except TimeoutError:
             self._check_open()
-            raise ReplicaError(
+            error = ReplicaError(
                 replica.url,
                 f"{rid} not finished within request_timeout_s={self.request_timeout_s}"
                 " (its requests were aborted)",
-            ) from None
+            )
+            await self._failed(replica, error)  # one that hangs, /health too, leaves the rotation
+            raise error from None
         finally:
             del self._live[rid]
             self._recent.ended(rid)
