@@ -360,3 +360,14 @@ async def test_a_hung_replica_leaves_the_rotation_when_a_request_times_out() -> 
         (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
         assert sample.tokens.tolist() == [7, 8]  # served by the other replica
         assert stubs[1].generates == 1
+
+
+async def test_an_oversized_stream_line_fails_the_request_naming_the_replica() -> None:
+    """A line longer than any event of the request's tokens can be raised aiohttp's
+    `LineTooLong`, which is neither a `ReplicaError` nor a transport error: it named no
+    replica and skipped the replica's health check."""
+    async with scripted(1) as (engine, (stub,)):
+        stub.stream = _sse(b'{"choices": [], "pad": "' + b"x" * (1 << 20) + b'"}', b"[DONE]")
+        with pytest.raises(ReplicaError, match="line") as caught:
+            await engine.generate(_request("run-0-0"))
+        assert caught.value.url == engine.replicas[0].url

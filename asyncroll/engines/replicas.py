@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from aiohttp.http_exceptions import LineTooLong
 
 
 class ReplicaState(enum.Enum):
@@ -189,7 +190,7 @@ async def events(
     can carry every token of the request (aiohttp's default line limit, 512 KiB, is ~4,000
     tokens), so lines may be as long as `max_tokens` tokens can make them."""
     limit = EVENT_OVERHEAD_BYTES + EVENT_BYTES_PER_TOKEN * max_tokens
-    while raw := await reply.content.readline(max_line_length=limit):
+    while raw := await _line(reply, url, limit):
         line = raw.strip()
         if not line.startswith(b"data:"):
             continue
@@ -204,3 +205,13 @@ async def events(
             raise ReplicaError(url, f"generate stream error: {event.error.get('message')}")
         yield event
     raise ReplicaError(url, "generate stream ended without [DONE] (the server went away)")
+
+
+async def _line(reply: aiohttp.ClientResponse, url: str, limit: int) -> bytes:
+    """The next line of a stream (empty at its end). A longer line than `limit` is a replica
+    answering garbage: aiohttp's `LineTooLong` is no transport error, so it becomes a
+    `ReplicaError` here."""
+    try:
+        return await reply.content.readline(max_line_length=limit)
+    except LineTooLong:
+        raise ReplicaError(url, f"generate stream: a line over {limit} bytes") from None
