@@ -371,3 +371,16 @@ async def test_an_oversized_stream_line_fails_the_request_naming_the_replica() -
         with pytest.raises(ReplicaError, match="line") as caught:
             await engine.generate(_request("run-0-0"))
         assert caught.value.url == engine.replicas[0].url
+
+
+@pytest.mark.parametrize("index", [1, -1])
+async def test_a_stream_choice_index_outside_the_request_fails_it_naming_the_replica(
+    index: int,
+) -> None:
+    """A request of `n` samples has choices 0..n-1. Index n raised a bare `IndexError`;
+    index -1 was taken, by Python's negative indexing, for the last sample."""
+    async with scripted(1) as (engine, (stub,)):
+        stub.stream = _stream(_choice([7, 8], index=index))
+        with pytest.raises(ReplicaError, match=f"choice {index}") as caught:
+            await engine.generate(_request("run-0-0"))
+        assert caught.value.url == engine.replicas[0].url

@@ -857,6 +857,12 @@ class VLLMServerEngine:
                 tokens = part.max_tokens * len(part.indices)
                 async for event in rp.events(reply, replica.url, tokens):
                     for choice in event.choices:
+                        if not 0 <= choice.index < len(part.indices):  # not -1: Python's last
+                            raise ReplicaError(
+                                replica.url,
+                                f"streamed choice {choice.index} of a request of"
+                                f" {len(part.indices)} samples",
+                            )
                         got = _append(samples[part.indices[choice.index]], choice, replica.url)
                         self._generated += got
                     self._progress.notify()
