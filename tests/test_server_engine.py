@@ -29,6 +29,8 @@ from asyncroll.engines.vllm_server import VLLMServerEngine, attempt_session
         ({"urls": []}, "at least one"),
         ({"urls": "127.0.0.1:8000"}, "base URL like http://"),
         ({"urls": ["http://a:1", "http://a:1/"]}, "appear once"),
+        ({"urls": ["http://A:1", "http://a:1"]}, "appear once"),  # host names ignore case
+        ({"urls": ["http://a", "http://a:80"]}, "appear once"),  # the default port
         ({"vocab_size": 0}, "vocab_size"),
         ({"stream_interval": 0}, "stream_interval"),
         ({"request_timeout_s": 0}, "request_timeout_s"),

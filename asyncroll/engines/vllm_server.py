@@ -62,6 +62,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import yarl
 
 from asyncroll._signal import Signal
 from asyncroll.engines import nccl_transfer, vllm_groups, weights_file
@@ -180,7 +181,7 @@ class VLLMServerEngine:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"url {url!r}: give a base URL like http://127.0.0.1:8000")
         cleaned = [u.rstrip("/") for u in url_list]
-        if len(set(cleaned)) != len(cleaned):
+        if len({_server(u) for u in cleaned}) != len(cleaned):
             raise ValueError(f"urls {url_list}: each replica must appear once")
         if vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size}: must be the served model's (>= 1)")
@@ -955,6 +956,13 @@ class VLLMServerEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineDeadError("VLLMServerEngine is closed")
+
+
+def _server(url: str) -> tuple[str | None, int | None, str]:
+    """What names one server in a base URL: "http://A:80" and "http://a" are the same one,
+    and one server listed twice would be two ranks of one NCCL group."""
+    parsed = yarl.URL(url)
+    return parsed.host, parsed.port, parsed.path.rstrip("/")
 
 
 def _up(replica: Replica) -> bool:
