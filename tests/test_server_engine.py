@@ -224,7 +224,8 @@ def _stream(*choices: dict[str, Any]) -> bytes:
 class ScriptedStub:
     """A replica whose answers the test scripts: the control routes answer as vLLM's do,
     `/health` answers `health` (vLLM's is empty), every generate answers the raw server-sent
-    events `stream`, and while `hang` is set, `/health` and generate wait for it to be set."""
+    events `stream`, and while `hang` is set, `/health`, `/abort_requests` and generate wait
+    for it to be set."""
 
     def __init__(self) -> None:
         self.health = b""
@@ -257,7 +258,12 @@ class ScriptedStub:
         app.router.add_get("/health", health)
         for path in ("/pause", "/resume", "/reset_prefix_cache", "/update_weight_version"):
             app.router.add_post(path, ok)
-        app.router.add_post("/abort_requests", ok)
+
+        async def abort(_: web.Request) -> web.Response:
+            await hang()
+            return web.json_response({"success": True})
+
+        app.router.add_post("/abort_requests", abort)
         app.router.add_post("/inference/v1/generate", generate)
         return app
 
@@ -350,7 +356,8 @@ async def test_a_hung_replica_leaves_the_rotation_when_a_request_times_out() -> 
     """A replica that stops answering (generate and `/health` alike) failed a request at
     `request_timeout_s` but stayed UP: every later request of its sessions was sent there to
     wait out the deadline too (only a DOWN replica is probed, and nothing took it down)."""
-    async with scripted(2, request_timeout_s=0.2, health_timeout_s=0.2) as (engine, stubs):
+    deadlines = {"request_timeout_s": 0.2, "health_timeout_s": 0.2, "control_timeout_s": 0.2}
+    async with scripted(2, **deadlines) as (engine, stubs):
         await engine.check_replicas()  # both synced and UP
         hung = engine.replicas[1]
         stubs[1].hang = asyncio.Event()  # never set while the engine runs
@@ -386,3 +393,25 @@ async def test_a_stream_choice_index_outside_the_request_fails_it_naming_the_rep
         with pytest.raises(ReplicaError, match=f"choice {index}") as caught:
             await engine.generate(_request("run-0-0"))
         assert caught.value.url == engine.replicas[0].url
+
+
+async def test_a_hung_replica_leaves_the_rotation_when_its_caller_gives_up() -> None:
+    """The producer's deadline (`generate_timeout_s`, 600 s by default) cancels a `generate`
+    long before `request_timeout_s` (3600 s). The abort sent on the way out got no answer
+    either, and was ignored: the replica stayed UP, and every group of its sessions waited
+    out the producer's deadline in turn."""
+    deadlines = {"health_timeout_s": 0.2, "control_timeout_s": 0.2}
+    async with scripted(2, **deadlines) as (engine, stubs):
+        await engine.check_replicas()
+        hung = engine.replicas[1]
+        stubs[1].hang = asyncio.Event()  # never set while the engine runs
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is hung)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        call = asyncio.ensure_future(engine.generate(request))
+        await engine.wait_progress(lambda: hung.streams == 1, 5.0)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert hung.state is ReplicaState.DOWN
+        (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
+        assert sample.tokens.tolist() == [7, 8]  # served by the other replica

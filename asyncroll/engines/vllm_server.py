@@ -769,10 +769,15 @@ class VLLMServerEngine:
     async def _abort_on(self, replica: Replica, server_ids: list[str]) -> None:
         """Abort requests on `replica`, through the RL route that returns once vLLM has
         aborted them (`/inference/v1/abort_requests` only starts a task that will). A failure
-        is ignored: the stream's own end or deadline still bounds the request."""
+        fails no request (the stream's own end or deadline still bounds it), but is a failed
+        call to the replica like any other: one that does not answer its health probe either
+        leaves the rotation. Often this abort is the last call a hung replica gets (its caller
+        gave up on the request), and nothing else would take it out."""
         ids = [_SERVER_PREFIX + s for s in server_ids]
-        with contextlib.suppress(ReplicaError):
+        try:
             await self._call(replica, "POST", "/abort_requests", {"request_ids": ids})
+        except ReplicaError as exc:
+            await self._failed(replica, exc)
 
     # -- generation ------------------------------------------------------------------------------
 
