@@ -225,12 +225,13 @@ class ScriptedStub:
     """A replica whose answers the test scripts: the control routes answer as vLLM's do,
     `/health` answers `health` (vLLM's is empty), every generate answers the raw server-sent
     events `stream`, and while `hang` is set, `/health`, `/abort_requests` and generate wait
-    for it to be set."""
+    for it to be set. Routes in `failing` answer 500."""
 
     def __init__(self) -> None:
         self.health = b""
         self.stream = _stream(_choice([7, 8]))
         self.hang: asyncio.Event | None = None
+        self.failing: set[str] = set()
         self.generates = 0
 
     def app(self) -> web.Application:
@@ -254,15 +255,20 @@ class ScriptedStub:
             await reply.write_eof()
             return reply
 
-        app = web.Application()
-        app.router.add_get("/health", health)
-        for path in ("/pause", "/resume", "/reset_prefix_cache", "/update_weight_version"):
-            app.router.add_post(path, ok)
-
         async def abort(_: web.Request) -> web.Response:
             await hang()
             return web.json_response({"success": True})
 
+        @web.middleware
+        async def failing(request: web.Request, handler: Any) -> web.StreamResponse:
+            if request.path in self.failing:
+                return web.Response(status=500, text="scripted failure")
+            return await handler(request)  # type: ignore[no-any-return]
+
+        app = web.Application(middlewares=[failing])
+        app.router.add_get("/health", health)
+        for path in ("/pause", "/resume", "/reset_prefix_cache", "/update_weight_version"):
+            app.router.add_post(path, ok)
         app.router.add_post("/abort_requests", abort)
         app.router.add_post("/inference/v1/generate", generate)
         return app
@@ -415,3 +421,25 @@ async def test_a_hung_replica_leaves_the_rotation_when_its_caller_gives_up() -> 
         assert hung.state is ReplicaState.DOWN
         (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
         assert sample.tokens.tolist() == [7, 8]  # served by the other replica
+
+
+async def test_a_held_request_is_not_sent_to_a_replica_that_left_the_rotation_meanwhile() -> None:
+    """A request is routed, then held while the engine is paused. If its replica fails the
+    weight update meanwhile (it leaves the rotation: not resumed, maybe half loaded), the
+    request was still sent there when admission reopened: into a paused vLLM it waits out
+    its deadline, and one that answers serves it with weights the engine never confirmed."""
+    async with scripted(2) as (engine, stubs):
+        await engine.check_replicas()
+        left = engine.replicas[1]
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is left)
+        await engine.pause_generation()
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        call = asyncio.ensure_future(engine.generate(request))
+        await engine.wait_held(1, 5.0)
+        stubs[1].failing.add("/update_weight_version")
+        await engine.update_weights(None, version=1)
+        assert left.state is ReplicaState.DOWN
+        await engine.resume_generation()
+        with pytest.raises(ReplicaError, match="left the rotation"):
+            await call
+        assert stubs[1].generates == 0

@@ -838,6 +838,11 @@ class VLLMServerEngine:
                 samples[i].finish = "abort"
             return
         replica = live.replica
+        if not _up(replica):  # a pause, update or resume failed there while this was held
+            raise ReplicaError(
+                replica.url,
+                f"left the rotation before {part.server_id} was sent: {replica.error}",
+            )
         body = {
             "request_id": part.server_id,
             "token_ids": part.prompt,
