@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from asyncroll._signal import Signal
 from asyncroll.engines import EngineDeadError, GenerateRequest, SampleRequest, SamplingConfig
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, control, pick
 from asyncroll.engines.vllm_serve import free_port
@@ -213,6 +214,9 @@ def _choice(
     }
 
 
+GENERATE = "/inference/v1/generate"
+
+
 def _sse(*events: bytes) -> bytes:
     return b"".join(b"data: " + e + b"\n\n" for e in events)
 
@@ -224,53 +228,61 @@ def _stream(*choices: dict[str, Any]) -> bytes:
 class ScriptedStub:
     """A replica whose answers the test scripts: the control routes answer as vLLM's do,
     `/health` answers `health` (vLLM's is empty), every generate answers the raw server-sent
-    events `stream`, and while `hang` is set, `/health`, `/abort_requests` and generate wait
-    for it to be set. Routes in `failing` answer 500."""
+    events `stream`. While `hang` is set, the routes in `hanging` wait for it to be set;
+    those in `failing` answer 500. `calls` lists every route called (`progress` is notified
+    at each call and reply), `label` is the version label last set."""
 
     def __init__(self) -> None:
         self.health = b""
         self.stream = _stream(_choice([7, 8]))
         self.hang: asyncio.Event | None = None
+        self.hanging = {"/health", "/abort_requests", GENERATE}
         self.failing: set[str] = set()
-        self.generates = 0
+        self.calls: list[str] = []
+        self.progress = Signal()
+        self.label = "default"
+
+    @property
+    def generates(self) -> int:
+        return self.calls.count(GENERATE)
 
     def app(self) -> web.Application:
-        async def hang() -> None:
-            if self.hang is not None:
-                await self.hang.wait()
-
         async def health(_: web.Request) -> web.Response:
-            await hang()
             return web.Response(body=self.health)
 
         async def ok(_: web.Request) -> web.Response:
             return web.json_response({"success": True})
 
+        async def version(request: web.Request) -> web.Response:
+            self.label = (await request.json())["new_version"]
+            return web.json_response({"success": True})
+
         async def generate(request: web.Request) -> web.StreamResponse:
-            self.generates += 1
-            await hang()
             reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await reply.prepare(request)
             await reply.write(self.stream)
             await reply.write_eof()
             return reply
 
-        async def abort(_: web.Request) -> web.Response:
-            await hang()
-            return web.json_response({"success": True})
-
         @web.middleware
-        async def failing(request: web.Request, handler: Any) -> web.StreamResponse:
-            if request.path in self.failing:
-                return web.Response(status=500, text="scripted failure")
-            return await handler(request)  # type: ignore[no-any-return]
+        async def script(request: web.Request, handler: Any) -> web.StreamResponse:
+            self.calls.append(request.path)
+            self.progress.notify()
+            try:
+                if self.hang is not None and request.path in self.hanging:
+                    await self.hang.wait()
+                if request.path in self.failing:
+                    return web.Response(status=500, text="scripted failure")
+                return await handler(request)  # type: ignore[no-any-return]
+            finally:
+                self.progress.notify()
 
-        app = web.Application(middlewares=[failing])
+        app = web.Application(middlewares=[script])
         app.router.add_get("/health", health)
-        for path in ("/pause", "/resume", "/reset_prefix_cache", "/update_weight_version"):
+        for path in ("/pause", "/resume", "/reset_prefix_cache", "/abort_requests"):
             app.router.add_post(path, ok)
-        app.router.add_post("/abort_requests", abort)
-        app.router.add_post("/inference/v1/generate", generate)
+        app.router.add_post("/update_weight_version", version)
+        app.router.add_post(GENERATE, generate)
         return app
 
 
@@ -443,3 +455,29 @@ async def test_a_held_request_is_not_sent_to_a_replica_that_left_the_rotation_me
         with pytest.raises(ReplicaError, match="left the rotation"):
             await call
         assert stubs[1].generates == 0
+
+
+async def test_an_update_cancelled_part_way_leaves_no_replica_serving_its_label() -> None:
+    """The producer bounds `update_weights` by `update_timeout_s` and, when it passes, sets
+    the label back with `update_weights(None, version=old)`. A replica relabelled before the
+    cancellation kept the new label: the engine's own version had not moved, so the roll
+    back was a no-op, and that replica stamped tokens with a version the producer never
+    reached. Every replica the update touched must serve the engine's label again."""
+    async with scripted(2) as (engine, stubs):
+        await engine.check_replicas()
+        assert [s.label for s in stubs] == ["0", "0"]
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/update_weight_version"}
+        update = asyncio.ensure_future(engine.update_weights(None, version=1))
+        await asyncio.wait_for(stubs[0].progress.wait_until(lambda: stubs[0].label == "1"), 5)
+        await asyncio.wait_for(
+            stubs[1].progress.wait_until(lambda: "/update_weight_version" in stubs[1].calls), 5
+        )
+        stubs[1].hanging = set()  # only that call hangs, to the end: its label never lands
+        update.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        await engine.update_weights(None, version=0)  # the producer's roll back
+        (sample,) = await engine.generate(_request("run-0-0"))
+        assert sample.versions.tolist() == [0, 0]
+        assert engine.version == 0
+        assert [s.label for s in stubs] == ["0", "0"]

@@ -56,7 +56,7 @@ import enum
 import os
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -623,9 +623,27 @@ class VLLMServerEngine:
             if not self._paused:
                 await self._each_replica("POST", _PAUSE)
             weights = folder if folder is not None else self._weights
-            await self._on_every_up(lambda r: self._load_on(r, folder, version))
+            loading = [r for r in self.replicas if r.state is ReplicaState.UP]
+            with self._resync_if_interrupted(loading):
+                await self._on_every_up(lambda r: self._load_on(r, folder, version))
             self._weights = weights
             self._version = version
+
+    @contextlib.contextmanager
+    def _resync_if_interrupted(self, replicas: list[Replica]) -> Iterator[None]:
+        """Around an update's loads and labels: if it ends by an exception other than a
+        replica's failure (a cancellation at the caller's deadline, above all), any of
+        `replicas` may already carry the new weights or label while the engine keeps the old
+        ones, and a roll back to the old version would be a no-op (`_update` skips an
+        unchanged one). Those still up leave the rotation until synced again with the
+        engine's weights and label (at once: the update's own resume syncs them)."""
+        try:
+            yield
+        except BaseException as exc:
+            for replica in replicas:
+                if replica.state is ReplicaState.UP:
+                    replica.mark_unsynced(f"an update was interrupted: {exc!r}")
+            raise
 
     async def _update_nccl(
         self, sender: nccl_transfer.WeightSender, named: list[tuple[str, Any]], version: int
@@ -643,7 +661,8 @@ class VLLMServerEngine:
             if self._group != tuple(members):
                 members = await self._form_group(sender, members)
             await self._transfer(sender, members, named, version)
-            members = await self._on_every(members, lambda r: self._load_on(r, None, version))
+            with self._resync_if_interrupted(members):
+                members = await self._on_every(members, lambda r: self._load_on(r, None, version))
             if not members:
                 raise EngineDeadError(f"no replica is up: {self._states()}")
             for replica in members:
