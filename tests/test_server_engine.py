@@ -481,3 +481,42 @@ async def test_an_update_cancelled_part_way_leaves_no_replica_serving_its_label(
         assert sample.versions.tolist() == [0, 0]
         assert engine.version == 0
         assert [s.label for s in stubs] == ["0", "0"]
+
+
+async def test_a_pause_that_fails_is_undone_and_requests_flow_again() -> None:
+    """No replica answers `/pause`: `pause_generation` raises `EngineDeadError`. It left
+    admission held, and the producer (whose failed pause reopens its own gate without a
+    resume) kept sending requests that waited for admission until their deadline, even
+    after the replica was back."""
+    async with scripted(1) as (engine, (stub,)):
+        await engine.check_replicas()
+        stub.failing.add("/pause")
+        with pytest.raises(EngineDeadError):
+            await engine.pause_generation()
+        stub.failing.clear()
+        await engine.check_replicas()  # back (as the next route's probe would bring it)
+        (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), 5.0)
+        assert sample.tokens.tolist() == [7, 8]
+        assert stub.calls[-2:] == ["/resume", GENERATE]
+
+
+async def test_a_pause_cancelled_part_way_is_undone() -> None:
+    """The producer bounds `pause_generation` by `abort_timeout_s` (30 s), under a hung
+    replica's `control_timeout_s` (120 s). Cancelled there, the pause left admission held
+    and the replicas whose `/pause` had answered paused: nothing ran again."""
+    async with scripted(2) as (engine, stubs):
+        await engine.check_replicas()
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/pause"}
+        pause = asyncio.ensure_future(engine.pause_generation())
+        await asyncio.wait_for(
+            stubs[0].progress.wait_until(lambda: stubs[0].calls[-1:] == ["/pause"]), 5.0
+        )
+        await asyncio.wait_for(stubs[1].progress.wait_until(lambda: "/pause" in stubs[1].calls), 5)
+        stubs[1].hanging = set()  # only that `/pause` hangs, to the end
+        pause.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pause
+        assert [s.calls[-1] for s in stubs] == ["/resume", "/resume"]
+        for k in range(4):
+            (sample,) = await asyncio.wait_for(engine.generate(_request(f"run-{k}-0")), 5.0)
+            assert sample.tokens.tolist() == [7, 8]

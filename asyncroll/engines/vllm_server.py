@@ -313,12 +313,23 @@ class VLLMServerEngine:
 
         Tokens sampled before the freeze may still reach `generate` after this returns: vLLM
         sends nothing that marks the end of a stream's pre-pause tokens. Each carries the
-        version label it was sampled under, so none is mistaken for the next weights'."""
+        version label it was sampled under, so none is mistaken for the next weights'.
+
+        A pause that fails (no replica answers, or its caller gives up part-way: the producer
+        bounds it by `abort_timeout_s`) is undone, the replicas that paused resumed, before
+        the error is raised: a caller that gives up on a pause does not resume, and a held
+        engine would hold every later request until its deadline."""
         async with self._control:
             self._check_open()
+            paused_before = self._paused
             self._admission = Admission.HELD
             self._paused = True
-            await self._each_replica("POST", _PAUSE)
+            try:
+                await self._each_replica("POST", _PAUSE)
+            except BaseException:
+                if not paused_before and not self._closed:
+                    await self._reopen()
+                raise
 
     async def resume_generation(self) -> None:
         async with self._control:
@@ -608,10 +619,16 @@ class VLLMServerEngine:
                 yield
             finally:
                 if not paused_before and not self._closed:
-                    with contextlib.suppress(EngineDeadError):
-                        await self._each_replica("POST", "/resume")
-                    self._admission = Admission.OPEN
-                    self._progress.notify()
+                    await self._reopen()
+
+    async def _reopen(self) -> None:
+        """Under the control lock: resume every replica that is up (none up: nothing to
+        resume) and let held requests go."""
+        with contextlib.suppress(EngineDeadError):
+            await self._each_replica("POST", "/resume")
+        self._paused = False
+        self._admission = Admission.OPEN
+        self._progress.notify()
 
     async def _update(self, folder: Path | None, version: int) -> None:
         """Hold admission, freeze every replica, load `folder` (None: keep the weights),
