@@ -520,3 +520,20 @@ async def test_a_pause_cancelled_part_way_is_undone() -> None:
         for k in range(4):
             (sample,) = await asyncio.wait_for(engine.generate(_request(f"run-{k}-0")), 5.0)
             assert sample.tokens.tolist() == [7, 8]
+
+
+async def test_a_resume_that_fails_still_lets_requests_go() -> None:
+    """No replica answers `/resume`: `resume_generation` raises `EngineDeadError`. It left
+    admission held and the engine paused, so the producer (whose gate opens whatever the
+    resume did) sent requests that waited until their deadline, and a replica coming back
+    was paused again by its sync."""
+    async with scripted(1) as (engine, (stub,)):
+        await engine.pause_generation()
+        stub.failing.add("/resume")
+        with pytest.raises(EngineDeadError):
+            await engine.resume_generation()
+        stub.failing.clear()
+        await engine.check_replicas()  # back (as the next route's probe would bring it)
+        (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), 5.0)
+        assert sample.tokens.tolist() == [7, 8]
+        assert stub.calls[-2:] == ["/resume", GENERATE]

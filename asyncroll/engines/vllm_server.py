@@ -328,16 +328,17 @@ class VLLMServerEngine:
                 await self._each_replica("POST", _PAUSE)
             except BaseException:
                 if not paused_before and not self._closed:
-                    await self._reopen()
+                    with contextlib.suppress(EngineDeadError):
+                        await self._reopen()
                 raise
 
     async def resume_generation(self) -> None:
+        """Resume every replica and let held requests go. Even when that fails (no replica
+        answers: `EngineDeadError`), the engine is no longer paused: the caller goes on as
+        resumed (the producer does), and replicas that come back are synced unpaused."""
         async with self._control:
             self._check_open()
-            await self._each_replica("POST", "/resume")
-            self._paused = False
-            self._admission = Admission.OPEN
-            self._progress.notify()
+            await self._reopen()
 
     async def update_weights(self, weights: Weights | None, *, version: int) -> None:
         """Write `weights` under `weights_dir` and load them on every replica (None: weights
@@ -619,16 +620,18 @@ class VLLMServerEngine:
                 yield
             finally:
                 if not paused_before and not self._closed:
-                    await self._reopen()
+                    with contextlib.suppress(EngineDeadError):
+                        await self._reopen()
 
     async def _reopen(self) -> None:
-        """Under the control lock: resume every replica that is up (none up: nothing to
-        resume) and let held requests go."""
-        with contextlib.suppress(EngineDeadError):
+        """Under the control lock: resume every replica that is up and let held requests go,
+        whatever the resume did (none up: `EngineDeadError`, once they are let go)."""
+        try:
             await self._each_replica("POST", "/resume")
-        self._paused = False
-        self._admission = Admission.OPEN
-        self._progress.notify()
+        finally:
+            self._paused = False
+            self._admission = Admission.OPEN
+            self._progress.notify()
 
     async def _update(self, folder: Path | None, version: int) -> None:
         """Hold admission, freeze every replica, load `folder` (None: keep the weights),
