@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
+import subprocess
+import sys
+import threading
+import types
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,9 +23,15 @@ import pytest
 from aiohttp import web
 
 from asyncroll._signal import Signal
-from asyncroll.engines import EngineDeadError, GenerateRequest, SampleRequest, SamplingConfig
+from asyncroll.engines import (
+    EngineDeadError,
+    GenerateRequest,
+    SampleRequest,
+    SamplingConfig,
+    vllm_serve,
+)
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, control, pick
-from asyncroll.engines.vllm_serve import free_port
+from asyncroll.engines.vllm_serve import ServerProcess, ServerStartError, free_port
 from asyncroll.engines.vllm_server import VLLMServerEngine, attempt_session
 
 
@@ -537,3 +548,39 @@ async def test_a_resume_that_fails_still_lets_requests_go() -> None:
         (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), 5.0)
         assert sample.tokens.tolist() == [7, 8]
         assert stub.calls[-2:] == ["/resume", GENERATE]
+
+
+def test_a_server_start_on_a_port_in_use_fails_instead_of_trusting_its_health(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ServerProcess.start(port=...)` waits for `/health` on the port. When another server
+    holds it (an earlier replica still stopping), that one answered, and `start` returned
+    at once a replica whose own process could never bind. No vLLM here: the spawned process
+    is replaced by one that only waits to be stopped."""
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    squatter = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    port = squatter.server_address[1]
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    spawned: list[list[str]] = []
+
+    def popen(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        spawned.append(args)
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], **kwargs)
+
+    fake = types.SimpleNamespace(Popen=popen, DEVNULL=subprocess.DEVNULL, STDOUT=subprocess.STDOUT)
+    monkeypatch.setattr(vllm_serve, "subprocess", fake)
+    try:
+        with pytest.raises(ServerStartError, match=f"port {port} .* in use"):
+            ServerProcess.start("no-model", port=port, ready_timeout_s=60.0).stop()
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+    assert spawned == []
