@@ -584,3 +584,17 @@ def test_a_server_start_on_a_port_in_use_fails_instead_of_trusting_its_health(
         squatter.shutdown()
         squatter.server_close()
     assert spawned == []
+
+
+async def test_an_update_running_when_the_engine_closes_raises_engine_dead() -> None:
+    """`close()` closes the HTTP session under the calls in flight; aiohttp then says
+    `RuntimeError("Session is closed")`, which escaped `update_weights` (and a probe inside
+    `generate`'s routing) instead of the `EngineDeadError` a closed engine raises."""
+    async with scripted(2) as (engine, stubs):
+        await engine.check_replicas()
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/pause"}
+        update = asyncio.ensure_future(engine.update_weights(None, version=1))
+        await asyncio.wait_for(stubs[1].progress.wait_until(lambda: "/pause" in stubs[1].calls), 5)
+        await engine.close()
+        with pytest.raises(EngineDeadError, match="closed"):
+            await update

@@ -455,6 +455,7 @@ class VLLMServerEngine:
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
+            self._check_open()  # never a new session once `close()` closed the last one
             connector = aiohttp.TCPConnector(
                 limit=self.max_connections, limit_per_host=self.max_connections
             )
@@ -498,7 +499,7 @@ class VLLMServerEngine:
                 if _up(replica) or self._closed:  # synced by an update that held the lock
                     return
                 try:
-                    if not await rp.healthy(self._session(), replica, self.health_timeout_s):
+                    if not await self._healthy(replica):
                         raise ReplicaError(replica.url, "GET /health failed")
                     if self._paused:
                         await self._call(replica, "POST", _PAUSE)
@@ -531,9 +532,7 @@ class VLLMServerEngine:
             if replica.state is ReplicaState.UP:
                 replica.mark_unsynced(str(exc))
                 self._leave_group(replica)
-        elif replica.state is ReplicaState.UP and not await rp.healthy(
-            self._session(), replica, self.health_timeout_s
-        ):
+        elif replica.state is ReplicaState.UP and not await self._healthy(replica):
             self._down(replica, exc)
 
     def _states(self) -> str:
@@ -552,9 +551,26 @@ class VLLMServerEngine:
     ) -> Any:
         """A control call within `timeout_s` (default `control_timeout_s`)."""
         timeout = self.control_timeout_s if timeout_s is None else timeout_s
-        return await rp.control(
-            self._session(), replica, method, path, timeout_s=timeout, json=json
-        )
+        with self._dead_if_closed():
+            return await rp.control(
+                self._session(), replica, method, path, timeout_s=timeout, json=json
+            )
+
+    async def _healthy(self, replica: Replica) -> bool:
+        with self._dead_if_closed():
+            return await rp.healthy(self._session(), replica, self.health_timeout_s)
+
+    @contextlib.contextmanager
+    def _dead_if_closed(self) -> Iterator[None]:
+        """Around an HTTP call: `close()` closes the session under the calls in flight,
+        which aiohttp reports as `RuntimeError("Session is closed")`. That is the engine's
+        death, raised as such, not an error of the call or the replica."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if self._closed and not isinstance(exc, ReplicaError):
+                raise EngineDeadError("VLLMServerEngine is closed") from None
+            raise
 
     async def _each_replica(self, method: str, path: str, json: Any = None) -> None:
         """One control call on every UP replica at once; one that fails leaves the rotation.
@@ -593,7 +609,7 @@ class VLLMServerEngine:
             if replica.state not in (ReplicaState.UNSYNCED, ReplicaState.STALE):
                 continue
             try:
-                if not await rp.healthy(self._session(), replica, self.health_timeout_s):
+                if not await self._healthy(replica):
                     raise ReplicaError(replica.url, "GET /health failed")
                 replica.state = await self._catch_up(replica)
             except ReplicaError as exc:
