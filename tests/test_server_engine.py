@@ -598,3 +598,21 @@ async def test_an_update_running_when_the_engine_closes_raises_engine_dead() -> 
         await engine.close()
         with pytest.raises(EngineDeadError, match="closed"):
             await update
+
+
+async def test_a_down_replica_whose_probe_hangs_does_not_stall_the_others_requests() -> None:
+    """Routing probed every down replica due for it, and every request waited for the probe:
+    with a replica's host unreachable (its `/health` hangs until `health_timeout_s`), every
+    request to the replicas that serve stalled for that long, once every
+    `health_interval_s`."""
+    async with scripted(2, health_timeout_s=60.0) as (engine, stubs):
+        await engine.check_replicas()
+        down = engine.replicas[1]
+        stubs[1].hang = asyncio.Event()  # set only at teardown
+        down.mark_down("went away", retry_at=0.0)  # due for a probe now
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is not down)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        (sample,) = await asyncio.wait_for(engine.generate(request), 5.0)
+        assert sample.tokens.tolist() == [7, 8]
+        assert stubs[1].calls[-1] == "/health"  # probed, and the probe still waits
+        assert down.state is ReplicaState.DOWN

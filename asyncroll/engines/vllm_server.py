@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import os
 import shutil
 import uuid
@@ -228,6 +229,7 @@ class VLLMServerEngine:
         self._held = 0
         self._progress = Signal()
         self._control = asyncio.Lock()
+        self._probes: dict[Replica, asyncio.Task[None]] = {}  # of down replicas, by routing
         self._closed = False
 
     # -- Engine protocol -------------------------------------------------------------------------
@@ -392,6 +394,10 @@ class VLLMServerEngine:
         ]
         await asyncio.gather(*(self._abort_on(r, ids) for r, ids in started if ids))
         await vllm_groups.end_streams(self._live.values(), self.control_timeout_s)
+        probes = list(self._probes.values())
+        for probe in probes:
+            probe.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -472,16 +478,27 @@ class VLLMServerEngine:
         return replica
 
     async def _revive_due(self) -> None:
-        """Sync every replica that is new, or down and due for a probe (concurrently)."""
+        """Sync every new replica, and start a probe of every down one due for it. Routing
+        waits for the new ones (a session must not settle elsewhere only because its replica
+        was not synced yet), but for the probes only when no replica is up: a down replica
+        whose probe hangs (its host unreachable) must not stall, once every
+        `health_interval_s`, the requests of the replicas that serve."""
+        new = [r for r in self.replicas if r.state is ReplicaState.UNSYNCED]
+        if new:
+            await asyncio.gather(*(self._sync(r) for r in new))
         now = asyncio.get_running_loop().time()
-        due = [
-            r
-            for r in self.replicas
-            if r.state is ReplicaState.UNSYNCED
-            or (r.state is ReplicaState.DOWN and r.retry_at <= now)
-        ]
-        if due:
-            await asyncio.gather(*(self._sync(r) for r in due))
+        for replica in self.replicas:
+            due = replica.state is ReplicaState.DOWN and replica.retry_at <= now
+            if due and replica not in self._probes:
+                probe = self._probes[replica] = asyncio.ensure_future(self._sync(replica))
+                probe.add_done_callback(functools.partial(self._probed, replica))
+        if self._probes and not any(r.state is ReplicaState.UP for r in self.replicas):
+            await asyncio.gather(*map(asyncio.shield, list(self._probes.values())))
+
+    def _probed(self, replica: Replica, _: asyncio.Task[None]) -> None:
+        """A routing probe of `replica` ended (its outcome is the replica's state): the next
+        one may start when it is due again."""
+        del self._probes[replica]
 
     async def _sync(self, replica: Replica, *, now: bool = False) -> None:
         """Bring `replica` into the rotation: healthy, serving the current weights under the
