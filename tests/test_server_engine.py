@@ -44,6 +44,8 @@ from asyncroll.engines.vllm_server import VLLMServerEngine, attempt_session
         ({"urls": ["http://A:1", "http://a:1"]}, "appear once"),  # host names ignore case
         ({"urls": ["http://a", "http://a:80"]}, "appear once"),  # the default port
         ({"vocab_size": 0}, "vocab_size"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"max_model_len": -256}, "max_model_len"),
         ({"stream_interval": 0}, "stream_interval"),
         ({"request_timeout_s": 0}, "request_timeout_s"),
         ({"max_connections": 0}, "max_connections"),

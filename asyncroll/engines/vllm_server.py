@@ -186,6 +186,8 @@ class VLLMServerEngine:
             raise ValueError(f"urls {url_list}: each replica must appear once")
         if vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size}: must be the served model's (>= 1)")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len={max_model_len}: must be the served model's (>= 1)")
         if stream_interval is not None and stream_interval < 1:
             raise ValueError(f"stream_interval={stream_interval}: must be >= 1 (or None)")
         timeouts = {
