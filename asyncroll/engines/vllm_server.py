@@ -740,8 +740,9 @@ class VLLMServerEngine:
         `members`: the trainer at rank 0, each replica's workers (`/get_world_size`, data
         parallel included) after the previous replica's. No weights move here, so a failure
         leaves every replica serving what it had; a replica started without
-        `--weight-transfer-config` fails the update with a `ValueError` saying so. The
-        members that joined."""
+        `--weight-transfer-config` fails the update with a `ValueError` saying so, and one
+        that fails to join leaves the rotation (else every later update would fail on it
+        again). The members that joined."""
         old, self._group = self._group or (), None
         staying = [r for r in members if r in old]
         shut = await self._on_every(
@@ -782,6 +783,9 @@ class VLLMServerEngine:
                     f"{error}: start every replica with"
                     """ --weight-transfer-config '{"backend":"nccl"}' to use weight_transfer"""
                 ) from None
+            for replica in members:  # it leaves: the next update forms the group without it
+                if isinstance(error, ReplicaError) and error.url == replica.url:
+                    self._down(replica, error)
             raise error
         self._group = tuple(members)
         return members
