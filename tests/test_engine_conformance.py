@@ -475,3 +475,25 @@ async def test_a_closed_engine_is_dead(own_subject: Subject) -> None:
         await engine.abort(f"{RUN}-never-seen")
         await engine.close()
     assert engine.running_requests == 0
+
+
+@pytest.mark.parametrize("then", ["resume", "abort"])
+async def test_a_zero_latency_sim_request_started_while_paused_waits(then: str) -> None:
+    """`SimEngine` without latency (the producer's tests run it so) finished a request the
+    moment it started, paused or not: a keep-mode pause froze nothing new, and the tokens
+    carried the version of before an update made during the pause."""
+    engine = SimEngine(vocab_size=512)
+    await engine.pause_generation()
+    call = asyncio.ensure_future(engine.generate(make_request("sim-paused", [3])))
+    await engine.wait_progress(lambda: engine.calls == 1, 5.0)
+    await engine.update_weights(None, version=1)
+    assert not call.done() and engine.running_requests == 1
+    if then == "resume":
+        await engine.resume_generation()
+        (out,) = await finished(call)
+        assert (out.finish_reason, out.versions.tolist()) == ("length", [1, 1, 1])
+    else:
+        await engine.abort(f"{RUN}-sim-paused")
+        (out,) = await finished(call)
+        assert (out.finish_reason, len(out.tokens)) == ("abort", 0)
+    await engine.close()

@@ -81,8 +81,8 @@ class FakeSender:
 class TransferStub:
     """A replica's control routes, weight-transfer ones included, and a generate that
     answers one token labelled with the replica's version label. `configured`: started with
-    `--weight-transfer-config` (else those routes answer 500 as vLLM's do); `fail_update`:
-    `/update_weights` answers 500."""
+    `--weight-transfer-config` (else those routes answer 500 as vLLM's do); `fail_update`,
+    `fail_init`: `/update_weights`, `/init_weight_transfer_engine` answer 500."""
 
     def __init__(self, name: str, log: list[tuple[str, str]], sender: FakeSender, size: int):
         self.name = name
@@ -91,6 +91,7 @@ class TransferStub:
         self.world_size = size
         self.configured = True
         self.fail_update = False
+        self.fail_init = False
         self.alive = True  # False: every route answers 503, as a server that went away
         self.label = "default"
         self.joined = False  # in the trainer's NCCL group (`/init_weight_transfer_engine`)
@@ -132,6 +133,8 @@ class TransferStub:
         async def init(request: web.Request) -> web.Response:
             if not self.configured:
                 return not_configured()
+            if self.fail_init:
+                return web.Response(status=500, text="RuntimeError: NCCL error: unhandled")
             self.init_infos.append((await request.json())["init_info"])
             self.joined = True
             record(request.path)
@@ -457,3 +460,24 @@ def test_the_modules_import_without_torch() -> None:
         "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)  # a loaded machine
+
+
+async def test_a_replica_failing_to_join_the_group_leaves_the_rotation_not_every_update(
+    setup: Setup,
+) -> None:
+    """A replica whose `/init_weight_transfer_engine` fails (its NCCL cannot reach the
+    trainer, say) failed the update, and stayed up: every later update formed the group
+    with it again and failed again, so no weights could ever reach the other replicas. It
+    must leave the rotation, so that the next update goes ahead without it."""
+    engine, stubs = setup.engine, setup.stubs
+    stubs[1].fail_init = True
+    with pytest.raises(ReplicaError, match="init_weight_transfer_engine") as caught:
+        await engine.update_weights(WEIGHTS, version=1)
+    assert caught.value.url == engine.replicas[1].url
+    assert engine.replicas[1].state is ReplicaState.DOWN
+    assert engine.replicas[0].state is ReplicaState.UP
+    setup.sender.members = 1
+    await engine.update_weights(WEIGHTS, version=2)
+    assert engine.version == 2 and stubs[0].label == "2"
+    (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), WAIT_S)
+    assert sample.versions.tolist() == [2]

@@ -1,22 +1,37 @@
 """`VLLMServerEngine` without a server: configuration errors, routing, and replicas that are
-not there (the real `vllm serve` tests are in tests/vllm/test_server*.py)."""
+not there, hang or answer garbage (scripted aiohttp stubs; the real `vllm serve` tests are in
+tests/vllm/test_server*.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
+import json
+import subprocess
+import sys
+import threading
+import types
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 import pytest
 from aiohttp import web
 
-from asyncroll.engines import EngineDeadError, GenerateRequest, SampleRequest, SamplingConfig
+from asyncroll._signal import Signal
+from asyncroll.engines import (
+    EngineDeadError,
+    GenerateRequest,
+    SampleRequest,
+    SamplingConfig,
+    vllm_serve,
+)
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, control, pick
-from asyncroll.engines.vllm_serve import free_port
+from asyncroll.engines.vllm_serve import ServerProcess, ServerStartError, free_port
 from asyncroll.engines.vllm_server import VLLMServerEngine, attempt_session
 
 
@@ -26,7 +41,11 @@ from asyncroll.engines.vllm_server import VLLMServerEngine, attempt_session
         ({"urls": []}, "at least one"),
         ({"urls": "127.0.0.1:8000"}, "base URL like http://"),
         ({"urls": ["http://a:1", "http://a:1/"]}, "appear once"),
+        ({"urls": ["http://A:1", "http://a:1"]}, "appear once"),  # host names ignore case
+        ({"urls": ["http://a", "http://a:80"]}, "appear once"),  # the default port
         ({"vocab_size": 0}, "vocab_size"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"max_model_len": -256}, "max_model_len"),
         ({"stream_interval": 0}, "stream_interval"),
         ({"request_timeout_s": 0}, "request_timeout_s"),
         ({"max_connections": 0}, "max_connections"),
@@ -189,3 +208,413 @@ async def test_aiohttps_own_timeout_is_a_transport_error_retried_not_the_deadlin
 async def test_a_control_call_past_its_deadline_says_so() -> None:
     with pytest.raises(ReplicaError, match=r"POST /pause: no reply within 0.05 s"):
         await control_on(_Session(None), timeout_s=0.05)
+
+
+def _choice(
+    tokens: list[int], *, index: int = 0, spans: list[tuple[str, int, int]] | None = None
+) -> dict[str, Any]:
+    """One finished sample of a generate stream: `tokens`, labelled version "0" unless
+    `spans` says otherwise."""
+    return {
+        "index": index,
+        "token_ids": tokens,
+        "finish_reason": "length",
+        "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in tokens]},
+        "weight_versions": [
+            {"version": v, "start": s, "end": e}
+            for v, s, e in (spans if spans is not None else [("0", 0, len(tokens))])
+        ],
+    }
+
+
+GENERATE = "/inference/v1/generate"
+
+
+def _sse(*events: bytes) -> bytes:
+    return b"".join(b"data: " + e + b"\n\n" for e in events)
+
+
+def _stream(*choices: dict[str, Any]) -> bytes:
+    return _sse(*(json.dumps({"choices": [c]}).encode() for c in choices), b"[DONE]")
+
+
+class ScriptedStub:
+    """A replica whose answers the test scripts: the control routes answer as vLLM's do,
+    `/health` answers `health` (vLLM's is empty), every generate answers the raw server-sent
+    events `stream`. While `hang` is set, the routes in `hanging` wait for it to be set;
+    those in `failing` answer 500. `calls` lists every route called (`progress` is notified
+    at each call and reply), `label` is the version label last set."""
+
+    def __init__(self) -> None:
+        self.health = b""
+        self.stream = _stream(_choice([7, 8]))
+        self.hang: asyncio.Event | None = None
+        self.hanging = {"/health", "/abort_requests", GENERATE}
+        self.failing: set[str] = set()
+        self.calls: list[str] = []
+        self.progress = Signal()
+        self.label = "default"
+
+    @property
+    def generates(self) -> int:
+        return self.calls.count(GENERATE)
+
+    def app(self) -> web.Application:
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(body=self.health)
+
+        async def ok(_: web.Request) -> web.Response:
+            return web.json_response({"success": True})
+
+        async def version(request: web.Request) -> web.Response:
+            self.label = (await request.json())["new_version"]
+            return web.json_response({"success": True})
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await reply.prepare(request)
+            await reply.write(self.stream)
+            await reply.write_eof()
+            return reply
+
+        @web.middleware
+        async def script(request: web.Request, handler: Any) -> web.StreamResponse:
+            self.calls.append(request.path)
+            self.progress.notify()
+            try:
+                if self.hang is not None and request.path in self.hanging:
+                    await self.hang.wait()
+                if request.path in self.failing:
+                    return web.Response(status=500, text="scripted failure")
+                return await handler(request)  # type: ignore[no-any-return]
+            finally:
+                self.progress.notify()
+
+        app = web.Application(middlewares=[script])
+        app.router.add_get("/health", health)
+        for path in ("/pause", "/resume", "/reset_prefix_cache", "/abort_requests"):
+            app.router.add_post(path, ok)
+        app.router.add_post("/update_weight_version", version)
+        app.router.add_post(GENERATE, generate)
+        return app
+
+
+@contextlib.asynccontextmanager
+async def scripted(
+    count: int, **kwargs: Any
+) -> AsyncIterator[tuple[VLLMServerEngine, list[ScriptedStub]]]:
+    """`count` scripted replicas and an engine over them (`kwargs` for the engine)."""
+    stubs = [ScriptedStub() for _ in range(count)]
+    runners, urls = [], []
+    for stub in stubs:
+        runner = web.AppRunner(stub.app(), shutdown_timeout=1.0)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{port}")
+    engine = VLLMServerEngine(urls, vocab_size=512, **kwargs)
+    try:
+        yield engine, stubs
+    finally:
+        for stub in stubs:
+            if stub.hang is not None:
+                stub.hang.set()
+        await engine.close()
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_a_replica_answering_garbage_to_its_health_probe_leaves_the_rotation() -> None:
+    """A 200 whose body is not JSON (a proxy's error page) was a `msgspec.DecodeError`, not
+    a `ReplicaError`: it escaped the probe, and every `generate` raised it, the other
+    replica's sessions included."""
+    async with scripted(2) as (engine, stubs):
+        stubs[1].health = b"<html>502 Bad Gateway</html>"
+        for k in range(10):
+            (sample,) = await engine.generate(_request(f"run-{k}-0"))
+            assert sample.tokens.tolist() == [7, 8]
+        assert engine.replicas[1].state is ReplicaState.DOWN
+        assert stubs[1].generates == 0
+
+
+@pytest.mark.parametrize("event", [b"{not json", b'{"choices": "none"}'])
+async def test_a_malformed_stream_event_fails_the_request_naming_the_replica(event: bytes) -> None:
+    async with scripted(1) as (engine, (stub,)):
+        stub.stream = _sse(event, b"[DONE]")
+        with pytest.raises(ReplicaError, match="malformed event") as caught:
+            await engine.generate(_request("run-0-0"))
+        assert caught.value.url == engine.replicas[0].url
+
+
+async def test_more_tokens_than_a_sample_asked_for_fail_the_request() -> None:
+    """The `Engine` contract: never more than a sample's `max_new_tokens`. A replica that
+    streams more (a wrong `max_tokens` on its side) was passed through."""
+    async with scripted(1) as (engine, (stub,)):
+        stub.stream = _stream(_choice([1, 2, 3, 4, 5]))  # `_request` asks for 4
+        with pytest.raises(ReplicaError, match=r"5 tokens .* at most 4") as caught:
+            await engine.generate(_request("run-0-0"))
+        assert caught.value.url == engine.replicas[0].url
+        stub.stream = _stream(_choice([1, 2, 3, 4]))
+        (sample,) = await engine.generate(_request("run-1-0"))
+        assert sample.tokens.tolist() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [
+        [("0", 0, 2), ("0", 0, 1)],  # token 0 twice, token 2 never: lengths add up to 3
+        [("0", -1, 2)],  # a negative start: an empty slice whose length is 3
+        [("0", 0, 3), ("1", 0, 1)],  # token 0 labelled twice, differently
+        [("0", 0, 2)],  # token 2 never
+    ],
+)
+async def test_version_spans_that_do_not_label_each_token_once_fail_the_request(
+    spans: list[tuple[str, int, int]],
+) -> None:
+    """Only the spans' lengths were checked against the token count: the first two passed,
+    and the unlabelled token got whatever `np.empty` held for its version."""
+    async with scripted(1) as (engine, (stub,)):
+        stub.stream = _stream(_choice([1, 2, 3], spans=spans))
+        with pytest.raises(ReplicaError, match="do not label each of the 3 tokens"):
+            await engine.generate(_request("run-0-0"))
+        stub.stream = _stream(_choice([1, 2, 3], spans=[("0", 0, 1), ("0", 1, 1), ("0", 1, 3)]))
+        (sample,) = await engine.generate(_request("run-1-0"))
+        assert sample.versions.tolist() == [0, 0, 0]
+
+
+async def test_a_hung_replica_leaves_the_rotation_when_a_request_times_out() -> None:
+    """A replica that stops answering (generate and `/health` alike) failed a request at
+    `request_timeout_s` but stayed UP: every later request of its sessions was sent there to
+    wait out the deadline too (only a DOWN replica is probed, and nothing took it down)."""
+    deadlines = {"request_timeout_s": 0.2, "health_timeout_s": 0.2, "control_timeout_s": 0.2}
+    async with scripted(2, **deadlines) as (engine, stubs):
+        await engine.check_replicas()  # both synced and UP
+        hung = engine.replicas[1]
+        stubs[1].hang = asyncio.Event()  # never set while the engine runs
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is hung)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        with pytest.raises(ReplicaError, match="request_timeout_s"):
+            await engine.generate(request)
+        assert hung.state is ReplicaState.DOWN
+        (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
+        assert sample.tokens.tolist() == [7, 8]  # served by the other replica
+        assert stubs[1].generates == 1
+
+
+async def test_an_oversized_stream_line_fails_the_request_naming_the_replica() -> None:
+    """A line longer than any event of the request's tokens can be raised aiohttp's
+    `LineTooLong`, which is neither a `ReplicaError` nor a transport error: it named no
+    replica and skipped the replica's health check."""
+    async with scripted(1) as (engine, (stub,)):
+        stub.stream = _sse(b'{"choices": [], "pad": "' + b"x" * (1 << 20) + b'"}', b"[DONE]")
+        with pytest.raises(ReplicaError, match="line") as caught:
+            await engine.generate(_request("run-0-0"))
+        assert caught.value.url == engine.replicas[0].url
+
+
+@pytest.mark.parametrize("index", [1, -1])
+async def test_a_stream_choice_index_outside_the_request_fails_it_naming_the_replica(
+    index: int,
+) -> None:
+    """A request of `n` samples has choices 0..n-1. Index n raised a bare `IndexError`;
+    index -1 was taken, by Python's negative indexing, for the last sample."""
+    async with scripted(1) as (engine, (stub,)):
+        stub.stream = _stream(_choice([7, 8], index=index))
+        with pytest.raises(ReplicaError, match=f"choice {index}") as caught:
+            await engine.generate(_request("run-0-0"))
+        assert caught.value.url == engine.replicas[0].url
+
+
+async def test_a_hung_replica_leaves_the_rotation_when_its_caller_gives_up() -> None:
+    """The producer's deadline (`generate_timeout_s`, 600 s by default) cancels a `generate`
+    long before `request_timeout_s` (3600 s). The abort sent on the way out got no answer
+    either, and was ignored: the replica stayed UP, and every group of its sessions waited
+    out the producer's deadline in turn."""
+    deadlines = {"health_timeout_s": 0.2, "control_timeout_s": 0.2}
+    async with scripted(2, **deadlines) as (engine, stubs):
+        await engine.check_replicas()
+        hung = engine.replicas[1]
+        stubs[1].hang = asyncio.Event()  # never set while the engine runs
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is hung)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        call = asyncio.ensure_future(engine.generate(request))
+        await engine.wait_progress(lambda: hung.streams == 1, 5.0)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert hung.state is ReplicaState.DOWN
+        (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
+        assert sample.tokens.tolist() == [7, 8]  # served by the other replica
+
+
+async def test_a_held_request_is_not_sent_to_a_replica_that_left_the_rotation_meanwhile() -> None:
+    """A request is routed, then held while the engine is paused. If its replica fails the
+    weight update meanwhile (it leaves the rotation: not resumed, maybe half loaded), the
+    request was still sent there when admission reopened: into a paused vLLM it waits out
+    its deadline, and one that answers serves it with weights the engine never confirmed."""
+    async with scripted(2) as (engine, stubs):
+        await engine.check_replicas()
+        left = engine.replicas[1]
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is left)
+        await engine.pause_generation()
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        call = asyncio.ensure_future(engine.generate(request))
+        await engine.wait_held(1, 5.0)
+        stubs[1].failing.add("/update_weight_version")
+        await engine.update_weights(None, version=1)
+        assert left.state is ReplicaState.DOWN
+        await engine.resume_generation()
+        with pytest.raises(ReplicaError, match="left the rotation"):
+            await call
+        assert stubs[1].generates == 0
+
+
+async def test_an_update_cancelled_part_way_leaves_no_replica_serving_its_label() -> None:
+    """The producer bounds `update_weights` by `update_timeout_s` and, when it passes, sets
+    the label back with `update_weights(None, version=old)`. A replica relabelled before the
+    cancellation kept the new label: the engine's own version had not moved, so the roll
+    back was a no-op, and that replica stamped tokens with a version the producer never
+    reached. Every replica the update touched must serve the engine's label again."""
+    async with scripted(2) as (engine, stubs):
+        await engine.check_replicas()
+        assert [s.label for s in stubs] == ["0", "0"]
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/update_weight_version"}
+        update = asyncio.ensure_future(engine.update_weights(None, version=1))
+        await asyncio.wait_for(stubs[0].progress.wait_until(lambda: stubs[0].label == "1"), 5)
+        await asyncio.wait_for(
+            stubs[1].progress.wait_until(lambda: "/update_weight_version" in stubs[1].calls), 5
+        )
+        stubs[1].hanging = set()  # only that call hangs, to the end: its label never lands
+        update.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        await engine.update_weights(None, version=0)  # the producer's roll back
+        (sample,) = await engine.generate(_request("run-0-0"))
+        assert sample.versions.tolist() == [0, 0]
+        assert engine.version == 0
+        assert [s.label for s in stubs] == ["0", "0"]
+
+
+async def test_a_pause_that_fails_is_undone_and_requests_flow_again() -> None:
+    """No replica answers `/pause`: `pause_generation` raises `EngineDeadError`. It left
+    admission held, and the producer (whose failed pause reopens its own gate without a
+    resume) kept sending requests that waited for admission until their deadline, even
+    after the replica was back."""
+    async with scripted(1) as (engine, (stub,)):
+        await engine.check_replicas()
+        stub.failing.add("/pause")
+        with pytest.raises(EngineDeadError):
+            await engine.pause_generation()
+        stub.failing.clear()
+        await engine.check_replicas()  # back (as the next route's probe would bring it)
+        (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), 5.0)
+        assert sample.tokens.tolist() == [7, 8]
+        assert stub.calls[-2:] == ["/resume", GENERATE]
+
+
+async def test_a_pause_cancelled_part_way_is_undone() -> None:
+    """The producer bounds `pause_generation` by `abort_timeout_s` (30 s), under a hung
+    replica's `control_timeout_s` (120 s). Cancelled there, the pause left admission held
+    and the replicas whose `/pause` had answered paused: nothing ran again."""
+    async with scripted(2) as (engine, stubs):
+        await engine.check_replicas()
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/pause"}
+        pause = asyncio.ensure_future(engine.pause_generation())
+        await asyncio.wait_for(
+            stubs[0].progress.wait_until(lambda: stubs[0].calls[-1:] == ["/pause"]), 5.0
+        )
+        await asyncio.wait_for(stubs[1].progress.wait_until(lambda: "/pause" in stubs[1].calls), 5)
+        stubs[1].hanging = set()  # only that `/pause` hangs, to the end
+        pause.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pause
+        assert [s.calls[-1] for s in stubs] == ["/resume", "/resume"]
+        for k in range(4):
+            (sample,) = await asyncio.wait_for(engine.generate(_request(f"run-{k}-0")), 5.0)
+            assert sample.tokens.tolist() == [7, 8]
+
+
+async def test_a_resume_that_fails_still_lets_requests_go() -> None:
+    """No replica answers `/resume`: `resume_generation` raises `EngineDeadError`. It left
+    admission held and the engine paused, so the producer (whose gate opens whatever the
+    resume did) sent requests that waited until their deadline, and a replica coming back
+    was paused again by its sync."""
+    async with scripted(1) as (engine, (stub,)):
+        await engine.pause_generation()
+        stub.failing.add("/resume")
+        with pytest.raises(EngineDeadError):
+            await engine.resume_generation()
+        stub.failing.clear()
+        await engine.check_replicas()  # back (as the next route's probe would bring it)
+        (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), 5.0)
+        assert sample.tokens.tolist() == [7, 8]
+        assert stub.calls[-2:] == ["/resume", GENERATE]
+
+
+def test_a_server_start_on_a_port_in_use_fails_instead_of_trusting_its_health(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ServerProcess.start(port=...)` waits for `/health` on the port. When another server
+    holds it (an earlier replica still stopping), that one answered, and `start` returned
+    at once a replica whose own process could never bind. No vLLM here: the spawned process
+    is replaced by one that only waits to be stopped."""
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    squatter = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    port = squatter.server_address[1]
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    spawned: list[list[str]] = []
+
+    def popen(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        spawned.append(args)
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], **kwargs)
+
+    fake = types.SimpleNamespace(Popen=popen, DEVNULL=subprocess.DEVNULL, STDOUT=subprocess.STDOUT)
+    monkeypatch.setattr(vllm_serve, "subprocess", fake)
+    try:
+        with pytest.raises(ServerStartError, match=f"port {port} .* in use"):
+            ServerProcess.start("no-model", port=port, ready_timeout_s=60.0).stop()
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+    assert spawned == []
+
+
+async def test_an_update_running_when_the_engine_closes_raises_engine_dead() -> None:
+    """`close()` closes the HTTP session under the calls in flight; aiohttp then says
+    `RuntimeError("Session is closed")`, which escaped `update_weights` (and a probe inside
+    `generate`'s routing) instead of the `EngineDeadError` a closed engine raises."""
+    async with scripted(2) as (engine, stubs):
+        await engine.check_replicas()
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/pause"}
+        update = asyncio.ensure_future(engine.update_weights(None, version=1))
+        await asyncio.wait_for(stubs[1].progress.wait_until(lambda: "/pause" in stubs[1].calls), 5)
+        await engine.close()
+        with pytest.raises(EngineDeadError, match="closed"):
+            await update
+
+
+async def test_a_down_replica_whose_probe_hangs_does_not_stall_the_others_requests() -> None:
+    """Routing probed every down replica due for it, and every request waited for the probe:
+    with a replica's host unreachable (its `/health` hangs until `health_timeout_s`), every
+    request to the replicas that serve stalled for that long, once every
+    `health_interval_s`."""
+    async with scripted(2, health_timeout_s=60.0) as (engine, stubs):
+        await engine.check_replicas()
+        down = engine.replicas[1]
+        stubs[1].hang = asyncio.Event()  # set only at teardown
+        down.mark_down("went away", retry_at=0.0)  # due for a probe now
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is not down)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        (sample,) = await asyncio.wait_for(engine.generate(request), 5.0)
+        assert sample.tokens.tolist() == [7, 8]
+        assert stubs[1].calls[-1] == "/health"  # probed, and the probe still waits
+        assert down.state is ReplicaState.DOWN

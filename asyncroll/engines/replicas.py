@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from aiohttp.http_exceptions import LineTooLong
 
 
 class ReplicaState(enum.Enum):
@@ -117,7 +118,11 @@ async def control(
                 message = f"{method} {path}: {type(exc).__name__}: {exc}"
                 raise ReplicaError(replica.url, message) from None
             continue
-        return msgspec.json.decode(body) if body.strip() else None
+        try:
+            return msgspec.json.decode(body) if body.strip() else None
+        except msgspec.DecodeError:  # garbage (a proxy's error page) fails like any bad reply
+            text = body[:500].decode(errors="replace")
+            raise ReplicaError(replica.url, f"{method} {path} -> not JSON: {text}") from None
     raise AssertionError("unreachable")
 
 
@@ -180,20 +185,33 @@ async def events(
     reply: aiohttp.ClientResponse, url: str, max_tokens: int
 ) -> AsyncIterator[StreamEvent]:
     """The events of a generate stream of at most `max_tokens` tokens until `[DONE]`. An error
-    event (the engine core died mid-request, vLLM's own errors) raises `ReplicaError`; a stream
-    that ends without `[DONE]` too (the API server died). One event can carry every token of
-    the request (aiohttp's default line limit, 512 KiB, is ~4,000 tokens), so lines may be as
-    long as `max_tokens` tokens can make them."""
+    event (the engine core died mid-request, vLLM's own errors) raises `ReplicaError`; so do a
+    malformed event and a stream that ends without `[DONE]` (the API server died). One event
+    can carry every token of the request (aiohttp's default line limit, 512 KiB, is ~4,000
+    tokens), so lines may be as long as `max_tokens` tokens can make them."""
     limit = EVENT_OVERHEAD_BYTES + EVENT_BYTES_PER_TOKEN * max_tokens
-    while raw := await reply.content.readline(max_line_length=limit):
+    while raw := await _line(reply, url, limit):
         line = raw.strip()
         if not line.startswith(b"data:"):
             continue
         data = line[5:].strip()
         if data == b"[DONE]":
             return
-        event = _DECODER.decode(data)
+        try:
+            event = _DECODER.decode(data)
+        except msgspec.DecodeError as exc:  # not JSON, or not the shape of an event
+            raise ReplicaError(url, f"generate stream: malformed event: {exc}") from None
         if event.error is not None:
             raise ReplicaError(url, f"generate stream error: {event.error.get('message')}")
         yield event
     raise ReplicaError(url, "generate stream ended without [DONE] (the server went away)")
+
+
+async def _line(reply: aiohttp.ClientResponse, url: str, limit: int) -> bytes:
+    """The next line of a stream (empty at its end). A longer line than `limit` is a replica
+    answering garbage: aiohttp's `LineTooLong` is no transport error, so it becomes a
+    `ReplicaError` here."""
+    try:
+        return await reply.content.readline(max_line_length=limit)
+    except LineTooLong:
+        raise ReplicaError(url, f"generate stream: a line over {limit} bytes") from None

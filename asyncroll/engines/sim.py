@@ -307,15 +307,16 @@ class SimEngine:
 
     async def _run(self, live: _Live) -> None:
         """Advance simulated time until the longest sample is done or the request is aborted.
-        Time only runs while the engine is not paused (see `_Live`)."""
-        if live.duration == 0:
-            live.segments.append((live.longest, self._version))
-            return
-        while not live.aborted and live.active < live.duration:
+        Time only runs while the engine is not paused (see `_Live`): a request without
+        latency, too, waits for the resume before it is done."""
+        while not live.aborted and (live.duration == 0 or live.active < live.duration):
             live.wake.clear()
             if not self._running.is_set():
                 await live.wake.wait()  # set again by resume_generation or abort
                 continue
+            if live.duration == 0:  # done at once, under the version of this moment
+                live.segments.append((live.longest, self._version))
+                return
             live.run(self._version)
             try:
                 async with asyncio.timeout(live.duration - live.active):

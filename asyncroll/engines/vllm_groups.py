@@ -122,16 +122,20 @@ async def end_streams(groups: Iterable[RunningGroup], timeout: float) -> None:
 
 def token_versions(
     spans: Iterable[VersionSpan] | None, n: int, version_of: Callable[[str], int]
-) -> tuple[npt.NDArray[np.int32], int]:
+) -> npt.NDArray[np.int32] | None:
     """The version of each of a sample's `n` tokens from vLLM's weight-version spans
-    (`version_of` reads a label), and how many tokens the spans labelled: the caller fails a
-    sample they do not cover exactly."""
+    (`version_of` reads a label); None unless the spans label every token exactly once, one
+    span after another from the first token (the caller fails such a sample). Counting the
+    spans' lengths alone is not enough: an overlap beside a gap, or a negative start, adds up
+    to `n` and leaves tokens with `np.empty`'s garbage for a version."""
     versions = np.empty(n, dtype=np.int32)
     covered = 0
     for span in spans or ():
+        if not covered == span.start <= span.end <= n:
+            return None
         versions[span.start : span.end] = version_of(span.version)
-        covered += span.end - span.start
-    return versions, covered
+        covered = span.end
+    return versions if covered == n else None
 
 
 def _token_list(tokens: Any, vocab_size: int, what: str) -> list[int]:

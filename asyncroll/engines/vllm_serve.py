@@ -75,6 +75,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _in_use(port: int) -> bool:
+    """Whether a socket listens on `port` of 127.0.0.1 (one in TIME_WAIT does not count:
+    the server binds with SO_REUSEADDR as well)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 class ServerStartError(RuntimeError):
     """`vllm serve` exited or did not become healthy in time; the message holds its log's tail."""
 
@@ -103,14 +115,20 @@ class ServerProcess:
         **serve_kwargs: object,
     ) -> ServerProcess:
         """Start a replica and return once `/health` answers 200 (`ServerStartError` if the
-        process exits first or `ready_timeout_s` passes; the process group is then stopped).
+        process exits first or `ready_timeout_s` passes; the process group is then stopped;
+        or at once if `port` is in use: the server there would answer that `/health`).
 
         The default deadline is long because a start is slow where it matters: a large model
         on GPUs loads, compiles and captures CUDA graphs for minutes, and the tiny test model
         took 30-55 s on 2 idle CPU cores but over 4 minutes with both cores busy (a full test
         run beside two busy loops; 240 s, the earlier default, failed there). A process that
         exits is reported at once, whatever the deadline."""
-        port = free_port() if port is None else port
+        if port is None:
+            port = free_port()
+        elif _in_use(port):  # whatever listens there would answer the /health polled below
+            raise ServerStartError(
+                f"port {port} on 127.0.0.1 is in use (an earlier server still stopping?)"
+            )
         args = serve_args(model, port, **serve_kwargs)  # type: ignore[arg-type]
         fd, log_name = tempfile.mkstemp(prefix=f"vllm-serve-{port}-", suffix=".log")
         child_env = {**os.environ, **RL_ENV, **(env or {})}

@@ -53,15 +53,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import os
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
+import yarl
 
 from asyncroll._signal import Signal
 from asyncroll.engines import nccl_transfer, vllm_groups, weights_file
@@ -180,10 +182,12 @@ class VLLMServerEngine:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"url {url!r}: give a base URL like http://127.0.0.1:8000")
         cleaned = [u.rstrip("/") for u in url_list]
-        if len(set(cleaned)) != len(cleaned):
+        if len({_server(u) for u in cleaned}) != len(cleaned):
             raise ValueError(f"urls {url_list}: each replica must appear once")
         if vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size}: must be the served model's (>= 1)")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len={max_model_len}: must be the served model's (>= 1)")
         if stream_interval is not None and stream_interval < 1:
             raise ValueError(f"stream_interval={stream_interval}: must be >= 1 (or None)")
         timeouts = {
@@ -227,6 +231,7 @@ class VLLMServerEngine:
         self._held = 0
         self._progress = Signal()
         self._control = asyncio.Lock()
+        self._probes: dict[Replica, asyncio.Task[None]] = {}  # of down replicas, by routing
         self._closed = False
 
     # -- Engine protocol -------------------------------------------------------------------------
@@ -272,17 +277,22 @@ class VLLMServerEngine:
                 await self._run_parts(live, samples, request.sampling)
         except TimeoutError:
             self._check_open()
-            raise ReplicaError(
+            error = ReplicaError(
                 replica.url,
                 f"{rid} not finished within request_timeout_s={self.request_timeout_s}"
                 " (its requests were aborted)",
-            ) from None
+            )
+            await self._failed(replica, error)  # one that hangs, /health too, leaves the rotation
+            raise error from None
         finally:
             del self._live[rid]
             self._recent.ended(rid)
             self._progress.notify()
         try:
-            return [self._output(s, rid, replica) for s in samples]
+            return [
+                self._output(s, rid, replica, asked.max_new_tokens)
+                for s, asked in zip(samples, request.samples, strict=True)
+            ]
         except ReplicaError as exc:  # what the replica answered is wrong: as a failed stream
             await self._failed(replica, exc)
             raise
@@ -307,20 +317,32 @@ class VLLMServerEngine:
 
         Tokens sampled before the freeze may still reach `generate` after this returns: vLLM
         sends nothing that marks the end of a stream's pre-pause tokens. Each carries the
-        version label it was sampled under, so none is mistaken for the next weights'."""
+        version label it was sampled under, so none is mistaken for the next weights'.
+
+        A pause that fails (no replica answers, or its caller gives up part-way: the producer
+        bounds it by `abort_timeout_s`) is undone, the replicas that paused resumed, before
+        the error is raised: a caller that gives up on a pause does not resume, and a held
+        engine would hold every later request until its deadline."""
         async with self._control:
             self._check_open()
+            paused_before = self._paused
             self._admission = Admission.HELD
             self._paused = True
-            await self._each_replica("POST", _PAUSE)
+            try:
+                await self._each_replica("POST", _PAUSE)
+            except BaseException:
+                if not paused_before and not self._closed:
+                    with contextlib.suppress(EngineDeadError):
+                        await self._reopen()
+                raise
 
     async def resume_generation(self) -> None:
+        """Resume every replica and let held requests go. Even when that fails (no replica
+        answers: `EngineDeadError`), the engine is no longer paused: the caller goes on as
+        resumed (the producer does), and replicas that come back are synced unpaused."""
         async with self._control:
             self._check_open()
-            await self._each_replica("POST", "/resume")
-            self._paused = False
-            self._admission = Admission.OPEN
-            self._progress.notify()
+            await self._reopen()
 
     async def update_weights(self, weights: Weights | None, *, version: int) -> None:
         """Write `weights` under `weights_dir` and load them on every replica (None: weights
@@ -374,6 +396,10 @@ class VLLMServerEngine:
         ]
         await asyncio.gather(*(self._abort_on(r, ids) for r, ids in started if ids))
         await vllm_groups.end_streams(self._live.values(), self.control_timeout_s)
+        probes = list(self._probes.values())
+        for probe in probes:
+            probe.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -437,6 +463,7 @@ class VLLMServerEngine:
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
+            self._check_open()  # never a new session once `close()` closed the last one
             connector = aiohttp.TCPConnector(
                 limit=self.max_connections, limit_per_host=self.max_connections
             )
@@ -453,16 +480,27 @@ class VLLMServerEngine:
         return replica
 
     async def _revive_due(self) -> None:
-        """Sync every replica that is new, or down and due for a probe (concurrently)."""
+        """Sync every new replica, and start a probe of every down one due for it. Routing
+        waits for the new ones (a session must not settle elsewhere only because its replica
+        was not synced yet), but for the probes only when no replica is up: a down replica
+        whose probe hangs (its host unreachable) must not stall, once every
+        `health_interval_s`, the requests of the replicas that serve."""
+        new = [r for r in self.replicas if r.state is ReplicaState.UNSYNCED]
+        if new:
+            await asyncio.gather(*(self._sync(r) for r in new))
         now = asyncio.get_running_loop().time()
-        due = [
-            r
-            for r in self.replicas
-            if r.state is ReplicaState.UNSYNCED
-            or (r.state is ReplicaState.DOWN and r.retry_at <= now)
-        ]
-        if due:
-            await asyncio.gather(*(self._sync(r) for r in due))
+        for replica in self.replicas:
+            due = replica.state is ReplicaState.DOWN and replica.retry_at <= now
+            if due and replica not in self._probes:
+                probe = self._probes[replica] = asyncio.ensure_future(self._sync(replica))
+                probe.add_done_callback(functools.partial(self._probed, replica))
+        if self._probes and not any(r.state is ReplicaState.UP for r in self.replicas):
+            await asyncio.gather(*map(asyncio.shield, list(self._probes.values())))
+
+    def _probed(self, replica: Replica, _: asyncio.Task[None]) -> None:
+        """A routing probe of `replica` ended (its outcome is the replica's state): the next
+        one may start when it is due again."""
+        del self._probes[replica]
 
     async def _sync(self, replica: Replica, *, now: bool = False) -> None:
         """Bring `replica` into the rotation: healthy, serving the current weights under the
@@ -480,7 +518,7 @@ class VLLMServerEngine:
                 if _up(replica) or self._closed:  # synced by an update that held the lock
                     return
                 try:
-                    if not await rp.healthy(self._session(), replica, self.health_timeout_s):
+                    if not await self._healthy(replica):
                         raise ReplicaError(replica.url, "GET /health failed")
                     if self._paused:
                         await self._call(replica, "POST", _PAUSE)
@@ -513,9 +551,7 @@ class VLLMServerEngine:
             if replica.state is ReplicaState.UP:
                 replica.mark_unsynced(str(exc))
                 self._leave_group(replica)
-        elif replica.state is ReplicaState.UP and not await rp.healthy(
-            self._session(), replica, self.health_timeout_s
-        ):
+        elif replica.state is ReplicaState.UP and not await self._healthy(replica):
             self._down(replica, exc)
 
     def _states(self) -> str:
@@ -534,9 +570,26 @@ class VLLMServerEngine:
     ) -> Any:
         """A control call within `timeout_s` (default `control_timeout_s`)."""
         timeout = self.control_timeout_s if timeout_s is None else timeout_s
-        return await rp.control(
-            self._session(), replica, method, path, timeout_s=timeout, json=json
-        )
+        with self._dead_if_closed():
+            return await rp.control(
+                self._session(), replica, method, path, timeout_s=timeout, json=json
+            )
+
+    async def _healthy(self, replica: Replica) -> bool:
+        with self._dead_if_closed():
+            return await rp.healthy(self._session(), replica, self.health_timeout_s)
+
+    @contextlib.contextmanager
+    def _dead_if_closed(self) -> Iterator[None]:
+        """Around an HTTP call: `close()` closes the session under the calls in flight,
+        which aiohttp reports as `RuntimeError("Session is closed")`. That is the engine's
+        death, raised as such, not an error of the call or the replica."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if self._closed and not isinstance(exc, ReplicaError):
+                raise EngineDeadError("VLLMServerEngine is closed") from None
+            raise
 
     async def _each_replica(self, method: str, path: str, json: Any = None) -> None:
         """One control call on every UP replica at once; one that fails leaves the rotation.
@@ -575,7 +628,7 @@ class VLLMServerEngine:
             if replica.state not in (ReplicaState.UNSYNCED, ReplicaState.STALE):
                 continue
             try:
-                if not await rp.healthy(self._session(), replica, self.health_timeout_s):
+                if not await self._healthy(replica):
                     raise ReplicaError(replica.url, "GET /health failed")
                 replica.state = await self._catch_up(replica)
             except ReplicaError as exc:
@@ -603,9 +656,17 @@ class VLLMServerEngine:
             finally:
                 if not paused_before and not self._closed:
                     with contextlib.suppress(EngineDeadError):
-                        await self._each_replica("POST", "/resume")
-                    self._admission = Admission.OPEN
-                    self._progress.notify()
+                        await self._reopen()
+
+    async def _reopen(self) -> None:
+        """Under the control lock: resume every replica that is up and let held requests go,
+        whatever the resume did (none up: `EngineDeadError`, once they are let go)."""
+        try:
+            await self._each_replica("POST", "/resume")
+        finally:
+            self._paused = False
+            self._admission = Admission.OPEN
+            self._progress.notify()
 
     async def _update(self, folder: Path | None, version: int) -> None:
         """Hold admission, freeze every replica, load `folder` (None: keep the weights),
@@ -617,9 +678,27 @@ class VLLMServerEngine:
             if not self._paused:
                 await self._each_replica("POST", _PAUSE)
             weights = folder if folder is not None else self._weights
-            await self._on_every_up(lambda r: self._load_on(r, folder, version))
+            loading = [r for r in self.replicas if r.state is ReplicaState.UP]
+            with self._resync_if_interrupted(loading):
+                await self._on_every_up(lambda r: self._load_on(r, folder, version))
             self._weights = weights
             self._version = version
+
+    @contextlib.contextmanager
+    def _resync_if_interrupted(self, replicas: list[Replica]) -> Iterator[None]:
+        """Around an update's loads and labels: if it ends by an exception other than a
+        replica's failure (a cancellation at the caller's deadline, above all), any of
+        `replicas` may already carry the new weights or label while the engine keeps the old
+        ones, and a roll back to the old version would be a no-op (`_update` skips an
+        unchanged one). Those still up leave the rotation until synced again with the
+        engine's weights and label (at once: the update's own resume syncs them)."""
+        try:
+            yield
+        except BaseException as exc:
+            for replica in replicas:
+                if replica.state is ReplicaState.UP:
+                    replica.mark_unsynced(f"an update was interrupted: {exc!r}")
+            raise
 
     async def _update_nccl(
         self, sender: nccl_transfer.WeightSender, named: list[tuple[str, Any]], version: int
@@ -637,7 +716,8 @@ class VLLMServerEngine:
             if self._group != tuple(members):
                 members = await self._form_group(sender, members)
             await self._transfer(sender, members, named, version)
-            members = await self._on_every(members, lambda r: self._load_on(r, None, version))
+            with self._resync_if_interrupted(members):
+                members = await self._on_every(members, lambda r: self._load_on(r, None, version))
             if not members:
                 raise EngineDeadError(f"no replica is up: {self._states()}")
             for replica in members:
@@ -660,8 +740,9 @@ class VLLMServerEngine:
         `members`: the trainer at rank 0, each replica's workers (`/get_world_size`, data
         parallel included) after the previous replica's. No weights move here, so a failure
         leaves every replica serving what it had; a replica started without
-        `--weight-transfer-config` fails the update with a `ValueError` saying so. The
-        members that joined."""
+        `--weight-transfer-config` fails the update with a `ValueError` saying so, and one
+        that fails to join leaves the rotation (else every later update would fail on it
+        again). The members that joined."""
         old, self._group = self._group or (), None
         staying = [r for r in members if r in old]
         shut = await self._on_every(
@@ -702,6 +783,9 @@ class VLLMServerEngine:
                     f"{error}: start every replica with"
                     """ --weight-transfer-config '{"backend":"nccl"}' to use weight_transfer"""
                 ) from None
+            for replica in members:  # it leaves: the next update forms the group without it
+                if isinstance(error, ReplicaError) and error.url == replica.url:
+                    self._down(replica, error)
             raise error
         self._group = tuple(members)
         return members
@@ -763,10 +847,15 @@ class VLLMServerEngine:
     async def _abort_on(self, replica: Replica, server_ids: list[str]) -> None:
         """Abort requests on `replica`, through the RL route that returns once vLLM has
         aborted them (`/inference/v1/abort_requests` only starts a task that will). A failure
-        is ignored: the stream's own end or deadline still bounds the request."""
+        fails no request (the stream's own end or deadline still bounds it), but is a failed
+        call to the replica like any other: one that does not answer its health probe either
+        leaves the rotation. Often this abort is the last call a hung replica gets (its caller
+        gave up on the request), and nothing else would take it out."""
         ids = [_SERVER_PREFIX + s for s in server_ids]
-        with contextlib.suppress(ReplicaError):
+        try:
             await self._call(replica, "POST", "/abort_requests", {"request_ids": ids})
+        except ReplicaError as exc:
+            await self._failed(replica, exc)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -827,6 +916,11 @@ class VLLMServerEngine:
                 samples[i].finish = "abort"
             return
         replica = live.replica
+        if not _up(replica):  # a pause, update or resume failed there while this was held
+            raise ReplicaError(
+                replica.url,
+                f"left the rotation before {part.server_id} was sent: {replica.error}",
+            )
         body = {
             "request_id": part.server_id,
             "token_ids": part.prompt,
@@ -852,6 +946,12 @@ class VLLMServerEngine:
                 tokens = part.max_tokens * len(part.indices)
                 async for event in rp.events(reply, replica.url, tokens):
                     for choice in event.choices:
+                        if not 0 <= choice.index < len(part.indices):  # not -1: Python's last
+                            raise ReplicaError(
+                                replica.url,
+                                f"streamed choice {choice.index} of a request of"
+                                f" {len(part.indices)} samples",
+                            )
                         got = _append(samples[part.indices[choice.index]], choice, replica.url)
                         self._generated += got
                     self._progress.notify()
@@ -882,8 +982,19 @@ class VLLMServerEngine:
             params["seed"] = vllm_groups.part_seed(sampling.seed, part.server_id)
         return params
 
-    def _output(self, sample: _Sample, request_id: str, replica: Replica) -> SampleOutput:
+    def _output(
+        self, sample: _Sample, request_id: str, replica: Replica, max_new_tokens: int
+    ) -> SampleOutput:
+        """One sample as the `Engine` contract has it; a replica's answer that breaks the
+        contract (more tokens than asked for, a finish reason, logprobs or version labels that
+        do not fit) fails the request instead of reaching the trainer."""
         n = len(sample.tokens)
+        if n > max_new_tokens:
+            raise ReplicaError(
+                replica.url,
+                f"returned {n} tokens for a sample of {request_id} that asked for at most"
+                f" {max_new_tokens}",
+            )
         if sample.finish not in _FINISH_REASONS:
             raise ReplicaError(
                 replica.url, f"finished a sample of {request_id} with reason {sample.finish!r}"
@@ -892,12 +1003,14 @@ class VLLMServerEngine:
             raise ReplicaError(
                 replica.url, f"returned {len(sample.logprobs)} logprobs for {n} tokens"
             )
-        versions, covered = vllm_groups.token_versions(
+        versions = vllm_groups.token_versions(
             sample.spans, n, lambda label: self._label(label, replica)
         )
-        if covered != n:
+        if versions is None:
             raise ReplicaError(
-                replica.url, f"labelled {covered} of {n} tokens of {request_id} with a version"
+                replica.url,
+                f"its version spans do not label each of the {n} tokens of {request_id} once,"
+                " in order",
             )
         return SampleOutput(
             tokens=np.array(sample.tokens, dtype=np.int32),
@@ -931,6 +1044,13 @@ class VLLMServerEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineDeadError("VLLMServerEngine is closed")
+
+
+def _server(url: str) -> tuple[str | None, int | None, str]:
+    """What names one server in a base URL: "http://A:80" and "http://a" are the same one,
+    and one server listed twice would be two ranks of one NCCL group."""
+    parsed = yarl.URL(url)
+    return parsed.host, parsed.port, parsed.path.rstrip("/")
 
 
 def _up(replica: Replica) -> bool:
