@@ -52,7 +52,7 @@ from asyncroll.engines.base import Engine, EngineDeadError, Weights
 from asyncroll.episode import Parking, RolloutFn
 from asyncroll.lifecycle import Gate, Hold, Phase, Stage, move
 from asyncroll.logs import FailureWarnings
-from asyncroll.outcomes import FailureReason
+from asyncroll.outcomes import NOT_ABSORBED, FailureReason
 from asyncroll.progress import (
     LatencyHistogram,
     ProduceBatchResult,
@@ -689,7 +689,10 @@ class Producer:
                 prompt = await self._prompts.next()
             if prompt is not None:
                 self._staged = self._stage(prompt)
-        except Exception as exc:
+        except NOT_ABSORBED:
+            raise
+        except BaseException as exc:  # not only an Exception: anything else would kill the
+            # scheduler without a word, and every produce_batch would wait forever
             self._fail(f"prompt source raised {type(exc).__name__}: {exc}")
         finally:
             self._scheduler = _Scheduler.WAITING

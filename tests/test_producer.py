@@ -645,6 +645,26 @@ async def test_failing_prompt_source_stops_the_producer() -> None:
             await producer.produce_batch(1)
 
 
+async def test_prompt_source_raising_a_base_exception_stops_the_producer() -> None:
+    """A `BaseException` subclass that is not an `Exception` (a library's own abort signal)
+    must reach the trainer as `ProducerError` like any failure of the source: it used to kill
+    the scheduler silently, and `produce_batch` waited forever."""
+
+    class Abort(BaseException):
+        pass
+
+    def source() -> Any:
+        yield [1, 2]
+        raise Abort("dataset reader aborted")
+
+    producer = Producer(SimEngine(vocab_size=VOCAB), source(), parity_reward, group_size=2)
+    with pytest.raises(ProducerError, match="prompt source raised Abort"):
+        async with producer:
+            await producer.produce_batch(1, timeout=30)
+            await producer.produce_batch(1, timeout=30)
+    producer.check_ledger()
+
+
 async def test_async_prompt_source_and_its_deadline() -> None:
     async def source() -> Any:
         for p in prompts(6):
