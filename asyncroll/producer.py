@@ -712,9 +712,11 @@ class Producer:
         return None
 
     def _stage(self, prompt: Prompt) -> _Staged:
-        """Check `prompt` once: bad ids, no room in the model, or metadata that cannot be
-        stored make a bad prompt, whose group fails without reaching the engine."""
+        """Check `prompt` once: bad ids, no room in the model, names or metadata of types a
+        group cannot hold, or metadata that cannot be stored make a bad prompt, whose group
+        fails without reaching the engine."""
         try:
+            _check_fields(prompt)
             tokens = rollout.prompt_array(
                 prompt.tokens, self.engine.vocab_size, self.engine.max_model_len
             )
@@ -816,10 +818,11 @@ class Producer:
     def _new_group(self, staged: _Staged) -> RolloutGroup:
         uid, prompt = self._next_uid, staged.prompt
         self._next_uid += 1
+        task = str(prompt.task)  # a bad prompt's may be anything: its group's is a str
         return RolloutGroup(
             uid=uid,
-            prompt_id=prompt.prompt_id or f"{prompt.task}/uid{uid}",
-            task=prompt.task,
+            prompt_id=str(prompt.prompt_id) if prompt.prompt_id else f"{task}/uid{uid}",
+            task=task,
             prompt_tokens=staged.tokens,
             samples=rollout.fresh_samples(self.config.group_size),
             metadata=prompt.metadata if staged.error is None else {},
@@ -1144,6 +1147,22 @@ class Producer:
                 if self._phase is Phase.NEW
                 else "the producer has stopped"
             )
+
+
+def _check_fields(prompt: Prompt) -> None:
+    """`RolloutError` unless the prompt's task, id and metadata have the types its group
+    holds. `Prompt` does not check them (nor does a mapping a source yields), and the codec
+    writes any msgpack type but reads a group back only with these: a group stored with an int
+    `prompt_id` would fail only when handed out, taking its batch out of the ledger with it."""
+    if not isinstance(prompt.task, str):
+        raise rollout.RolloutError(f"its task must be a str, got {type(prompt.task).__name__}")
+    if not isinstance(prompt.prompt_id, str | None):
+        raise rollout.RolloutError(
+            f"its prompt_id must be a str or None, got {type(prompt.prompt_id).__name__}"
+        )
+    metadata = prompt.metadata
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        raise rollout.RolloutError("its metadata must be a dict with str keys")
 
 
 def _detached(value: Any) -> Any:

@@ -28,6 +28,8 @@ from asyncroll import (
     Status,
 )
 from asyncroll.engines.base import GenerateRequest, SampleOutput
+from asyncroll.outcomes import FailureReason
+from asyncroll.state import dumps, loads
 
 VOCAB = 1000
 
@@ -192,6 +194,37 @@ async def test_bad_prompt_fails_its_group_and_the_run_continues(bad: Any, messag
 
     assert re.search(message, drops[0].error)
     assert engine.calls == 5  # the bad prompt never reached the engine
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"tokens": [1, 2], "prompt_id": 7}, "prompt_id must be a str or None, got int"),
+        ({"tokens": [1, 2], "task": 3}, "task must be a str, got int"),
+        ({"tokens": [1, 2], "metadata": {0: "label"}}, "metadata must be a dict with str keys"),
+        ({"tokens": [1, 2], "metadata": ["label"]}, "metadata must be a dict with str keys"),
+    ],
+)
+async def test_prompt_fields_a_group_cannot_hold_fail_its_group(
+    bad: dict[str, Any], message: str
+) -> None:
+    """`Prompt` checks no types, and the codec writes what it cannot read back as a group: such
+    a group was stored, then `produce_batch` raised `CodecError` decoding it, and the batch it
+    was taken with vanished from the ledger."""
+    drops: list[DropRecord] = []
+    good = prompts(3)
+    producer = Producer(
+        SimEngine(vocab_size=VOCAB), [good[0], bad, *good[1:]], parity_reward, group_size=2,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        consumed = await consume_all(producer, 4)
+    assert len(consumed) == 3
+    assert [d.reason for d in drops] == [FailureReason.BAD_PROMPT]
+    assert message in (drops[0].error or "")
+    assert isinstance(drops[0].prompt_id, str) and isinstance(drops[0].task, str)
+    producer.check_ledger()
+    loads(dumps(producer.state_dict()))  # its counters (by task) still make a checkpoint
 
 
 def test_prompt_longer_than_max_model_len_fails() -> None:
