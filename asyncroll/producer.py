@@ -680,24 +680,33 @@ class Producer:
         return self._phase is Phase.RUNNING and self._gate is Gate.OPEN and self._error is None
 
     async def _draw(self) -> None:
-        """Draw the next prompt and stage it."""
+        """Draw the next prompt and stage it; a bad one fails at once instead."""
         self._scheduler = _Scheduler.DRAWING
         try:
             if self._prompts.may_wait:
                 prompt = await self._draw_within_deadline()
             else:  # drawing from an iterator cannot wait, and no deadline could cut it short
                 prompt = await self._prompts.next()
-            if prompt is not None:
-                self._staged = self._stage(prompt)
         except NOT_ABSORBED:
             raise
         except BaseException as exc:  # not only an Exception: anything else would kill the
             # scheduler without a word, and every produce_batch would wait forever
             self._fail(f"prompt source raised {type(exc).__name__}: {exc}")
+            return
         finally:
             self._scheduler = _Scheduler.WAITING
             self._draw_scope = None
             self._changed.notify()
+        if prompt is None:
+            return
+        staged = self._stage(prompt)
+        # A bad prompt needs no capacity, no bytes and no engine, only a slot for an instant
+        # (this draw was decided with one free), so it does not wait: a staged prompt goes back
+        # into the stream for a checkpoint, and a bad one may not encode or decode there.
+        if staged.error is not None and self.buffer.try_reserve(0):
+            self._start(self._new_group(staged), 0)
+        else:
+            self._staged = staged
 
     async def _draw_within_deadline(self) -> Prompt | None:
         """The next prompt from a source that may wait, within `prompt_timeout_s`; None when
@@ -732,10 +741,15 @@ class Producer:
         return _Staged(prompt, tokens, None, reserve)
 
     def _unstage(self) -> None:
-        """Put a staged prompt back at the front of the stream (for a checkpoint, or on stop)."""
+        """Put a staged prompt back at the front of the stream (for a checkpoint, or on stop),
+        with the token array it was checked into: what a source gave as ids (a `range`, an
+        array type of its own) need not be something a checkpoint can store."""
         if self._staged is not None:
-            self._prompts.unread(self._staged.prompt)
-            self._staged = None
+            staged, self._staged = self._staged, None
+            prompt = staged.prompt
+            if staged.error is None:
+                prompt = msgspec.structs.replace(prompt, tokens=staged.tokens)
+            self._prompts.unread(prompt)
             self._changed.notify()
 
     def _reservation(self, group: RolloutGroup) -> int:
