@@ -344,6 +344,8 @@ class Producer:
                     await asyncio.wait([runner])
                 runner = None
             self._unstage()
+            if self.config.pause_mode == "keep" and self._gate is not Gate.OPEN:
+                await self._unfreeze("the producer stopped while paused")
             if self._phase is Phase.STOPPING:
                 self._phase = move(self._phase, Phase.STOPPED)
 
@@ -1045,6 +1047,17 @@ class Producer:
             finally:
                 self._gate = move(self._gate, Gate.OPEN)
                 self._changed.notify()
+
+    async def _unfreeze(self, when: str) -> None:
+        """Resume the engine ("keep" mode) where no `resume` will: a producer that stopped
+        while paused left it frozen, and an engine outlives its producer (a new one on it is
+        how a run goes on), whose every request would wait for its deadline."""
+        try:
+            await self._control(
+                self.engine.resume_generation(), self.config.abort_timeout_s, "resume"
+            )
+        except Exception as exc:
+            self._fail(f"{when} and the engine could not be resumed: {type(exc).__name__}: {exc}")
 
     async def _drain(self) -> None:
         """Abort every request in flight and wait until each group has landed: as a partial

@@ -403,6 +403,28 @@ async def test_a_failed_pause_leaves_the_producer_running() -> None:
     assert len(consumed) == 6
 
 
+async def test_a_run_ended_while_paused_in_keep_mode_leaves_the_engine_running() -> None:
+    """The documented way on after an error is a new producer on the same engine; one that
+    ended while paused in "keep" mode left the engine frozen, so every group of the next run
+    waited for its generate deadline and failed."""
+    engine = SimEngine(vocab_size=VOCAB, per_token_latency_s=0.001)
+
+    def producer() -> Producer:
+        return Producer(
+            engine, prompts(4), ones, group_size=2, pause_mode="keep",
+            sampling=SamplingConfig(max_new_tokens=4),
+        )  # fmt: skip
+
+    first = producer()
+    async with first:
+        await first.produce_batch(1, timeout=GUARD_S)
+        await first.pause()
+    assert engine._running.is_set()
+    second = producer()
+    async with second, asyncio.timeout(GUARD_S):
+        assert len(await consume_all(second, 2)) == 4
+
+
 async def test_an_update_that_times_out_rolls_the_version_label_back() -> None:
     engine = FailingControlEngine(vocab_size=VOCAB)
     drops: list[DropRecord] = []
