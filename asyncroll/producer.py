@@ -1007,7 +1007,7 @@ class Producer:
 
     async def _acquire(self, hold: Hold) -> None:
         """Add a holder of the gate; the first closes it (drain, or freeze in "keep" mode).
-        A close that fails is undone before the error is raised."""
+        A close that fails is undone before the error is raised, in the engine too."""
         async with self._gate_lock:
             self._holds[hold] += 1
             self._changed.notify()
@@ -1026,6 +1026,8 @@ class Producer:
                 self._holds = +self._holds
                 self._gate = move(self._gate, Gate.OPEN)
                 self._changed.notify()
+                if self.config.pause_mode == "keep":  # it may have paused before it failed
+                    await self._unfreeze("a pause failed")
                 raise
             self._gate = move(self._gate, Gate.CLOSED)
 
@@ -1049,9 +1051,11 @@ class Producer:
                 self._changed.notify()
 
     async def _unfreeze(self, when: str) -> None:
-        """Resume the engine ("keep" mode) where no `resume` will: a producer that stopped
-        while paused left it frozen, and an engine outlives its producer (a new one on it is
-        how a run goes on), whose every request would wait for its deadline."""
+        """Resume the engine ("keep" mode) where no `resume` will: after a pause that failed
+        (perhaps once the engine had paused: a late answer), and when the producer stops while
+        paused (an engine outlives its producer: a new one on it is how a run goes on). A
+        frozen engine makes every request wait for its deadline; resuming one that is not
+        paused does nothing."""
         try:
             await self._control(
                 self.engine.resume_generation(), self.config.abort_timeout_s, "resume"

@@ -403,6 +403,28 @@ async def test_a_failed_pause_leaves_the_producer_running() -> None:
     assert len(consumed) == 6
 
 
+class HalfPausingEngine(SimEngine):
+    """`pause_generation` pauses, then fails (a server that paused, then timed out answering)."""
+
+    async def pause_generation(self) -> None:
+        await super().pause_generation()
+        raise RuntimeError("pause answered too late")
+
+
+async def test_a_pause_that_failed_after_pausing_the_engine_is_undone_in_the_engine() -> None:
+    engine = HalfPausingEngine(vocab_size=VOCAB, per_token_latency_s=0.001)
+    producer = Producer(
+        engine, prompts(6), ones, group_size=2, pause_mode="keep",
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        with pytest.raises(RuntimeError, match="too late"):
+            await producer.pause()
+        assert not producer.paused and engine._running.is_set()
+        async with asyncio.timeout(GUARD_S):
+            assert len(await consume_all(producer, 2)) == 6
+
+
 async def test_a_run_ended_while_paused_in_keep_mode_leaves_the_engine_running() -> None:
     """The documented way on after an error is a new producer on the same engine; one that
     ended while paused in "keep" mode left the engine frozen, so every group of the next run
