@@ -303,7 +303,11 @@ class Producer:
         return self
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
-        await self._stop()
+        # Shielded from the caller's anyio scopes, whose cancellation every await would raise
+        # again: the exit would return at its first wait with groups and tasks still running.
+        # Each wait of the exit has a deadline of its own.
+        with anyio.CancelScope(shield=True):
+            await self._stop()
         if self._error is not None and exc is None:
             raise ProducerError(self._error)
 
@@ -338,10 +342,12 @@ class Producer:
             self._failure_log.flush()
             runner, self._runner = self._runner, None
             if runner is not None:  # the scheduler returns once it sees the stop
-                await asyncio.wait([runner], timeout=self.config.abort_timeout_s)
-                if not runner.done():  # cancel what is left (groups land as interrupted)
-                    runner.cancel()
-                    await asyncio.wait([runner])
+                try:
+                    await asyncio.wait([runner], timeout=self.config.abort_timeout_s)
+                finally:  # a cancelled wait too: the owner insists, the tasks end all the same
+                    if not runner.done():  # cancel what is left (groups land as interrupted)
+                        runner.cancel()
+                        await asyncio.wait([runner])
                 runner = None
             self._unstage()
             if self.config.pause_mode == "keep" and self._gate is not Gate.OPEN:

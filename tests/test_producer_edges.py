@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -29,6 +31,7 @@ from asyncroll import (
     StalledError,
 )
 from asyncroll.engines.base import GenerateRequest, SampleOutput, Weights
+from asyncroll.lifecycle import Phase
 from asyncroll.outcomes import FailureReason
 from asyncroll.producer import UpdateWeightsError
 from asyncroll.types import Prompt
@@ -198,6 +201,63 @@ async def test_base_exception_from_the_engine_reaches_the_trainer_as_producer_er
     assert trainer.cancelling() == 0
     ledger = producer.check_ledger()
     assert ledger.in_flight_groups == 0 and ledger.failed_groups == 1
+
+
+async def test_an_exit_cancelled_by_an_anyio_scope_still_drains_and_ends_every_task() -> None:
+    """anyio's cancellation is level-triggered: inside a cancelled scope every await raises.
+    An exit whose awaits were not shielded returned at its first wait, with the groups being
+    scored still in flight and their tasks and the producer's own still running after
+    `async with` (and `state_dict` refusing to run)."""
+    never = asyncio.Event()
+    calls: list[int] = []
+
+    async def judge(group: RolloutGroup) -> list[float]:
+        calls.append(group.uid)
+        await never.wait()  # a judge that does not answer: the reward deadline ends it
+        return ones(group)
+
+    producer = make_producer(4, reward=judge, reward_timeout_s=0.5)
+    with anyio.CancelScope() as scope:
+        async with producer:
+            await poll(lambda: len(calls) == 4)  # every group is being scored
+            scope.cancel()
+            await anyio.lowlevel.checkpoint()
+    assert scope.cancelled_caught
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("asyncroll")]
+    ledger = producer.check_ledger()
+    assert ledger.in_flight_groups == 0 and ledger.failed_groups == 4
+    assert producer.progress.counters.failed_groups_by_reason == {"reward_deadline": 4}
+    producer.state_dict()
+
+
+async def test_an_exit_cancelled_twice_still_ends_every_task() -> None:
+    """The owner's first cancellation cuts the drain short, its second the wait for the
+    producer's task: the exit then returned with that task and every group's still running,
+    instead of cancelling them and waiting for them (as `Tasks.join` does)."""
+    never = asyncio.Event()
+    calls: list[int] = []
+
+    async def judge(group: RolloutGroup) -> list[float]:
+        calls.append(group.uid)
+        await never.wait()  # never answers: only a cancellation ends the groups
+        return ones(group)
+
+    producer = make_producer(4, reward=judge, reward_timeout_s=GUARD_S, abort_timeout_s=GUARD_S)
+
+    async def owner() -> None:
+        async with producer:
+            await poll(lambda: len(calls) == 4)  # every group is being scored
+
+    task = asyncio.create_task(owner())
+    await poll(lambda: producer._phase is Phase.STOPPING)  # the exit waits for the scoring
+    task.cancel()
+    await poll(lambda: producer._drops.pending == 0 and producer._drops._closed)
+    task.cancel()  # now the exit waits for the producer's task
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("asyncroll")]
+    ledger = producer.check_ledger()
+    assert ledger.in_flight_groups == 0 and ledger.failed_groups == 4  # interrupted scoring
 
 
 # -- 3. stalls: raised when real, never while an update or a save runs -------------------------
