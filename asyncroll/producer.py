@@ -454,7 +454,8 @@ class Producer:
             except ProducerError:
                 raise
             except BaseException as exc:
-                await self._roll_back_label(old, new)
+                with anyio.CancelScope(shield=True):  # see `_holding`
+                    await self._roll_back_label(old, new)
                 if not isinstance(exc, Exception):
                     raise
                 raise UpdateWeightsError(
@@ -1005,11 +1006,16 @@ class Producer:
 
     @contextlib.asynccontextmanager
     async def _holding(self, hold: Hold) -> AsyncIterator[None]:
+        """Hold the gate for the block. What undoes the block (releasing the gate, and a
+        failed update's rollback) is shielded from the caller's anyio scopes: a cancelled one
+        cancels every await in it, and the engine would keep a paused state or a version
+        label the producer left behind. Each such call has a deadline of its own."""
         await self._acquire(hold)
         try:
             yield
         finally:
-            await self._release(hold)
+            with anyio.CancelScope(shield=True):
+                await self._release(hold)
 
     async def _acquire(self, hold: Hold) -> None:
         """Add a holder of the gate; the first closes it (drain, or freeze in "keep" mode).
@@ -1033,7 +1039,8 @@ class Producer:
                 self._gate = move(self._gate, Gate.OPEN)
                 self._changed.notify()
                 if self.config.pause_mode == "keep":  # it may have paused before it failed
-                    await self._unfreeze("a pause failed")
+                    with anyio.CancelScope(shield=True):  # see `_holding`
+                        await self._unfreeze("a pause failed")
                 raise
             self._gate = move(self._gate, Gate.CLOSED)
 

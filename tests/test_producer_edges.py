@@ -523,6 +523,58 @@ async def test_an_update_that_times_out_rolls_the_version_label_back() -> None:
     assert all(int(s.versions.max()) == 0 for g in consumed for s in g.samples)
 
 
+class CancellingUpdateEngine(SimEngine):
+    """`update_weights` with weights sets the new label, then its caller's anyio scope is
+    cancelled (a trainer's deadline passing) while it still loads. Its control calls await,
+    as a real engine's do."""
+
+    scope: anyio.CancelScope | None = None
+    pause_scope: anyio.CancelScope | None = None
+
+    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+        await super().update_weights(None, version=version)
+        if weights is not None and self.scope is not None:
+            self.scope.cancel()
+            await asyncio.Event().wait()
+
+    async def pause_generation(self) -> None:
+        await super().pause_generation()
+        if self.pause_scope is not None:  # paused, then cancelled before it answered
+            self.pause_scope.cancel()
+            await asyncio.Event().wait()
+
+    async def resume_generation(self) -> None:
+        await asyncio.sleep(0.001)
+        await super().resume_generation()
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "keep"])
+async def test_an_update_cancelled_by_an_anyio_scope_is_rolled_back(pause_mode: str) -> None:
+    """A cancelled anyio scope cancels every await in it, the rollback's too: the engine kept
+    the new label while the producer stayed at the old version (tokens stamped with a version
+    the producer never reached, and nothing said so), and in "keep" mode stayed paused, after
+    the update as after a pause cancelled once the engine had paused."""
+    engine = CancellingUpdateEngine(vocab_size=VOCAB, update_latency_s=0.001)
+    producer = Producer(
+        engine, prompts(6), ones, group_size=2, pause_mode=pause_mode,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        with anyio.CancelScope() as engine.scope:
+            await producer.update_weights([("w", np.zeros(2))])
+        assert engine.scope.cancelled_caught
+        assert producer.version == 0 and engine.version == 0 and not producer.paused
+        assert engine._running.is_set()
+        if pause_mode == "keep":  # a pause cancelled once the engine had paused
+            with anyio.CancelScope() as engine.pause_scope:
+                await producer.pause()
+            assert engine.pause_scope.cancelled_caught
+            assert not producer.paused and engine._running.is_set()
+        consumed = await consume_all(producer, 2)
+    assert len(consumed) == 6
+    assert all(int(s.versions.max()) == 0 for g in consumed for s in g.samples)
+
+
 # -- 10. engine errors are named for what they are ----------------------------------------------
 
 
