@@ -343,6 +343,35 @@ async def test_malformed_outputs_fail_with_the_reason() -> None:
     assert any("vocabulary" in (d.error or "") for d in drops)
 
 
+class NotSampleOutputEngine(SimEngine):
+    """Returns, for its second request, something in place of one `SampleOutput`."""
+
+    def __init__(self, odd: Any, **overrides: Any) -> None:
+        super().__init__(**overrides)
+        self.odd = odd
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        outputs = await super().generate(request)
+        return [*outputs[:-1], self.odd] if self.calls == 2 else outputs
+
+
+@pytest.mark.parametrize("odd", [None, {"tokens": [1, 2], "finish_reason": "stop"}])
+async def test_an_output_that_is_not_a_sample_output_fails_its_group(odd: Any) -> None:
+    """An engine's `None` (a server's `null`) or dict where a `SampleOutput` belongs raised
+    `AttributeError` in the checks of its output, which no group absorbs: the producer
+    stopped with an "internal error" blaming asyncroll, for one bad output."""
+    drops: list[DropRecord] = []
+    producer = Producer(
+        NotSampleOutputEngine(odd, vocab_size=VOCAB), prompts(4), parity_reward, group_size=2,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        consumed = await consume_all(producer, 4)
+    assert len(consumed) == 3 and [d.reason for d in drops] == [FailureReason.MALFORMED_OUTPUT]
+    assert "SampleOutput" in (drops[0].error or "")
+    producer.check_ledger()
+
+
 # -- memory: drop on arrival, bounded bytes ------------------------------------------------------
 
 
