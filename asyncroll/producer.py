@@ -585,7 +585,8 @@ class Producer:
         return entries
 
     def load_state_dict(self, state: ProducerState, *, weights: Weights | None = _UNSET) -> None:
-        """Continue the run of `state`; only before `async with`. All or nothing.
+        """Continue the run of `state`; only before `async with`. All or nothing. Groups too
+        stale for this producer's `max_staleness` expire as they load (`on_drop` hears of them).
 
         A checkpoint past version 0 was trained on: `weights` are the trainer's weights at that
         version (`model.named_parameters()`), loaded into the engine on entry. Pass
@@ -618,6 +619,7 @@ class Producer:
         self._version = state.version
         self._next_uid = state.next_uid
         self._entry_weights = None if weights is _UNSET else weights
+        self._set_version(state.version)  # the checkpoint does not fix max_staleness
 
     async def save(self, path: str | os.PathLike[str]) -> None:
         """Write a checkpoint atomically. While running, pauses, aborts what is in flight into

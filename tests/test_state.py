@@ -223,3 +223,33 @@ async def test_a_prompt_waiting_for_capacity_survives_a_checkpoint(
     drops = [d for d in drops_a + drops_b if d.prompt_id in ("default/1", "7")]
     assert len(consumed) == 3 - fails and len(drops) == fails
     assert len(ends(consumed, drops_a + drops_b)) == 3  # each prompt ended once
+
+
+async def test_groups_loaded_into_a_tighter_max_staleness_expire_on_load() -> None:
+    """The checkpoint does not fix `max_staleness`; a run resumed with a tighter bound handed
+    out the loaded groups as they were, up to the old bound stale."""
+
+    def producer(max_staleness: int | None, drops: list[DropRecord]) -> Producer:
+        return Producer(
+            SimEngine(vocab_size=VOCAB), prompts(8), parity_reward, group_size=2, batch_size=2,
+            max_staleness=max_staleness, max_inflight_groups=8, on_drop=drops.append,
+        )  # fmt: skip
+
+    drops: list[DropRecord] = []
+    a = producer(None, drops)
+    async with a:
+        await a._changed.wait_until(lambda: a.buffer.num_ready == 8)
+        await a.update_weights(None)
+        await a.update_weights(None)
+    b = producer(0, drops)
+    b.load_state_dict(a.state_dict(), weights=None)
+    assert b.buffer.num_ready == 0 and b.progress.counters.expired_groups == 8
+    assert {d.outcome for d in drops} == {PutOutcome.DROPPED_EXPIRED}
+    b.check_ledger()
+    consumed: list[RolloutGroup] = []
+    async with b:
+        async for batch in b.batches(2):
+            assert batch.staleness_tokens().keys() == {0}
+            consumed += batch.groups
+            await b.update_weights(None)  # max_staleness=0: a new version after each batch
+    assert sorted(g.prompt_id for g in consumed) == sorted(f"default/{i}" for i in range(8))
