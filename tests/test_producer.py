@@ -269,6 +269,22 @@ async def test_reward_errors_fail_the_group(reward: Any, message: str) -> None:
     assert producer.progress.counters.reward_count == 0
 
 
+async def test_a_filter_that_returns_an_awaitable_stops_the_run() -> None:
+    """Filters are plain functions. An `async def` one returned a coroutine, which is true:
+    every group was kept, whatever the filter would have said, and only a RuntimeWarning
+    ("never awaited") hinted at it."""
+
+    async def reject_all(group: RolloutGroup) -> bool:
+        return False
+
+    producer = make_producer(10, filter=reject_all)
+    with pytest.raises(ProducerError, match="filter returned a coroutine"):
+        async with producer:
+            await consume_all(producer, 2)
+    assert producer.progress.counters.completed_groups == 0  # nothing was kept unfiltered
+    producer.check_ledger()
+
+
 async def test_async_reward_timeout_fails_the_group() -> None:
     never = asyncio.Event()
 
