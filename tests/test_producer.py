@@ -333,6 +333,25 @@ async def test_inline_sync_reward_runs_on_the_loop() -> None:
     assert len(consumed) == 3 and seen == [threading.current_thread().name] * 3
 
 
+@pytest.mark.parametrize("in_thread", [True, False])
+async def test_a_plain_function_returning_a_coroutine_is_awaited_as_a_reward(
+    in_thread: bool,
+) -> None:
+    """`reward_fn=lambda g: judge(g, tokenizer)` around an async judge: called on the loop
+    (`reward_in_thread=False`) its coroutine was awaited, but in a worker thread (the default)
+    the coroutine itself came back as the reward and every group failed."""
+
+    async def judge(group: RolloutGroup, bonus: float) -> list[float]:
+        return [bonus] * group.num_samples
+
+    producer = make_producer(
+        3, reward=lambda group: judge(group, 1.0), group_size=2, reward_in_thread=in_thread
+    )
+    async with producer:
+        consumed = await consume_all(producer, 3)
+    assert len(consumed) == 3 and all(g.rewards().tolist() == [1.0, 1.0] for g in consumed)
+
+
 async def test_hanging_engine_is_cut_by_the_generate_deadline() -> None:
     drops: list[DropRecord] = []
     producer = make_producer(
