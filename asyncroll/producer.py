@@ -488,6 +488,8 @@ class Producer:
         await self._acquire(Hold.USER)
 
     async def resume(self) -> None:
+        """Undo one `pause`; the last lets groups start again (in "keep" mode it resumes the
+        engine: if that fails, the producer stops with `ProducerError`)."""
         await self._release(Hold.USER)
 
     @contextlib.asynccontextmanager
@@ -1042,12 +1044,15 @@ class Producer:
                 self._changed.notify()
                 if self.config.pause_mode == "keep":  # it may have paused before it failed
                     with anyio.CancelScope(shield=True):  # see `_holding`
-                        await self._unfreeze("a pause failed")
+                        await self._unfreeze("after a failed pause")
                 raise
             self._gate = move(self._gate, Gate.CLOSED)
 
     async def _release(self, hold: Hold) -> None:
-        """Remove a holder; the last opens the gate (resuming the engine in "keep" mode)."""
+        """Remove a holder; the last opens the gate (resuming the engine in "keep" mode). A
+        resume that fails stops the producer rather than raising: the hold is gone either
+        way, and what it closed for (an update, a save) is done, so the caller must not take
+        its operation for failed and repeat it."""
         async with self._gate_lock:
             if not self._holds[hold]:
                 raise RuntimeError("resume() without a matching pause()")
@@ -1058,25 +1063,23 @@ class Producer:
                 return
             try:
                 if self.config.pause_mode == "keep" and self.running:
-                    await self._control(
-                        self.engine.resume_generation(), self.config.abort_timeout_s, "resume"
-                    )
+                    await self._unfreeze("at the end of a pause")
             finally:
                 self._gate = move(self._gate, Gate.OPEN)
                 self._changed.notify()
 
     async def _unfreeze(self, when: str) -> None:
-        """Resume the engine ("keep" mode) where no `resume` will: after a pause that failed
-        (perhaps once the engine had paused: a late answer), and when the producer stops while
-        paused (an engine outlives its producer: a new one on it is how a run goes on). A
-        frozen engine makes every request wait for its deadline; resuming one that is not
-        paused does nothing."""
+        """Resume the engine ("keep" mode): at the end of a pause, and where no `resume` will,
+        after a pause that failed (perhaps once the engine had paused: a late answer) and when
+        the producer stops while paused (an engine outlives its producer: a new one on it is
+        how a run goes on). Resuming one that is not paused does nothing. If it fails, the
+        engine may stay frozen, every request waiting for its deadline: the producer stops."""
         try:
             await self._control(
                 self.engine.resume_generation(), self.config.abort_timeout_s, "resume"
             )
         except Exception as exc:
-            self._fail(f"{when} and the engine could not be resumed: {type(exc).__name__}: {exc}")
+            self._fail(f"the engine could not be resumed ({when}): {type(exc).__name__}: {exc}")
 
     async def _drain(self) -> None:
         """Abort every request in flight and wait until each group has landed: as a partial

@@ -485,6 +485,28 @@ async def test_a_pause_that_failed_after_pausing_the_engine_is_undone_in_the_eng
             assert len(await consume_all(producer, 2)) == 6
 
 
+class FailingResumeEngine(SimEngine):
+    """`resume_generation` fails (the engine may stay paused)."""
+
+    async def resume_generation(self) -> None:
+        raise RuntimeError("resume refused")
+
+
+async def test_an_update_whose_engine_fails_to_resume_is_not_reported_as_failed() -> None:
+    """In "keep" mode the update's last step resumes the engine. When that failed, the update
+    had been made (version bumped) yet `update_weights` raised the engine's error, so a
+    trainer retrying it bumped the version twice, and the producer ran on a paused engine."""
+    producer = Producer(
+        FailingResumeEngine(vocab_size=VOCAB), prompts(6), ones, group_size=2,
+        pause_mode="keep", sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    with pytest.raises(ProducerError, match="could not be resumed"):
+        async with producer:
+            assert await producer.update_weights(None) == 1
+            await producer.produce_batch(1, timeout=GUARD_S)
+    assert producer.version == 1
+
+
 async def test_a_run_ended_while_paused_in_keep_mode_leaves_the_engine_running() -> None:
     """The documented way on after an error is a new producer on the same engine; one that
     ended while paused in "keep" mode left the engine frozen, so every group of the next run
