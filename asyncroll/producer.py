@@ -247,6 +247,11 @@ class Producer:
             in_thread=cfg.reward_in_thread,
         )
         self.filter = filters.resolve(filter)
+        if self.filter is filters.nonzero_std and cfg.group_size < 2:
+            raise ValueError(
+                "filter='nonzero_std' with group_size=1: one sample has no spread, so "
+                "nonzero_std filters every group; raise group_size or drop the filter"
+            )
         self.on_drop = on_drop
         self._drops = DropCallback(on_drop, timeout_s=cfg.on_drop_timeout_s)
         self._failure_log = FailureWarnings(log, cfg.failure_log_interval_s)

@@ -797,6 +797,9 @@ async def test_async_prompt_source_and_its_deadline() -> None:
         ({"max_buffer_bytes": 1000}, "max_buffer_bytes=1000 is smaller than one group"),
         ({"batch_size": 10, "max_buffer_groups": 5}, "raise max_buffer_groups"),
         ({"filter": "top_k"}, "filter='top_k' is unknown"),
+        # one sample has no spread: every group would be filtered, silently or after
+        # max_dropped_in_a_row groups of wasted generation
+        ({"filter": "nonzero_std", "group_size": 1}, "nonzero_std filters every group"),
         ({"reward_timeout_s": 0}, "reward_timeout_s=0"),
         ({"oversample": 0.5}, "oversample"),
         ({"pause_mode": "freeze"}, "pause_mode"),
