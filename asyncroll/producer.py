@@ -723,6 +723,9 @@ class Producer:
         # into the stream for a checkpoint, and a bad one may not encode or decode there.
         if staged.error is not None and self.buffer.try_reserve(0):
             self._start(self._new_group(staged), 0)
+            # It landed without awaiting, and drawing from an iterator does not await: yield,
+            # or a run of bad prompts would keep everything else (the trainer) from running.
+            await asyncio.sleep(0)
         else:
             self._staged = staged
 

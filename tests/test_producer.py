@@ -227,6 +227,39 @@ async def test_prompt_fields_a_group_cannot_hold_fail_its_group(
     loads(dumps(producer.state_dict()))  # its counters (by task) still make a checkpoint
 
 
+async def test_a_run_of_bad_prompts_does_not_starve_the_event_loop() -> None:
+    """A bad prompt's group fails without awaiting anything, and drawing from an iterator
+    does not await either: a long run of bad prompts kept the scheduler from ever yielding,
+    so nothing else ran (the trainer, its timeouts); an endless one, with
+    `max_dropped_in_a_row=None`, hung the process."""
+    ticks = [0]
+    seen: list[int] = []
+
+    def source() -> Any:
+        for _ in range(200):
+            seen.append(ticks[0])  # how often the rest of the loop ran, by this draw
+            yield []
+
+    async def ticker() -> None:
+        while True:
+            ticks[0] += 1
+            await asyncio.sleep(0)
+
+    producer = Producer(
+        SimEngine(vocab_size=VOCAB), source(), parity_reward, group_size=2,
+        max_dropped_in_a_row=None,
+    )  # fmt: skip
+    task = asyncio.create_task(ticker())
+    try:
+        async with producer:
+            with pytest.raises(ProducerExhausted):
+                await producer.produce_batch(1)
+    finally:
+        task.cancel()
+    assert producer.progress.counters.failed_groups == 200
+    assert seen[-1] >= seen[0] + 100  # the loop ran between the draws
+
+
 def test_prompt_longer_than_max_model_len_fails() -> None:
     from asyncroll.rollout import RolloutError, prompt_array
 
