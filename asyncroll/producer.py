@@ -499,12 +499,14 @@ class Producer:
 
     @contextlib.asynccontextmanager
     async def pausing(self) -> AsyncIterator[None]:
-        """`async with producer.pausing():` pause for the block, resume after it."""
+        """`async with producer.pausing():` pause for the block, resume after it (shielded
+        from the caller's anyio scopes, as `_holding` says why)."""
         await self.pause()
         try:
             yield
         finally:
-            await self.resume()
+            with anyio.CancelScope(shield=True):
+                await self.resume()
 
     # -- accounting ------------------------------------------------------------------------------
 

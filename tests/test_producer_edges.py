@@ -597,6 +597,24 @@ async def test_an_update_cancelled_by_an_anyio_scope_is_rolled_back(pause_mode: 
     assert all(int(s.versions.max()) == 0 for g in consumed for s in g.samples)
 
 
+async def test_a_pausing_block_cancelled_by_an_anyio_scope_resumes_the_engine() -> None:
+    """`pausing()` resumes in a `finally`, whose await a cancelled anyio scope cancelled at
+    once: in "keep" mode the gate opened on a frozen engine."""
+    engine = CancellingUpdateEngine(vocab_size=VOCAB)
+    producer = Producer(
+        engine, prompts(6), ones, group_size=2, pause_mode="keep",
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        with anyio.CancelScope() as scope:
+            async with producer.pausing():
+                scope.cancel()
+                await anyio.lowlevel.checkpoint()
+        assert scope.cancelled_caught and not producer.paused
+        assert engine._running.is_set()
+        assert len(await consume_all(producer, 2)) == 6
+
+
 # -- 10. engine errors are named for what they are ----------------------------------------------
 
 
