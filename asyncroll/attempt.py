@@ -5,7 +5,8 @@ with its status) and, when it failed, the `FailureReason`. It never raises for a
 can absorb. Engine errors (its own `TimeoutError` included), a deadline, malformed output, a
 reward or filter that raises, hangs or returns nonsense: each ends this group as FAILED with a
 readable error. Only what no group can absorb also sets `Landing.fatal` (a dead engine, a
-`BaseException` from user code, every reward worker hung): the producer then stops.
+`BaseException` from user code, every reward worker hung, a filter returning an awaitable,
+which would keep every group): the producer then stops.
 
 The engine call itself, its deadline and how each way it can end becomes a failure, is
 `engine_call.generate`'s job, shared with the turns of episodes.
@@ -14,6 +15,7 @@ The engine call itself, its deadline and how each way it can end becomes a failu
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -204,7 +206,19 @@ class Attempts:
             return Landing(self._finish(group, flight, samples, Status.COMPLETED), rewards=rewards)
         scored = msgspec.structs.replace(group, samples=samples, status=Status.COMPLETED)
         try:
-            keep = bool(self.filter(scored))
+            verdict: object = self.filter(scored)  # typed as bool; user code returns anything
+            if inspect.isawaitable(verdict):  # always true: it would keep every group
+                if inspect.iscoroutine(verdict):
+                    verdict.close()
+                error = (
+                    f"filter returned a {type(verdict).__name__}, not a bool: a filter is a "
+                    "plain function (`def`, not `async def`)"
+                )
+                failed = self.failed(
+                    group, flight, FailureReason.FILTER_ERROR, error, samples, fatal=error
+                )
+                return failed._replace(rewards=rewards)
+            keep = bool(verdict)
         except Exception as exc:
             error = f"filter raised {type(exc).__name__}: {exc}"
             failed = self.failed(group, flight, FailureReason.FILTER_ERROR, error, samples)

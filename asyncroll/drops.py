@@ -13,9 +13,10 @@ wait. What happens depends on the callback, fixed when the producer is built:
 
 What goes wrong, and what it does:
 
-* The callback **raises** (sync or async): the producer stops with `ProducerError` naming it,
-  as a sync callback always did. A broken callback is a bug to fix, and a run whose drop log is
-  silently incomplete is worse than a stopped one.
+* The callback **raises** (sync or async; any exception but `KeyboardInterrupt`, `SystemExit`
+  and a cancellation, a `BaseException` subclass included): the producer stops with
+  `ProducerError` naming it, as a sync callback always did. A broken callback is a bug to fix,
+  and a run whose drop log is silently incomplete is worse than a stopped one.
 * An async call **passes its deadline**: it is cancelled, its record skipped, and a WARNING says
   so; delivery goes on with the next record. One slow call (a network hiccup) costs one record,
   not the run.
@@ -40,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 from asyncroll._signal import Signal
+from asyncroll.outcomes import NOT_ABSORBED
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,10 @@ class DropCallback(Generic[R]):
         assert self.fn is not None
         try:
             result = self.fn(record)
-        except Exception as exc:  # the accounting is done; a broken callback stops the run
+        except NOT_ABSORBED:
+            raise
+        except BaseException as exc:  # the accounting is done; a broken callback stops the run
+            # (an exception that escaped would end the landing half-way instead)
             fail(f"on_drop callback {self._name} raised {type(exc).__name__}: {exc}")
             return
         if inspect.isawaitable(result):

@@ -52,7 +52,7 @@ from asyncroll.engines.base import Engine, EngineDeadError, Weights
 from asyncroll.episode import Parking, RolloutFn
 from asyncroll.lifecycle import Gate, Hold, Phase, Stage, move
 from asyncroll.logs import FailureWarnings
-from asyncroll.outcomes import FailureReason
+from asyncroll.outcomes import NOT_ABSORBED, FailureReason
 from asyncroll.progress import (
     LatencyHistogram,
     ProduceBatchResult,
@@ -247,6 +247,11 @@ class Producer:
             in_thread=cfg.reward_in_thread,
         )
         self.filter = filters.resolve(filter)
+        if self.filter is filters.nonzero_std and cfg.group_size < 2:
+            raise ValueError(
+                "filter='nonzero_std' with group_size=1: one sample has no spread, so "
+                "nonzero_std filters every group; raise group_size or drop the filter"
+            )
         self.on_drop = on_drop
         self._drops = DropCallback(on_drop, timeout_s=cfg.on_drop_timeout_s)
         self._failure_log = FailureWarnings(log, cfg.failure_log_interval_s)
@@ -303,7 +308,11 @@ class Producer:
         return self
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
-        await self._stop()
+        # Shielded from the caller's anyio scopes, whose cancellation every await would raise
+        # again: the exit would return at its first wait with groups and tasks still running.
+        # Each wait of the exit has a deadline of its own.
+        with anyio.CancelScope(shield=True):
+            await self._stop()
         if self._error is not None and exc is None:
             raise ProducerError(self._error)
 
@@ -338,12 +347,16 @@ class Producer:
             self._failure_log.flush()
             runner, self._runner = self._runner, None
             if runner is not None:  # the scheduler returns once it sees the stop
-                await asyncio.wait([runner], timeout=self.config.abort_timeout_s)
-                if not runner.done():  # cancel what is left (groups land as interrupted)
-                    runner.cancel()
-                    await asyncio.wait([runner])
+                try:
+                    await asyncio.wait([runner], timeout=self.config.abort_timeout_s)
+                finally:  # a cancelled wait too: the owner insists, the tasks end all the same
+                    if not runner.done():  # cancel what is left (groups land as interrupted)
+                        runner.cancel()
+                        await asyncio.wait([runner])
                 runner = None
             self._unstage()
+            if self.config.pause_mode == "keep" and self._gate is not Gate.OPEN:
+                await self._unfreeze("the producer stopped while paused")
             if self._phase is Phase.STOPPING:
                 self._phase = move(self._phase, Phase.STOPPED)
 
@@ -446,7 +459,8 @@ class Producer:
             except ProducerError:
                 raise
             except BaseException as exc:
-                await self._roll_back_label(old, new)
+                with anyio.CancelScope(shield=True):  # see `_holding`
+                    await self._roll_back_label(old, new)
                 if not isinstance(exc, Exception):
                     raise
                 raise UpdateWeightsError(
@@ -479,16 +493,20 @@ class Producer:
         await self._acquire(Hold.USER)
 
     async def resume(self) -> None:
+        """Undo one `pause`; the last lets groups start again (in "keep" mode it resumes the
+        engine: if that fails, the producer stops with `ProducerError`)."""
         await self._release(Hold.USER)
 
     @contextlib.asynccontextmanager
     async def pausing(self) -> AsyncIterator[None]:
-        """`async with producer.pausing():` pause for the block, resume after it."""
+        """`async with producer.pausing():` pause for the block, resume after it (shielded
+        from the caller's anyio scopes, as `_holding` says why)."""
         await self.pause()
         try:
             yield
         finally:
-            await self.resume()
+            with anyio.CancelScope(shield=True):
+                await self.resume()
 
     # -- accounting ------------------------------------------------------------------------------
 
@@ -576,7 +594,8 @@ class Producer:
         return entries
 
     def load_state_dict(self, state: ProducerState, *, weights: Weights | None = _UNSET) -> None:
-        """Continue the run of `state`; only before `async with`. All or nothing.
+        """Continue the run of `state`; only before `async with`. All or nothing. Groups too
+        stale for this producer's `max_staleness` expire as they load (`on_drop` hears of them).
 
         A checkpoint past version 0 was trained on: `weights` are the trainer's weights at that
         version (`model.named_parameters()`), loaded into the engine on entry. Pass
@@ -609,6 +628,7 @@ class Producer:
         self._version = state.version
         self._next_uid = state.next_uid
         self._entry_weights = None if weights is _UNSET else weights
+        self._set_version(state.version)  # the checkpoint does not fix max_staleness
 
     async def save(self, path: str | os.PathLike[str]) -> None:
         """Write a checkpoint atomically. While running, pauses, aborts what is in flight into
@@ -680,21 +700,36 @@ class Producer:
         return self._phase is Phase.RUNNING and self._gate is Gate.OPEN and self._error is None
 
     async def _draw(self) -> None:
-        """Draw the next prompt and stage it."""
+        """Draw the next prompt and stage it; a bad one fails at once instead."""
         self._scheduler = _Scheduler.DRAWING
         try:
             if self._prompts.may_wait:
                 prompt = await self._draw_within_deadline()
             else:  # drawing from an iterator cannot wait, and no deadline could cut it short
                 prompt = await self._prompts.next()
-            if prompt is not None:
-                self._staged = self._stage(prompt)
-        except Exception as exc:
+        except NOT_ABSORBED:
+            raise
+        except BaseException as exc:  # not only an Exception: anything else would kill the
+            # scheduler without a word, and every produce_batch would wait forever
             self._fail(f"prompt source raised {type(exc).__name__}: {exc}")
+            return
         finally:
             self._scheduler = _Scheduler.WAITING
             self._draw_scope = None
             self._changed.notify()
+        if prompt is None:
+            return
+        staged = self._stage(prompt)
+        # A bad prompt needs no capacity, no bytes and no engine, only a slot for an instant
+        # (this draw was decided with one free), so it does not wait: a staged prompt goes back
+        # into the stream for a checkpoint, and a bad one may not encode or decode there.
+        if staged.error is not None and self.buffer.try_reserve(0):
+            self._start(self._new_group(staged), 0)
+            # It landed without awaiting, and drawing from an iterator does not await: yield,
+            # or a run of bad prompts would keep everything else (the trainer) from running.
+            await asyncio.sleep(0)
+        else:
+            self._staged = staged
 
     async def _draw_within_deadline(self) -> Prompt | None:
         """The next prompt from a source that may wait, within `prompt_timeout_s`; None when
@@ -709,9 +744,11 @@ class Producer:
         return None
 
     def _stage(self, prompt: Prompt) -> _Staged:
-        """Check `prompt` once: bad ids, no room in the model, or metadata that cannot be
-        stored make a bad prompt, whose group fails without reaching the engine."""
+        """Check `prompt` once: bad ids, no room in the model, names or metadata of types a
+        group cannot hold, or metadata that cannot be stored make a bad prompt, whose group
+        fails without reaching the engine."""
         try:
+            _check_fields(prompt)
             tokens = rollout.prompt_array(
                 prompt.tokens, self.engine.vocab_size, self.engine.max_model_len
             )
@@ -727,10 +764,15 @@ class Producer:
         return _Staged(prompt, tokens, None, reserve)
 
     def _unstage(self) -> None:
-        """Put a staged prompt back at the front of the stream (for a checkpoint, or on stop)."""
+        """Put a staged prompt back at the front of the stream (for a checkpoint, or on stop),
+        with the token array it was checked into: what a source gave as ids (a `range`, an
+        array type of its own) need not be something a checkpoint can store."""
         if self._staged is not None:
-            self._prompts.unread(self._staged.prompt)
-            self._staged = None
+            staged, self._staged = self._staged, None
+            prompt = staged.prompt
+            if staged.error is None:
+                prompt = msgspec.structs.replace(prompt, tokens=staged.tokens)
+            self._prompts.unread(prompt)
             self._changed.notify()
 
     def _reservation(self, group: RolloutGroup) -> int:
@@ -813,10 +855,11 @@ class Producer:
     def _new_group(self, staged: _Staged) -> RolloutGroup:
         uid, prompt = self._next_uid, staged.prompt
         self._next_uid += 1
+        task = str(prompt.task)  # a bad prompt's may be anything: its group's is a str
         return RolloutGroup(
             uid=uid,
-            prompt_id=prompt.prompt_id or f"{prompt.task}/uid{uid}",
-            task=prompt.task,
+            prompt_id=str(prompt.prompt_id) if prompt.prompt_id else f"{task}/uid{uid}",
+            task=task,
             prompt_tokens=staged.tokens,
             samples=rollout.fresh_samples(self.config.group_size),
             metadata=prompt.metadata if staged.error is None else {},
@@ -977,15 +1020,20 @@ class Producer:
 
     @contextlib.asynccontextmanager
     async def _holding(self, hold: Hold) -> AsyncIterator[None]:
+        """Hold the gate for the block. What undoes the block (releasing the gate, and a
+        failed update's rollback) is shielded from the caller's anyio scopes: a cancelled one
+        cancels every await in it, and the engine would keep a paused state or a version
+        label the producer left behind. Each such call has a deadline of its own."""
         await self._acquire(hold)
         try:
             yield
         finally:
-            await self._release(hold)
+            with anyio.CancelScope(shield=True):
+                await self._release(hold)
 
     async def _acquire(self, hold: Hold) -> None:
         """Add a holder of the gate; the first closes it (drain, or freeze in "keep" mode).
-        A close that fails is undone before the error is raised."""
+        A close that fails is undone before the error is raised, in the engine too."""
         async with self._gate_lock:
             self._holds[hold] += 1
             self._changed.notify()
@@ -1004,11 +1052,17 @@ class Producer:
                 self._holds = +self._holds
                 self._gate = move(self._gate, Gate.OPEN)
                 self._changed.notify()
+                if self.config.pause_mode == "keep":  # it may have paused before it failed
+                    with anyio.CancelScope(shield=True):  # see `_holding`
+                        await self._unfreeze("after a failed pause")
                 raise
             self._gate = move(self._gate, Gate.CLOSED)
 
     async def _release(self, hold: Hold) -> None:
-        """Remove a holder; the last opens the gate (resuming the engine in "keep" mode)."""
+        """Remove a holder; the last opens the gate (resuming the engine in "keep" mode). A
+        resume that fails stops the producer rather than raising: the hold is gone either
+        way, and what it closed for (an update, a save) is done, so the caller must not take
+        its operation for failed and repeat it."""
         async with self._gate_lock:
             if not self._holds[hold]:
                 raise RuntimeError("resume() without a matching pause()")
@@ -1019,12 +1073,23 @@ class Producer:
                 return
             try:
                 if self.config.pause_mode == "keep" and self.running:
-                    await self._control(
-                        self.engine.resume_generation(), self.config.abort_timeout_s, "resume"
-                    )
+                    await self._unfreeze("at the end of a pause")
             finally:
                 self._gate = move(self._gate, Gate.OPEN)
                 self._changed.notify()
+
+    async def _unfreeze(self, when: str) -> None:
+        """Resume the engine ("keep" mode): at the end of a pause, and where no `resume` will,
+        after a pause that failed (perhaps once the engine had paused: a late answer) and when
+        the producer stops while paused (an engine outlives its producer: a new one on it is
+        how a run goes on). Resuming one that is not paused does nothing. If it fails, the
+        engine may stay frozen, every request waiting for its deadline: the producer stops."""
+        try:
+            await self._control(
+                self.engine.resume_generation(), self.config.abort_timeout_s, "resume"
+            )
+        except Exception as exc:
+            self._fail(f"the engine could not be resumed ({when}): {type(exc).__name__}: {exc}")
 
     async def _drain(self) -> None:
         """Abort every request in flight and wait until each group has landed: as a partial
@@ -1141,6 +1206,22 @@ class Producer:
                 if self._phase is Phase.NEW
                 else "the producer has stopped"
             )
+
+
+def _check_fields(prompt: Prompt) -> None:
+    """`RolloutError` unless the prompt's task, id and metadata have the types its group
+    holds. `Prompt` does not check them (nor does a mapping a source yields), and the codec
+    writes any msgpack type but reads a group back only with these: a group stored with an int
+    `prompt_id` would fail only when handed out, taking its batch out of the ledger with it."""
+    if not isinstance(prompt.task, str):
+        raise rollout.RolloutError(f"its task must be a str, got {type(prompt.task).__name__}")
+    if not isinstance(prompt.prompt_id, str | None):
+        raise rollout.RolloutError(
+            f"its prompt_id must be a str or None, got {type(prompt.prompt_id).__name__}"
+        )
+    metadata = prompt.metadata
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        raise rollout.RolloutError("its metadata must be a dict with str keys")
 
 
 def _detached(value: Any) -> Any:

@@ -159,6 +159,8 @@ class TaskMix:
     ) -> None:
         if not tasks:
             raise ValueError("TaskMix needs at least one task")
+        if not all(isinstance(task, str) for task in tasks):
+            raise ValueError(f"TaskMix task names must be str, got {sorted(map(repr, tasks))}")
         weights = dict(weights) if weights is not None else dict.fromkeys(tasks, 1.0)
         if set(weights) != set(tasks):
             raise ValueError(

@@ -114,6 +114,9 @@ def merge_outputs(
     todo = unfinished(group)
     if len(outputs) != len(todo):
         raise RolloutError(f"engine returned {len(outputs)} samples for {len(todo)} requested")
+    for out in outputs:  # a None or a dict would fail the checks below as an AttributeError
+        if not isinstance(out, SampleOutput):
+            raise RolloutError(f"engine returned a {type(out).__name__}, not a SampleOutput")
     if not todo:
         return group.samples
     tokens, logprobs, versions, ends = _joined(outputs)

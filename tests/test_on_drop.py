@@ -109,6 +109,29 @@ async def test_callback_that_raises_stops_the_producer_with_its_name(kind: str) 
     producer.check_ledger()  # the accounting was done before the callback ran
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_callback_raising_a_base_exception_stops_the_producer(kind: str) -> None:
+    """Not only an `Exception`: a sync callback's `BaseException` subclass escaped the landing
+    (the group's task died with it, unnoticed until the end of the run, and the landing's
+    wake-up was lost), so the run went on as if the callback had worked."""
+
+    class Abort(BaseException):
+        pass
+
+    def broken(record: DropRecord) -> None:
+        raise Abort("drop log closed")
+
+    async def broken_async(record: DropRecord) -> None:
+        raise Abort("drop log closed")
+
+    callback = broken if kind == "sync" else broken_async
+    producer = make_producer(60, sim=SIM, on_drop=callback)
+    with pytest.raises(ProducerError, match=r"on_drop callback .*broken.* raised Abort"):
+        async with producer:
+            await consume_all(producer, 8)
+    producer.check_ledger()
+
+
 async def test_plain_function_returning_a_coroutine_is_refused() -> None:
     async def later(record: DropRecord) -> None:
         pass

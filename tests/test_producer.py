@@ -28,6 +28,8 @@ from asyncroll import (
     Status,
 )
 from asyncroll.engines.base import GenerateRequest, SampleOutput
+from asyncroll.outcomes import FailureReason
+from asyncroll.state import dumps, loads
 
 VOCAB = 1000
 
@@ -194,6 +196,70 @@ async def test_bad_prompt_fails_its_group_and_the_run_continues(bad: Any, messag
     assert engine.calls == 5  # the bad prompt never reached the engine
 
 
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"tokens": [1, 2], "prompt_id": 7}, "prompt_id must be a str or None, got int"),
+        ({"tokens": [1, 2], "task": 3}, "task must be a str, got int"),
+        ({"tokens": [1, 2], "metadata": {0: "label"}}, "metadata must be a dict with str keys"),
+        ({"tokens": [1, 2], "metadata": ["label"]}, "metadata must be a dict with str keys"),
+    ],
+)
+async def test_prompt_fields_a_group_cannot_hold_fail_its_group(
+    bad: dict[str, Any], message: str
+) -> None:
+    """`Prompt` checks no types, and the codec writes what it cannot read back as a group: such
+    a group was stored, then `produce_batch` raised `CodecError` decoding it, and the batch it
+    was taken with vanished from the ledger."""
+    drops: list[DropRecord] = []
+    good = prompts(3)
+    producer = Producer(
+        SimEngine(vocab_size=VOCAB), [good[0], bad, *good[1:]], parity_reward, group_size=2,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        consumed = await consume_all(producer, 4)
+    assert len(consumed) == 3
+    assert [d.reason for d in drops] == [FailureReason.BAD_PROMPT]
+    assert message in (drops[0].error or "")
+    assert isinstance(drops[0].prompt_id, str) and isinstance(drops[0].task, str)
+    producer.check_ledger()
+    loads(dumps(producer.state_dict()))  # its counters (by task) still make a checkpoint
+
+
+async def test_a_run_of_bad_prompts_does_not_starve_the_event_loop() -> None:
+    """A bad prompt's group fails without awaiting anything, and drawing from an iterator
+    does not await either: a long run of bad prompts kept the scheduler from ever yielding,
+    so nothing else ran (the trainer, its timeouts); an endless one, with
+    `max_dropped_in_a_row=None`, hung the process."""
+    ticks = [0]
+    seen: list[int] = []
+
+    def source() -> Any:
+        for _ in range(200):
+            seen.append(ticks[0])  # how often the rest of the loop ran, by this draw
+            yield []
+
+    async def ticker() -> None:
+        while True:
+            ticks[0] += 1
+            await asyncio.sleep(0)
+
+    producer = Producer(
+        SimEngine(vocab_size=VOCAB), source(), parity_reward, group_size=2,
+        max_dropped_in_a_row=None,
+    )  # fmt: skip
+    task = asyncio.create_task(ticker())
+    try:
+        async with producer:
+            with pytest.raises(ProducerExhausted):
+                await producer.produce_batch(1)
+    finally:
+        task.cancel()
+    assert producer.progress.counters.failed_groups == 200
+    assert seen[-1] >= seen[0] + 100  # the loop ran between the draws
+
+
 def test_prompt_longer_than_max_model_len_fails() -> None:
     from asyncroll.rollout import RolloutError, prompt_array
 
@@ -234,6 +300,22 @@ async def test_reward_errors_fail_the_group(reward: Any, message: str) -> None:
     assert drops[0].error is not None and message in drops[0].error
     producer.check_ledger()
     assert producer.progress.counters.reward_count == 0
+
+
+async def test_a_filter_that_returns_an_awaitable_stops_the_run() -> None:
+    """Filters are plain functions. An `async def` one returned a coroutine, which is true:
+    every group was kept, whatever the filter would have said, and only a RuntimeWarning
+    ("never awaited") hinted at it."""
+
+    async def reject_all(group: RolloutGroup) -> bool:
+        return False
+
+    producer = make_producer(10, filter=reject_all)
+    with pytest.raises(ProducerError, match="filter returned a coroutine"):
+        async with producer:
+            await consume_all(producer, 2)
+    assert producer.progress.counters.completed_groups == 0  # nothing was kept unfiltered
+    producer.check_ledger()
 
 
 async def test_async_reward_timeout_fails_the_group() -> None:
@@ -284,6 +366,25 @@ async def test_inline_sync_reward_runs_on_the_loop() -> None:
     assert len(consumed) == 3 and seen == [threading.current_thread().name] * 3
 
 
+@pytest.mark.parametrize("in_thread", [True, False])
+async def test_a_plain_function_returning_a_coroutine_is_awaited_as_a_reward(
+    in_thread: bool,
+) -> None:
+    """`reward_fn=lambda g: judge(g, tokenizer)` around an async judge: called on the loop
+    (`reward_in_thread=False`) its coroutine was awaited, but in a worker thread (the default)
+    the coroutine itself came back as the reward and every group failed."""
+
+    async def judge(group: RolloutGroup, bonus: float) -> list[float]:
+        return [bonus] * group.num_samples
+
+    producer = make_producer(
+        3, reward=lambda group: judge(group, 1.0), group_size=2, reward_in_thread=in_thread
+    )
+    async with producer:
+        consumed = await consume_all(producer, 3)
+    assert len(consumed) == 3 and all(g.rewards().tolist() == [1.0, 1.0] for g in consumed)
+
+
 async def test_hanging_engine_is_cut_by_the_generate_deadline() -> None:
     drops: list[DropRecord] = []
     producer = make_producer(
@@ -308,6 +409,35 @@ async def test_malformed_outputs_fail_with_the_reason() -> None:
     assert any("samples for" in e for e in errors)  # wrong number of outputs
     assert any("logprob" in (d.error or "") for d in drops)
     assert any("vocabulary" in (d.error or "") for d in drops)
+
+
+class NotSampleOutputEngine(SimEngine):
+    """Returns, for its second request, something in place of one `SampleOutput`."""
+
+    def __init__(self, odd: Any, **overrides: Any) -> None:
+        super().__init__(**overrides)
+        self.odd = odd
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        outputs = await super().generate(request)
+        return [*outputs[:-1], self.odd] if self.calls == 2 else outputs
+
+
+@pytest.mark.parametrize("odd", [None, {"tokens": [1, 2], "finish_reason": "stop"}])
+async def test_an_output_that_is_not_a_sample_output_fails_its_group(odd: Any) -> None:
+    """An engine's `None` (a server's `null`) or dict where a `SampleOutput` belongs raised
+    `AttributeError` in the checks of its output, which no group absorbs: the producer
+    stopped with an "internal error" blaming asyncroll, for one bad output."""
+    drops: list[DropRecord] = []
+    producer = Producer(
+        NotSampleOutputEngine(odd, vocab_size=VOCAB), prompts(4), parity_reward, group_size=2,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        consumed = await consume_all(producer, 4)
+    assert len(consumed) == 3 and [d.reason for d in drops] == [FailureReason.MALFORMED_OUTPUT]
+    assert "SampleOutput" in (drops[0].error or "")
+    producer.check_ledger()
 
 
 # -- memory: drop on arrival, bounded bytes ------------------------------------------------------
@@ -645,6 +775,26 @@ async def test_failing_prompt_source_stops_the_producer() -> None:
             await producer.produce_batch(1)
 
 
+async def test_prompt_source_raising_a_base_exception_stops_the_producer() -> None:
+    """A `BaseException` subclass that is not an `Exception` (a library's own abort signal)
+    must reach the trainer as `ProducerError` like any failure of the source: it used to kill
+    the scheduler silently, and `produce_batch` waited forever."""
+
+    class Abort(BaseException):
+        pass
+
+    def source() -> Any:
+        yield [1, 2]
+        raise Abort("dataset reader aborted")
+
+    producer = Producer(SimEngine(vocab_size=VOCAB), source(), parity_reward, group_size=2)
+    with pytest.raises(ProducerError, match="prompt source raised Abort"):
+        async with producer:
+            await producer.produce_batch(1, timeout=30)
+            await producer.produce_batch(1, timeout=30)
+    producer.check_ledger()
+
+
 async def test_async_prompt_source_and_its_deadline() -> None:
     async def source() -> Any:
         for p in prompts(6):
@@ -680,6 +830,9 @@ async def test_async_prompt_source_and_its_deadline() -> None:
         ({"max_buffer_bytes": 1000}, "max_buffer_bytes=1000 is smaller than one group"),
         ({"batch_size": 10, "max_buffer_groups": 5}, "raise max_buffer_groups"),
         ({"filter": "top_k"}, "filter='top_k' is unknown"),
+        # one sample has no spread: every group would be filtered, silently or after
+        # max_dropped_in_a_row groups of wasted generation
+        ({"filter": "nonzero_std", "group_size": 1}, "nonzero_std filters every group"),
         ({"reward_timeout_s": 0}, "reward_timeout_s=0"),
         ({"oversample": 0.5}, "oversample"),
         ({"pause_mode": "freeze"}, "pause_mode"),

@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -29,6 +31,7 @@ from asyncroll import (
     StalledError,
 )
 from asyncroll.engines.base import GenerateRequest, SampleOutput, Weights
+from asyncroll.lifecycle import Phase
 from asyncroll.outcomes import FailureReason
 from asyncroll.producer import UpdateWeightsError
 from asyncroll.types import Prompt
@@ -198,6 +201,63 @@ async def test_base_exception_from_the_engine_reaches_the_trainer_as_producer_er
     assert trainer.cancelling() == 0
     ledger = producer.check_ledger()
     assert ledger.in_flight_groups == 0 and ledger.failed_groups == 1
+
+
+async def test_an_exit_cancelled_by_an_anyio_scope_still_drains_and_ends_every_task() -> None:
+    """anyio's cancellation is level-triggered: inside a cancelled scope every await raises.
+    An exit whose awaits were not shielded returned at its first wait, with the groups being
+    scored still in flight and their tasks and the producer's own still running after
+    `async with` (and `state_dict` refusing to run)."""
+    never = asyncio.Event()
+    calls: list[int] = []
+
+    async def judge(group: RolloutGroup) -> list[float]:
+        calls.append(group.uid)
+        await never.wait()  # a judge that does not answer: the reward deadline ends it
+        return ones(group)
+
+    producer = make_producer(4, reward=judge, reward_timeout_s=0.5)
+    with anyio.CancelScope() as scope:
+        async with producer:
+            await poll(lambda: len(calls) == 4)  # every group is being scored
+            scope.cancel()
+            await anyio.lowlevel.checkpoint()
+    assert scope.cancelled_caught
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("asyncroll")]
+    ledger = producer.check_ledger()
+    assert ledger.in_flight_groups == 0 and ledger.failed_groups == 4
+    assert producer.progress.counters.failed_groups_by_reason == {"reward_deadline": 4}
+    producer.state_dict()
+
+
+async def test_an_exit_cancelled_twice_still_ends_every_task() -> None:
+    """The owner's first cancellation cuts the drain short, its second the wait for the
+    producer's task: the exit then returned with that task and every group's still running,
+    instead of cancelling them and waiting for them (as `Tasks.join` does)."""
+    never = asyncio.Event()
+    calls: list[int] = []
+
+    async def judge(group: RolloutGroup) -> list[float]:
+        calls.append(group.uid)
+        await never.wait()  # never answers: only a cancellation ends the groups
+        return ones(group)
+
+    producer = make_producer(4, reward=judge, reward_timeout_s=GUARD_S, abort_timeout_s=GUARD_S)
+
+    async def owner() -> None:
+        async with producer:
+            await poll(lambda: len(calls) == 4)  # every group is being scored
+
+    task = asyncio.create_task(owner())
+    await poll(lambda: producer._phase is Phase.STOPPING)  # the exit waits for the scoring
+    task.cancel()
+    await poll(lambda: producer._drops.pending == 0 and producer._drops._closed)
+    task.cancel()  # now the exit waits for the producer's task
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("asyncroll")]
+    ledger = producer.check_ledger()
+    assert ledger.in_flight_groups == 0 and ledger.failed_groups == 4  # interrupted scoring
 
 
 # -- 3. stalls: raised when real, never while an update or a save runs -------------------------
@@ -403,6 +463,72 @@ async def test_a_failed_pause_leaves_the_producer_running() -> None:
     assert len(consumed) == 6
 
 
+class HalfPausingEngine(SimEngine):
+    """`pause_generation` pauses, then fails (a server that paused, then timed out answering)."""
+
+    async def pause_generation(self) -> None:
+        await super().pause_generation()
+        raise RuntimeError("pause answered too late")
+
+
+async def test_a_pause_that_failed_after_pausing_the_engine_is_undone_in_the_engine() -> None:
+    engine = HalfPausingEngine(vocab_size=VOCAB, per_token_latency_s=0.001)
+    producer = Producer(
+        engine, prompts(6), ones, group_size=2, pause_mode="keep",
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        with pytest.raises(RuntimeError, match="too late"):
+            await producer.pause()
+        assert not producer.paused and engine._running.is_set()
+        async with asyncio.timeout(GUARD_S):
+            assert len(await consume_all(producer, 2)) == 6
+
+
+class FailingResumeEngine(SimEngine):
+    """`resume_generation` fails (the engine may stay paused)."""
+
+    async def resume_generation(self) -> None:
+        raise RuntimeError("resume refused")
+
+
+async def test_an_update_whose_engine_fails_to_resume_is_not_reported_as_failed() -> None:
+    """In "keep" mode the update's last step resumes the engine. When that failed, the update
+    had been made (version bumped) yet `update_weights` raised the engine's error, so a
+    trainer retrying it bumped the version twice, and the producer ran on a paused engine."""
+    producer = Producer(
+        FailingResumeEngine(vocab_size=VOCAB), prompts(6), ones, group_size=2,
+        pause_mode="keep", sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    with pytest.raises(ProducerError, match="could not be resumed"):
+        async with producer:
+            assert await producer.update_weights(None) == 1
+            await producer.produce_batch(1, timeout=GUARD_S)
+    assert producer.version == 1
+
+
+async def test_a_run_ended_while_paused_in_keep_mode_leaves_the_engine_running() -> None:
+    """The documented way on after an error is a new producer on the same engine; one that
+    ended while paused in "keep" mode left the engine frozen, so every group of the next run
+    waited for its generate deadline and failed."""
+    engine = SimEngine(vocab_size=VOCAB, per_token_latency_s=0.001)
+
+    def producer() -> Producer:
+        return Producer(
+            engine, prompts(4), ones, group_size=2, pause_mode="keep",
+            sampling=SamplingConfig(max_new_tokens=4),
+        )  # fmt: skip
+
+    first = producer()
+    async with first:
+        await first.produce_batch(1, timeout=GUARD_S)
+        await first.pause()
+    assert engine._running.is_set()
+    second = producer()
+    async with second, asyncio.timeout(GUARD_S):
+        assert len(await consume_all(second, 2)) == 4
+
+
 async def test_an_update_that_times_out_rolls_the_version_label_back() -> None:
     engine = FailingControlEngine(vocab_size=VOCAB)
     drops: list[DropRecord] = []
@@ -417,6 +543,76 @@ async def test_an_update_that_times_out_rolls_the_version_label_back() -> None:
         consumed = await consume_all(producer, 2)
     assert len(consumed) == 6 and not drops  # no group fails a version check
     assert all(int(s.versions.max()) == 0 for g in consumed for s in g.samples)
+
+
+class CancellingUpdateEngine(SimEngine):
+    """`update_weights` with weights sets the new label, then its caller's anyio scope is
+    cancelled (a trainer's deadline passing) while it still loads. Its control calls await,
+    as a real engine's do."""
+
+    scope: anyio.CancelScope | None = None
+    pause_scope: anyio.CancelScope | None = None
+
+    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+        await super().update_weights(None, version=version)
+        if weights is not None and self.scope is not None:
+            self.scope.cancel()
+            await asyncio.Event().wait()
+
+    async def pause_generation(self) -> None:
+        await super().pause_generation()
+        if self.pause_scope is not None:  # paused, then cancelled before it answered
+            self.pause_scope.cancel()
+            await asyncio.Event().wait()
+
+    async def resume_generation(self) -> None:
+        await asyncio.sleep(0.001)
+        await super().resume_generation()
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "keep"])
+async def test_an_update_cancelled_by_an_anyio_scope_is_rolled_back(pause_mode: str) -> None:
+    """A cancelled anyio scope cancels every await in it, the rollback's too: the engine kept
+    the new label while the producer stayed at the old version (tokens stamped with a version
+    the producer never reached, and nothing said so), and in "keep" mode stayed paused, after
+    the update as after a pause cancelled once the engine had paused."""
+    engine = CancellingUpdateEngine(vocab_size=VOCAB, update_latency_s=0.001)
+    producer = Producer(
+        engine, prompts(6), ones, group_size=2, pause_mode=pause_mode,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        with anyio.CancelScope() as engine.scope:
+            await producer.update_weights([("w", np.zeros(2))])
+        assert engine.scope.cancelled_caught
+        assert producer.version == 0 and engine.version == 0 and not producer.paused
+        assert engine._running.is_set()
+        if pause_mode == "keep":  # a pause cancelled once the engine had paused
+            with anyio.CancelScope() as engine.pause_scope:
+                await producer.pause()
+            assert engine.pause_scope.cancelled_caught
+            assert not producer.paused and engine._running.is_set()
+        consumed = await consume_all(producer, 2)
+    assert len(consumed) == 6
+    assert all(int(s.versions.max()) == 0 for g in consumed for s in g.samples)
+
+
+async def test_a_pausing_block_cancelled_by_an_anyio_scope_resumes_the_engine() -> None:
+    """`pausing()` resumes in a `finally`, whose await a cancelled anyio scope cancelled at
+    once: in "keep" mode the gate opened on a frozen engine."""
+    engine = CancellingUpdateEngine(vocab_size=VOCAB)
+    producer = Producer(
+        engine, prompts(6), ones, group_size=2, pause_mode="keep",
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        with anyio.CancelScope() as scope:
+            async with producer.pausing():
+                scope.cancel()
+                await anyio.lowlevel.checkpoint()
+        assert scope.cancelled_caught and not producer.paused
+        assert engine._running.is_set()
+        assert len(await consume_all(producer, 2)) == 6
 
 
 # -- 10. engine errors are named for what they are ----------------------------------------------

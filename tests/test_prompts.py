@@ -101,6 +101,9 @@ async def test_resuming_past_the_end_of_a_shorter_source_is_an_error() -> None:
         ({"a": []}, {"b": 1.0}, "weights name tasks"),
         ({"a": []}, {"a": 0.0}, "finite and > 0"),
         ({"a": []}, {"a": float("nan")}, "finite and > 0"),
+        # a group's task is a str: an int name failed every prompt of the task as a bad
+        # prompt, and made checkpoints `load` refused (their cursor is keyed by task name)
+        ({0: [], "b": []}, None, "task names must be str"),
     ],
 )
 def test_task_mix_validation(tasks: dict, weights: dict | None, message: str) -> None:  # type: ignore[type-arg]

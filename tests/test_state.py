@@ -5,12 +5,22 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
-from asyncroll import CheckpointError, DropRecord, Producer, PutOutcome, RolloutGroup, TaskMix
+from asyncroll import (
+    CheckpointError,
+    DropRecord,
+    Producer,
+    ProducerExhausted,
+    PutOutcome,
+    RolloutGroup,
+    TaskMix,
+)
 from asyncroll.state import STATE_FORMAT, dumps, loads
+from asyncroll.types import Prompt
 from tests.test_producer import VOCAB, SimEngine, consume_all, make_producer, parity_reward, prompts
 
 
@@ -167,3 +177,79 @@ def test_failed_write_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.Mon
         state_mod.write_atomic(target, b"new")
     assert target.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["ckpt"]
+
+
+@pytest.mark.parametrize(
+    ("waiting", "fails"),
+    [
+        (range(1, 4), False),  # ids numpy reads but the codec cannot carry
+        (Prompt(tokens=[1, 2], metadata={"handle": object()}), True),  # unstorable metadata
+        ({"tokens": [1, 2], "prompt_id": 7}, True),  # an id a group cannot hold
+    ],
+)
+async def test_a_prompt_waiting_for_capacity_survives_a_checkpoint(
+    waiting: Any, fails: bool, tmp_path: Path
+) -> None:
+    """With `max_staleness` the next prompt is drawn and waits for capacity, so it is in
+    nearly every checkpoint of such a run: put back in the stream, stored encoded. One whose
+    ids or metadata do not encode made `save` raise `CodecError`, and one with an int
+    `prompt_id` made a checkpoint that `load` refused."""
+    source = [[1, 2, 3], waiting, [4, 5, 6]]
+
+    def producer(drops: list[DropRecord]) -> Producer:
+        return Producer(
+            SimEngine(vocab_size=VOCAB), source, parity_reward, group_size=2, batch_size=1,
+            max_staleness=0, on_drop=drops.append,
+        )  # fmt: skip
+
+    drops_a: list[DropRecord] = []
+    a = producer(drops_a)
+    async with a:
+        consumed = (await a.produce_batch(1)).groups
+        # the staleness capacity of version 0 (one group) is used up: the next prompt waits
+        await a._changed.wait_until(lambda: a._staged is not None)
+        await a.save(tmp_path / "ckpt")
+    drops_b: list[DropRecord] = []
+    b = producer(drops_b)
+    b.load(tmp_path / "ckpt")
+    async with b:
+        while True:
+            await b.update_weights(None)  # capacity for one more group
+            try:
+                consumed += (await b.produce_batch(1)).groups
+            except ProducerExhausted:
+                break
+    b.check_ledger()
+    drops = [d for d in drops_a + drops_b if d.prompt_id in ("default/1", "7")]
+    assert len(consumed) == 3 - fails and len(drops) == fails
+    assert len(ends(consumed, drops_a + drops_b)) == 3  # each prompt ended once
+
+
+async def test_groups_loaded_into_a_tighter_max_staleness_expire_on_load() -> None:
+    """The checkpoint does not fix `max_staleness`; a run resumed with a tighter bound handed
+    out the loaded groups as they were, up to the old bound stale."""
+
+    def producer(max_staleness: int | None, drops: list[DropRecord]) -> Producer:
+        return Producer(
+            SimEngine(vocab_size=VOCAB), prompts(8), parity_reward, group_size=2, batch_size=2,
+            max_staleness=max_staleness, max_inflight_groups=8, on_drop=drops.append,
+        )  # fmt: skip
+
+    drops: list[DropRecord] = []
+    a = producer(None, drops)
+    async with a:
+        await a._changed.wait_until(lambda: a.buffer.num_ready == 8)
+        await a.update_weights(None)
+        await a.update_weights(None)
+    b = producer(0, drops)
+    b.load_state_dict(a.state_dict(), weights=None)
+    assert b.buffer.num_ready == 0 and b.progress.counters.expired_groups == 8
+    assert {d.outcome for d in drops} == {PutOutcome.DROPPED_EXPIRED}
+    b.check_ledger()
+    consumed: list[RolloutGroup] = []
+    async with b:
+        async for batch in b.batches(2):
+            assert batch.staleness_tokens().keys() == {0}
+            consumed += batch.groups
+            await b.update_weights(None)  # max_staleness=0: a new version after each batch
+    assert sorted(g.prompt_id for g in consumed) == sorted(f"default/{i}" for i in range(8))
