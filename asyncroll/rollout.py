@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import msgspec
@@ -300,6 +301,11 @@ def _reward_sequence(values: Any, n: int) -> Any:
         return values.tolist()  # Python scalars, checked below like any others
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise RolloutError(f"reward function returned {type(values).__name__}, not {n} numbers")
+    if isinstance(values, (Mapping, AbstractSet)):  # iterates as keys, or in no order
+        raise RolloutError(
+            f"reward function returned a {type(values).__name__}, not {n} numbers in the "
+            "samples' order: return a list"
+        )
     return values
 
 

@@ -160,6 +160,8 @@ def test_rewards_as_numbers_scalars_arrays_and_tensors(values: Any) -> None:
         (torch.tensor(1.0), "0-d"),
         ("abc", "str"),
         (1.0, "float"),
+        ({0: 1.0, 1: 0.0, 2: -2.5}, "dict"),  # iterating it gives its keys, not the rewards
+        ({1.0, 0.0, -2.5}, "set"),  # no order: the rewards would land on the wrong samples
     ],
 )
 def test_bad_rewards_are_refused_clearly(values: Any, message: str) -> None:
