@@ -25,7 +25,7 @@ from asyncroll.config import ProducerConfig
 from asyncroll.engine_call import EngineCallError
 from asyncroll.engines.base import Engine, GenerateRequest, SampleOutput
 from asyncroll.episode import EpisodeError, EpisodeRun, Parking, RolloutFn
-from asyncroll.filters import GroupFilter
+from asyncroll.filters import BadVerdict, GroupFilter, verdict
 from asyncroll.lifecycle import Stage, move
 from asyncroll.outcomes import NOT_ABSORBED, FailureReason
 from asyncroll.rewards import RewardDeadline, RewardRunner
@@ -204,7 +204,10 @@ class Attempts:
             return Landing(self._finish(group, flight, samples, Status.COMPLETED), rewards=rewards)
         scored = msgspec.structs.replace(group, samples=samples, status=Status.COMPLETED)
         try:
-            keep = bool(self.filter(scored))
+            keep = verdict(self.filter(scored))
+        except BadVerdict as exc:
+            failed = self.failed(group, flight, FailureReason.FILTER_ERROR, str(exc), samples)
+            return failed._replace(rewards=rewards)
         except Exception as exc:
             error = f"filter raised {type(exc).__name__}: {exc}"
             failed = self.failed(group, flight, FailureReason.FILTER_ERROR, error, samples)

@@ -28,6 +28,7 @@ from asyncroll import (
     Status,
 )
 from asyncroll.engines.base import GenerateRequest, SampleOutput
+from asyncroll.outcomes import FailureReason
 
 VOCAB = 1000
 
@@ -690,6 +691,26 @@ async def test_async_prompt_source_and_its_deadline() -> None:
 def test_bad_config_names_the_field_and_the_fix(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_producer(4, **options)
+
+
+async def keep_none(group: RolloutGroup) -> bool:
+    return False
+
+
+def test_an_async_filter_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="filter must be a plain function"):
+        make_producer(4, filter=keep_none)
+
+
+async def test_a_filter_returning_a_coroutine_fails_its_groups() -> None:
+    """`bool()` of a coroutine is True: nobody awaiting it, it would keep every group."""
+    drops: list[DropRecord] = []
+    producer = make_producer(2, filter=lambda g: keep_none(g), on_drop=drops.append)
+    async with producer:
+        with pytest.raises(ProducerExhausted):
+            await producer.produce_batch(2)
+    assert [d.reason for d in drops] == [FailureReason.FILTER_ERROR] * 2
+    assert "filter returned a coroutine, not a bool" in (drops[0].error or "")
 
 
 def test_reward_fn_must_be_callable() -> None:
