@@ -13,6 +13,9 @@ Three ways to call it, fixed when the producer is built:
 * INLINE (`reward_in_thread=False`): called on the loop; it cannot be interrupted, only judged
   late.
 
+A sync function that returns an awaitable (a lambda or a sync wrapper around an async judge)
+has it awaited on the loop, with a deadline of its own, in either sync mode.
+
 Threads are daemon threads started per call, not a `ThreadPoolExecutor` or anyio's worker
 threads: both are joined when the interpreter exits, so one reward function that never returns
 would keep the trainer's process alive forever after its run ended.
@@ -84,7 +87,10 @@ class RewardRunner:
             case _Mode.ASYNC:
                 return await self._deadline(self._awaited(self.fn(group)))
             case _Mode.THREAD:
-                return await self._in_thread(group)
+                result = await self._in_thread(group)
+                if inspect.isawaitable(result):  # a sync function that returned a coroutine
+                    return await self._deadline(self._awaited(result))
+                return result
             case _Mode.INLINE:
                 start = time.monotonic()
                 result = self.fn(group)

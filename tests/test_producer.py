@@ -285,6 +285,25 @@ async def test_inline_sync_reward_runs_on_the_loop() -> None:
     assert len(consumed) == 3 and seen == [threading.current_thread().name] * 3
 
 
+@pytest.mark.parametrize("in_thread", [True, False])
+async def test_a_sync_reward_returning_a_coroutine_is_awaited(in_thread: bool) -> None:
+    """A plain function returning a coroutine (a lambda or a sync wrapper around an async
+    judge) scores groups whichever way sync reward functions are called."""
+
+    async def judge(group: RolloutGroup) -> list[float]:
+        return [1.0, 0.0]
+
+    drops: list[DropRecord] = []
+    producer = make_producer(
+        3, reward=lambda g: judge(g), group_size=2, reward_in_thread=in_thread,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        consumed = await consume_all(producer, 3)
+    assert [d.error for d in drops] == []
+    assert [g.rewards().tolist() for g in consumed] == [[1.0, 0.0]] * 3
+
+
 async def test_hanging_engine_is_cut_by_the_generate_deadline() -> None:
     drops: list[DropRecord] = []
     producer = make_producer(
