@@ -23,6 +23,7 @@ settings instead of the staleness.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -159,8 +160,10 @@ def token_logprobs(
     vocabulary); the extra memory is bounded by `CHUNK_BYTES` (the gradient of `logits` itself,
     which backward must return, aside).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature}: must be > 0 (greedy has no logprobs)")
+    if not 0 < temperature < math.inf:  # NaN too: it would make every logprob NaN
+        raise ValueError(
+            f"temperature={temperature}: must be a finite number > 0 (greedy has no logprobs)"
+        )
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p}: must be in (0, 1]")
     if top_k is not None and top_k < 1:

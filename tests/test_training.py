@@ -329,6 +329,25 @@ def test_token_logprobs_match_the_sampler_written_out(t: float, p: float, k: int
     assert torch.allclose(out[finite], ref[finite], atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"temperature": 0.0}, "temperature=0.0"),
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"temperature": math.nan}, "temperature=nan"),  # NaN logprobs everywhere
+        ({"temperature": math.inf}, "temperature=inf"),  # a uniform distribution
+        ({"top_p": math.nan}, "top_p=nan"),
+        ({"top_k": 0}, "top_k=0"),
+    ],
+)
+def test_token_logprobs_refuses_sampling_parameters_with_no_distribution(
+    options: dict[str, float], message: str
+) -> None:
+    logits, ids = torch.randn(1, 3, 5), torch.randint(0, 5, (1, 3))
+    with pytest.raises(ValueError, match=message):
+        token_logprobs(logits, ids, **options)  # type: ignore[arg-type]
+
+
 def test_token_logprobs_chunks_agree_with_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(2)
     logits = torch.randn(2, 9, 50, requires_grad=True)
