@@ -357,6 +357,8 @@ def policy_loss(
     `stats["clip_fraction"]` is the share of trained tokens whose clipped branch wins the PPO
     min (the ones whose gradient the clip stops).
     """
+    if not clip >= 0:  # NaN too: it would make the loss NaN
+        raise ValueError(f"clip={clip}: must be >= 0 (the PPO clip range, e.g. 0.2)")
     mask = batch.loss_mask
     weight: torch.Tensor | None = None
     anchor = batch.old_logprobs

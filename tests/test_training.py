@@ -242,6 +242,13 @@ def test_policy_loss_refuses_a_missing_or_unused_proximal_policy() -> None:
         Correction(token_band=(1.5, 2.0))
 
 
+@pytest.mark.parametrize("clip", [-0.2, math.nan])
+def test_policy_loss_refuses_a_clip_range_that_is_not_one(clip: float) -> None:
+    prox, batch = proximal_and_batch()  # a negative clip inverts the range, NaN makes NaN
+    with pytest.raises(ValueError, match=f"clip={clip}"):
+        policy_loss(prox, batch, clip=clip)
+
+
 def test_policy_loss_gradcheck_for_every_correction() -> None:
     """Away from the clip's kinks, autograd's gradient of the loss matches finite differences
     (the proximal policy fixed, the trainer moved off it by small random steps)."""
