@@ -94,6 +94,8 @@ def to_batch(
     rewards = np.stack([g.rewards() for g in groups])
     if np.isnan(rewards).any():
         raise ValueError("to_batch() needs scored groups: a sample has no reward")
+    if not np.isfinite(rewards).all():  # a group built or decoded outside the producer
+        raise ValueError("to_batch() needs finite rewards: an infinite one makes NaN advantages")
     rows = [(g, s) for g in groups for s in g.samples]
     length = max(len(g.prompt_tokens) + len(s.tokens) for g, s in rows)
     ids = np.full((len(rows), length), pad_id, dtype=np.int64)

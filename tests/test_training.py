@@ -81,6 +81,8 @@ def test_to_batch_refuses_unscored_or_ragged_groups() -> None:
         to_batch([_unscored()])
     with pytest.raises(ValueError, match="one size"):
         to_batch([scored(0, [1.0, 0.0]), scored(1, [1.0, 0.0, 1.0])])
+    with pytest.raises(ValueError, match="finite rewards"):  # its advantages would be NaN
+        to_batch([scored(0, [math.inf, 0.0])])
 
 
 def _unscored():  # type: ignore[no-untyped-def]
