@@ -697,6 +697,30 @@ async def test_a_rollout_function_returning_with_its_turn_still_running_fails_th
     assert "returned while policy turn 1 was still being sampled" in drops[0].error
 
 
+async def test_an_episode_extra_with_a_non_str_key_fails_its_group_not_the_batch() -> None:
+    """A group is stored encoded and read back with `extra` as a dict with str keys: one
+    stored with an int key failed only when handed out, raising out of `produce_batch` with
+    its batch already taken from the buffer (gone from the ledger)."""
+
+    async def agent(episode: Episode) -> None:
+        await episode.generate(max_new_tokens=2)
+        if episode.prompt_id == "default/0":
+            episode.extra[3] = "the tool's exit code, keyed by turn"
+
+    drops: list[Any] = []
+    producer = Producer(
+        TurnEngine(), prompts(2), length_reward, group_size=2, rollout_fn=agent,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        groups = await take(producer, 1)
+    assert [g.prompt_id for g in groups] == ["default/1"]
+    assert [d.reason for d in drops] == [FailureReason.UNSTORABLE]
+    assert "extra must be a dict with str keys" in drops[0].error
+    ledger = producer.check_ledger()
+    assert ledger.consumed_groups == ledger.failed_groups == 1
+
+
 class KeepTurnEngine(TurnEngine):
     """`TurnEngine` that can pause in place (a held call stays held until aborted)."""
 
