@@ -38,6 +38,7 @@ What the producer guarantees around user code (`EpisodeRun` runs the episodes of
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -481,8 +482,17 @@ class EpisodeRun:
             await self.rollout_fn(episode)
         except EpisodeError as exc:  # recorded by whoever raised it; else record it now
             self.fail(episode, exc.reason, exc.message, exc.fatal)
-        except anyio.get_cancelled_exc_class():
-            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # a deadline, a sibling, a stop
+                raise
+            # Raised though nothing cancelled the episode (a tool's client torn down under
+            # it): the episode ended part-way, and a task group would take it for a cancel.
+            message = (
+                "rollout function raised CancelledError though nothing cancelled it "
+                f"({episode.where})"
+            )
+            self.fail(episode, FailureReason.ENVIRONMENT_ERROR, message)
         except Exception as exc:
             message = f"rollout function raised {type(exc).__name__}: {exc} ({episode.where})"
             self.fail(episode, FailureReason.ENVIRONMENT_ERROR, message)

@@ -16,6 +16,7 @@ from asyncroll import (
     EpisodeError,
     Producer,
     ProducerError,
+    ProducerExhausted,
     SamplingConfig,
     SimEngine,
     single_turn,
@@ -343,6 +344,27 @@ async def test_a_rollout_function_raising_a_base_exception_stops_the_producer() 
                 await producer.produce_batch(1, timeout=DEADLINE_S)
     producer.check_ledger()
     assert producer.progress.counters.failed_groups_by_reason == {"environment_error": 1}
+
+
+async def test_a_cancelled_error_nobody_asked_for_fails_the_group() -> None:
+    """A tool's client torn down under it raises CancelledError though nothing cancelled the
+    episode: it ended part-way, so its group must fail, not be handed out as complete."""
+
+    async def agent(episode: Episode) -> None:
+        await episode.generate(max_new_tokens=2)
+        raise asyncio.CancelledError  # the tool's session was closed: the episode ends early
+
+    drops: list[Any] = []
+    producer = Producer(
+        TurnEngine(), prompts(1), length_reward, group_size=2, rollout_fn=agent,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        with pytest.raises(ProducerExhausted):
+            await producer.produce_batch(1, timeout=DEADLINE_S)
+    assert [d.reason for d in drops] == [FailureReason.ENVIRONMENT_ERROR]
+    assert "raised CancelledError though nothing cancelled it" in drops[0].error
+    producer.check_ledger()
 
 
 async def test_every_episode_failing_stops_the_run_with_the_count_by_reason() -> None:
