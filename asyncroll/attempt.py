@@ -27,7 +27,7 @@ from asyncroll.engines.base import Engine, GenerateRequest, SampleOutput
 from asyncroll.episode import EpisodeError, EpisodeRun, Parking, RolloutFn
 from asyncroll.filters import BadVerdict, GroupFilter, verdict
 from asyncroll.lifecycle import Stage, move
-from asyncroll.outcomes import NOT_ABSORBED, FailureReason
+from asyncroll.outcomes import NOT_ABSORBED, FailureReason, cancelling
 from asyncroll.rewards import RewardDeadline, RewardRunner
 from asyncroll.types import RolloutGroup, RolloutState, Status, group_status
 
@@ -191,6 +191,11 @@ class Attempts:
         except Exception as exc:
             error = f"reward function raised {type(exc).__name__}: {exc}"
             return self.failed(group, flight, FailureReason.REWARD_ERROR, error, samples)
+        except asyncio.CancelledError:
+            if cancelling():
+                raise
+            error = "reward function raised CancelledError though nothing cancelled it"
+            return self.failed(group, flight, FailureReason.REWARD_ERROR, error, samples)
         except NOT_ABSORBED:
             raise
         except BaseException as exc:
@@ -210,6 +215,12 @@ class Attempts:
             return failed._replace(rewards=rewards)
         except Exception as exc:
             error = f"filter raised {type(exc).__name__}: {exc}"
+            failed = self.failed(group, flight, FailureReason.FILTER_ERROR, error, samples)
+            return failed._replace(rewards=rewards)
+        except asyncio.CancelledError:
+            if cancelling():
+                raise
+            error = "filter raised CancelledError though nothing cancelled it"
             failed = self.failed(group, flight, FailureReason.FILTER_ERROR, error, samples)
             return failed._replace(rewards=rewards)
         except NOT_ABSORBED:

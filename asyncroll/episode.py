@@ -61,7 +61,7 @@ from asyncroll.engines.base import (
     SampleRequest,
     SamplingConfig,
 )
-from asyncroll.outcomes import FailureReason, GroupFailure
+from asyncroll.outcomes import FailureReason, GroupFailure, cancelling
 from asyncroll.types import (
     EMPTY_FLOAT32,
     EMPTY_INT32,
@@ -483,11 +483,9 @@ class EpisodeRun:
         except EpisodeError as exc:  # recorded by whoever raised it; else record it now
             self.fail(episode, exc.reason, exc.message, exc.fatal)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():  # a deadline, a sibling, a stop
+            if cancelling():  # a deadline, a failed sibling, the producer's stop
                 raise
-            # Raised though nothing cancelled the episode (a tool's client torn down under
-            # it): the episode ended part-way, and a task group would take it for a cancel.
+            # The episode ended part-way: a task group would take this for a cancellation.
             message = (
                 "rollout function raised CancelledError though nothing cancelled it "
                 f"({episode.where})"

@@ -210,9 +210,13 @@ def _reward_cases() -> list[tuple[Any, str]]:
     def sync_raises(g: RolloutGroup) -> list[float]:
         raise KeyError("label")
 
+    async def torn_down(g: RolloutGroup) -> list[float]:
+        raise asyncio.CancelledError  # the judge's client session was closed under it
+
     return [
         (raises, "reward function raised RuntimeError: judge is down"),
         (sync_raises, "reward function raised KeyError"),
+        (torn_down, "reward function raised CancelledError though nothing cancelled it"),
         (lambda g: [math.nan] * g.num_samples, "not finite"),
         (lambda g: [math.inf] * g.num_samples, "not finite"),
         (lambda g: ["1"] * g.num_samples, "not a number"),
@@ -730,6 +734,19 @@ async def test_a_filter_returning_a_coroutine_fails_its_groups() -> None:
             await producer.produce_batch(2)
     assert [d.reason for d in drops] == [FailureReason.FILTER_ERROR] * 2
     assert "filter returned a coroutine, not a bool" in (drops[0].error or "")
+
+
+async def test_a_filter_raising_a_cancelled_error_nobody_asked_for_fails_its_groups() -> None:
+    def torn_down(group: RolloutGroup) -> bool:
+        raise asyncio.CancelledError
+
+    drops: list[DropRecord] = []
+    producer = make_producer(2, filter=torn_down, on_drop=drops.append)
+    async with producer:
+        with pytest.raises(ProducerExhausted):
+            await producer.produce_batch(2)
+    assert [d.reason for d in drops] == [FailureReason.FILTER_ERROR] * 2
+    assert "filter raised CancelledError though nothing cancelled it" in (drops[0].error or "")
 
 
 def test_reward_fn_must_be_callable() -> None:
