@@ -749,6 +749,25 @@ async def test_a_filter_raising_a_cancelled_error_nobody_asked_for_fails_its_gro
     assert "filter raised CancelledError though nothing cancelled it" in (drops[0].error or "")
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens=2.5"),  # a fractional token budget
+        ({"max_new_tokens": math.nan}, "max_new_tokens=nan"),  # NaN < 1 is False
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"temperature": math.nan}, "temperature=nan"),  # NaN < 0 is False
+        ({"temperature": math.inf}, "temperature=inf"),
+        ({"top_p": math.nan}, "top_p=nan"),
+        ({"top_k": 0}, "top_k=0"),
+        ({"top_k": 2.5}, "top_k=2.5"),
+    ],
+)
+def test_bad_sampling_names_the_field(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**options)
+
+
 def test_reward_fn_must_be_callable() -> None:
     with pytest.raises(ValueError, match="reward_fn must be callable"):
         Producer(SimEngine(), [], "not a function")  # type: ignore[arg-type]
