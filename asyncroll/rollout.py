@@ -32,6 +32,7 @@ from asyncroll.types import (
 _LOGPROB_TOLERANCE = 1e-4  # float rounding can put log(1) a hair above 0
 _min = np.minimum.reduce  # the ufuncs themselves: ndarray.min/max add a Python-level call
 _max = np.maximum.reduce
+_INT32 = np.iinfo(np.int32)  # the dtype of token ids and versions
 
 
 class RolloutError(ValueError):
@@ -266,7 +267,14 @@ def _as(arr: Any, dtype: type[np.generic], kind: str) -> Any:
     out = np.asarray(arr)
     if out.ndim != 1 or (out.size and out.dtype.kind not in (kind, "u" if kind == "i" else kind)):
         raise TypeError(f"expected a 1-D {np.dtype(dtype).name} array, got {out.dtype} {out.shape}")
-    return out.astype(dtype) if out.size else np.zeros(0, dtype)
+    if not out.size:
+        return np.zeros(0, dtype)
+    if kind == "i":  # a cast would wrap an id past int32 around into the vocabulary
+        low, high = int(_min(out)), int(_max(out))
+        if low < _INT32.min or high > _INT32.max:
+            bad = low if low < _INT32.min else high
+            raise TypeError(f"{out.dtype} value {bad} does not fit int32")
+    return out.astype(dtype)
 
 
 def check_rewards(values: Any, n: int) -> list[float]:

@@ -97,6 +97,27 @@ def test_versions_that_go_back_or_run_ahead_are_malformed(
         extend(prefix, new, version)
 
 
+@pytest.mark.parametrize(
+    ("field", "values"),
+    [
+        ("tokens", [2**32 + 5, 7]),  # int64 ids that int32 would wrap to 5 and 7: in the vocab
+        ("tokens", np.array([-(2**32) + 5, 7], dtype=np.int64)),
+        ("tokens", np.array([2**63 + 5, 7], dtype=np.uint64)),
+        ("versions", [2**32, 2**32]),  # would wrap to version 0
+    ],
+)
+def test_ids_or_versions_that_do_not_fit_int32_are_malformed(field: str, values: Any) -> None:
+    arrays: dict[str, Any] = {
+        "tokens": np.array([5, 7], np.int32),
+        "logprobs": np.full(2, -0.5, np.float32),
+        "versions": np.zeros(2, np.int32),
+    }
+    arrays[field] = values
+    out = SampleOutput(**arrays, finish_reason="stop")
+    with pytest.raises(RolloutError, match="int32"):
+        extend_one(sample_with_versions([]), out, vocab_size=10, version=0)
+
+
 def group_of(*samples: RolloutState, start_version: int = 0) -> RolloutGroup:
     return RolloutGroup(
         uid=0,
