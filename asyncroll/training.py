@@ -70,6 +70,11 @@ def group_advantages(
     n = rewards.shape[1]
     centered: npt.NDArray[np.float64] = rewards - rewards.mean(axis=1, keepdims=True)
     if method == "grpo":
+        if not eps > 0:  # NaN too
+            raise ValueError(
+                f"eps={eps}: must be > 0 (a group of equal rewards has std 0: with eps <= 0 its "
+                "advantages would be NaN or infinite)"
+            )
         scale: npt.NDArray[np.float64] = rewards.std(axis=1, keepdims=True) + eps
         return centered / scale
     if method == "rloo":

@@ -47,6 +47,13 @@ def test_advantages() -> None:
         group_advantages(np.ones((1, 1)), "rloo")
 
 
+@pytest.mark.parametrize("eps", [0.0, -0.5, math.nan])
+def test_grpo_refuses_an_eps_that_lets_equal_rewards_divide_by_zero(eps: float) -> None:
+    equal = np.array([[1.0, 1.0], [1.0, 0.0]])  # std 0: eps=0 made NaN, eps=-0.5 made inf
+    with pytest.raises(ValueError, match=f"eps={eps}"):
+        group_advantages(equal, "grpo", eps=eps)
+
+
 def test_to_batch_layout_is_aligned_with_input_ids() -> None:
     a, b = scored(0, [1.0, 0.0], tokens=3, version=2), scored(1, [0.5, 0.5], tokens=5)
     batch = to_batch([a, b], pad_id=7)
