@@ -409,6 +409,8 @@ def proximal_logprobs(
     proximal policy of decoupled PPO when one batch is trained with several optimizer steps
     (call it before the first). `forward(input_ids, attention_mask)` returns the logits;
     `micro_batch` rows at a time bound the activations."""
+    if micro_batch is not None and micro_batch < 1:
+        raise ValueError(f"micro_batch={micro_batch}: must be >= 1 rows (None: the whole batch)")
     step = micro_batch or batch.input_ids.shape[0]
     parts = []
     with torch.no_grad():

@@ -395,6 +395,22 @@ def test_proximal_logprobs_in_micro_batches_equals_one_pass() -> None:
     )
 
 
+@pytest.mark.parametrize("micro_batch", [0, -1])
+def test_proximal_logprobs_refuses_a_micro_batch_below_one(micro_batch: int) -> None:
+    """0 ran the whole batch in one pass (the memory a micro-batch is meant to bound), -1 ran
+    none and failed inside torch.cat."""
+    batch = to_batch([scored(0, [1.0, 0.0], tokens=4)])
+    calls: list[int] = []
+
+    def forward(ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        calls.append(len(ids))
+        return torch.zeros(*ids.shape, 100)
+
+    with pytest.raises(ValueError, match=f"micro_batch={micro_batch}"):
+        proximal_logprobs(forward, batch, micro_batch=micro_batch)
+    assert calls == []
+
+
 class LiveBytes(TorchDispatchMode):
     """Peak bytes of the tensors that ops allocate while the mode is on (inputs not counted).
 
