@@ -118,6 +118,9 @@ def merge_outputs(
         raise RolloutError(f"engine returned {len(outputs)} samples for {len(todo)} requested")
     if not todo:
         return group.samples
+    if not all(map(isinstance, outputs, itertools.repeat(SampleOutput))):  # one C loop
+        bad = next(out for out in outputs if not isinstance(out, SampleOutput))
+        raise RolloutError(f"engine returned a {type(bad).__name__}, not a SampleOutput")
     tokens, logprobs, versions, ends = _joined(outputs)
     _check_group(group, todo, request, tokens, logprobs, versions, ends, vocab_size, version)
     samples = list(group.samples)

@@ -118,6 +118,21 @@ def test_ids_or_versions_that_do_not_fit_int32_are_malformed(field: str, values:
         extend_one(sample_with_versions([]), out, vocab_size=10, version=0)
 
 
+@pytest.mark.parametrize("output", [None, {"tokens": [5], "logprobs": [-0.5], "versions": [0]}])
+def test_outputs_that_are_not_sample_outputs_are_malformed(output: Any) -> None:
+    """A RolloutError fails the group as malformed output; an AttributeError escaped every
+    handler and stopped the producer as an internal error."""
+    group = group_of(sample_with_versions([]))
+    request = GenerateRequest(
+        request_id="r",
+        prompt_tokens=np.zeros(1, np.int32),
+        samples=(SampleRequest(np.zeros(0, np.int32), 4),),
+        sampling=SamplingConfig(),
+    )
+    with pytest.raises(RolloutError, match=f"{type(output).__name__}, not a SampleOutput"):
+        merge_outputs(group, request, [output], vocab_size=10, version=0)
+
+
 def group_of(*samples: RolloutState, start_version: int = 0) -> RolloutGroup:
     return RolloutGroup(
         uid=0,
