@@ -17,6 +17,7 @@ import pytest
 from asyncroll import (
     DropRecord,
     Producer,
+    ProducerConfig,
     ProducerError,
     ProducerExhausted,
     PutOutcome,
@@ -747,6 +748,21 @@ async def test_a_filter_raising_a_cancelled_error_nobody_asked_for_fails_its_gro
             await producer.produce_batch(2)
     assert [d.reason for d in drops] == [FailureReason.FILTER_ERROR] * 2
     assert "filter raised CancelledError though nothing cancelled it" in (drops[0].error or "")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_staleness": False, "batch_size": 4}, "max_staleness=False"),  # was 0: on-policy
+        ({"group_size": True}, "group_size=True"),  # was 1
+        ({"max_turns": True}, "max_turns=True"),
+    ],
+)
+def test_a_bool_for_a_count_is_refused(options: dict[str, Any], message: str) -> None:
+    """bool is an int subclass: False passed as a count of 0, so max_staleness=False (meant as
+    'off', which is None) made the run strictly on-policy without a word."""
+    with pytest.raises(ValueError, match=message):
+        ProducerConfig(**options)
 
 
 @pytest.mark.parametrize(
