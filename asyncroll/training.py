@@ -378,7 +378,10 @@ def policy_loss(
         weight = behaviour_weights(anchor, batch, correction).weight
     elif proximal_logprobs is not None:
         raise ValueError("proximal_logprobs is used only with a correction")
-    ratio = (logprobs - anchor).masked_fill(~mask, 0.0).exp()
+    # A token outside the anchor's nucleus (proximal logprob -inf; behaviour logprobs are
+    # finite) has behaviour weight 0, and a ratio to it of exp(-inf - -inf) = NaN: taken as 1,
+    # so that the weight zeroes its term instead of 0 * NaN making the whole loss NaN.
+    ratio = (logprobs - anchor).masked_fill(~mask | anchor.isneginf(), 0.0).exp()
     adv = batch.advantages[:, None]
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip, 1 + clip) * adv

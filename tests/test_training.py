@@ -275,6 +275,26 @@ def test_policy_loss_gradcheck_for_every_correction() -> None:
         assert torch.autograd.gradcheck(loss, (start.clone().requires_grad_(True),))
 
 
+@pytest.mark.parametrize("name", [n for n, c in CORRECTIONS.items() if c is not None])
+def test_a_token_outside_the_trainers_nucleus_keeps_a_corrected_loss_finite(name: str) -> None:
+    """With top_p < 1 a sampled token can fall outside the trainer's nucleus: logprob -inf,
+    in the proximal policy too (`logprobs.detach()` for one step). Its behaviour weight is 0,
+    but its ratio to the proximal policy was exp(-inf - -inf) = NaN, and 0 * NaN made the
+    whole loss NaN."""
+    batch = to_batch([scored(0, [1.0, 0.0], tokens=4)])
+    torch.manual_seed(0)
+    logits = torch.randn(*batch.input_ids.shape, 100, requires_grad=True)
+    logprobs = token_logprobs(logits, batch.input_ids, top_p=0.3)
+    outside = logprobs.isneginf() & batch.loss_mask
+    assert outside.any() and not outside.all()
+    loss, stats = policy_loss(
+        logprobs, batch, correction=CORRECTIONS[name], proximal_logprobs=logprobs.detach()
+    )
+    assert math.isfinite(float(loss.detach())) and all(map(math.isfinite, stats.values()))
+    loss.backward()  # type: ignore[no-untyped-call]
+    assert logits.grad is not None and logits.grad.isfinite().all()
+
+
 def test_mismatch_metrics_by_hand_and_by_staleness() -> None:
     prox, batch = proximal_and_batch()
     batch = msgspec.structs.replace(
