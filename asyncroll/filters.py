@@ -15,13 +15,16 @@ GroupFilter = Callable[[RolloutGroup], bool]
 
 
 class BadVerdict(TypeError):
-    """A filter returned something that is not a verdict (an awaitable)."""
+    """A filter returned something that is not a verdict (None, an awaitable)."""
 
 
 def verdict(result: object) -> bool:
-    """A filter's result as keep (True) or not. An awaitable is refused with `BadVerdict`:
-    its `bool()` is True, so a filter that returns a coroutine, awaited by nobody, would keep
-    every group."""
+    """A filter's result as keep (True) or not. None and awaitables are refused with
+    `BadVerdict`: None is a filter that lost its `return` and would reject every group, and
+    an awaitable's `bool()` is True, so a filter returning a coroutine, awaited by nobody,
+    would keep every group."""
+    if result is None:
+        raise BadVerdict("filter returned None, not a bool: a missing return?")
     if inspect.isawaitable(result):
         if inspect.iscoroutine(result):
             result.close()  # never to be awaited: no "never awaited" warning

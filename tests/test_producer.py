@@ -721,6 +721,22 @@ async def keep_none(group: RolloutGroup) -> bool:
     return False
 
 
+async def test_a_filter_returning_none_fails_its_groups_instead_of_filtering_them() -> None:
+    """A filter without its `return` rejected every group as FILTERED (no error), burning
+    max_dropped_in_a_row groups of compute before the run said anything."""
+
+    def forgot_return(group: RolloutGroup) -> bool:
+        len(set(group.rewards().tolist())) > 1  # noqa: B015
+
+    drops: list[DropRecord] = []
+    producer = make_producer(2, filter=forgot_return, on_drop=drops.append)
+    async with producer:
+        with pytest.raises(ProducerExhausted):
+            await producer.produce_batch(2)
+    assert [d.reason for d in drops] == [FailureReason.FILTER_ERROR] * 2
+    assert "filter returned None, not a bool" in (drops[0].error or "")
+
+
 def test_an_async_filter_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="filter must be a plain function"):
         make_producer(4, filter=keep_none)
