@@ -121,10 +121,15 @@ class RewardRunner:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Any] = loop.create_future()
         call = _ThreadCall(self, limiter, borrower, done)
-        threading.Thread(
+        thread = threading.Thread(
             target=call.run, args=(self.fn, group), name="asyncroll-reward", daemon=True
-        ).start()
-        del group  # the thread holds it while the function runs, nobody else
+        )
+        try:
+            thread.start()
+        except BaseException:  # "can't start new thread": nothing will give the worker back
+            limiter.release_on_behalf_of(borrower)
+            raise
+        del group, thread  # the thread holds the group while the function runs, nobody else
         try:
             return await self._deadline(asyncio.shield(done))
         except BaseException:

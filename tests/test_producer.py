@@ -277,6 +277,34 @@ async def test_sync_reward_that_hangs_in_its_thread_fails_the_group() -> None:
     assert len(drops) == 2 and all("reward_timeout_s" in (d.error or "") for d in drops)
 
 
+async def test_a_reward_thread_that_cannot_start_gives_its_worker_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Starting a thread can fail ("can't start new thread" at the process's limit): the
+    group failed, but its worker was never given back, so with one worker every later group
+    waited for it forever and produce_batch never returned."""
+    start = threading.Thread.start
+    failures = [RuntimeError("can't start new thread")]
+
+    def start_or_fail(thread: threading.Thread) -> None:
+        if thread.name == "asyncroll-reward" and failures:
+            raise failures.pop()
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_or_fail)
+    drops: list[DropRecord] = []
+    producer = make_producer(
+        3, reward=lambda g: [1.0] * g.num_samples, reward_workers=1, max_inflight_groups=1,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        batch = await producer.produce_batch(2, timeout=30)  # a guard: it hung before
+    assert len(batch.groups) == 2
+    assert [d.error for d in drops] == [
+        "reward function raised RuntimeError: can't start new thread"
+    ]
+
+
 async def test_inline_sync_reward_runs_on_the_loop() -> None:
     seen: list[str] = []
 
