@@ -5,8 +5,7 @@ with its status) and, when it failed, the `FailureReason`. It never raises for a
 can absorb. Engine errors (its own `TimeoutError` included), a deadline, malformed output, a
 reward or filter that raises, hangs or returns nonsense: each ends this group as FAILED with a
 readable error. Only what no group can absorb also sets `Landing.fatal` (a dead engine, a
-`BaseException` from user code, every reward worker hung, a filter returning an awaitable,
-which would keep every group): the producer then stops.
+`BaseException` from user code, every reward worker hung): the producer then stops.
 
 The engine call itself, its deadline and how each way it can end becomes a failure, is
 `engine_call.generate`'s job, shared with the turns of episodes.
@@ -15,7 +14,6 @@ The engine call itself, its deadline and how each way it can end becomes a failu
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -27,9 +25,9 @@ from asyncroll.config import ProducerConfig
 from asyncroll.engine_call import EngineCallError
 from asyncroll.engines.base import Engine, GenerateRequest, SampleOutput
 from asyncroll.episode import EpisodeError, EpisodeRun, Parking, RolloutFn
-from asyncroll.filters import GroupFilter
+from asyncroll.filters import BadVerdict, GroupFilter, verdict
 from asyncroll.lifecycle import Stage, move
-from asyncroll.outcomes import NOT_ABSORBED, FailureReason
+from asyncroll.outcomes import NOT_ABSORBED, FailureReason, cancelling
 from asyncroll.rewards import RewardDeadline, RewardRunner
 from asyncroll.types import RolloutGroup, RolloutState, Status, group_status
 
@@ -193,6 +191,11 @@ class Attempts:
         except Exception as exc:
             error = f"reward function raised {type(exc).__name__}: {exc}"
             return self.failed(group, flight, FailureReason.REWARD_ERROR, error, samples)
+        except asyncio.CancelledError:
+            if cancelling():
+                raise
+            error = "reward function raised CancelledError though nothing cancelled it"
+            return self.failed(group, flight, FailureReason.REWARD_ERROR, error, samples)
         except NOT_ABSORBED:
             raise
         except BaseException as exc:
@@ -206,21 +209,18 @@ class Attempts:
             return Landing(self._finish(group, flight, samples, Status.COMPLETED), rewards=rewards)
         scored = msgspec.structs.replace(group, samples=samples, status=Status.COMPLETED)
         try:
-            verdict: object = self.filter(scored)  # typed as bool; user code returns anything
-            if inspect.isawaitable(verdict):  # always true: it would keep every group
-                if inspect.iscoroutine(verdict):
-                    verdict.close()
-                error = (
-                    f"filter returned a {type(verdict).__name__}, not a bool: a filter is a "
-                    "plain function (`def`, not `async def`)"
-                )
-                failed = self.failed(
-                    group, flight, FailureReason.FILTER_ERROR, error, samples, fatal=error
-                )
-                return failed._replace(rewards=rewards)
-            keep = bool(verdict)
+            keep = verdict(self.filter(scored))
+        except BadVerdict as exc:
+            failed = self.failed(group, flight, FailureReason.FILTER_ERROR, str(exc), samples)
+            return failed._replace(rewards=rewards)
         except Exception as exc:
             error = f"filter raised {type(exc).__name__}: {exc}"
+            failed = self.failed(group, flight, FailureReason.FILTER_ERROR, error, samples)
+            return failed._replace(rewards=rewards)
+        except asyncio.CancelledError:
+            if cancelling():
+                raise
+            error = "filter raised CancelledError though nothing cancelled it"
             failed = self.failed(group, flight, FailureReason.FILTER_ERROR, error, samples)
             return failed._replace(rewards=rewards)
         except NOT_ABSORBED:

@@ -34,7 +34,8 @@ add a checksum of their own, in-memory buffer entries are read-only).
 
 Metadata and `extra` take what msgpack does plus numpy arrays, torch tensors and numpy scalars
 (which pandas and HF datasets hand out; they are stored as the Python scalar). Anything else,
-and containers nested deeper than `MAX_DEPTH`, raise `CodecError` on encode.
+containers nested deeper than `MAX_DEPTH`, and metadata or an `extra` that is not a dict with
+str keys (what `decode` reads back) raise `CodecError` on encode.
 
 `encode_value` / `decode_value` carry one such value on its own (a prompt's metadata in a
 checkpoint). Their arrays travel inside the msgpack as extension values (code 2) and decode to
@@ -241,6 +242,22 @@ def _check_depth(value: Any, what: str) -> None:
     raise CodecError(f"{what} is nested more than MAX_DEPTH={MAX_DEPTH} containers deep")
 
 
+def _check_mapping(value: Any, what: str) -> None:
+    """`CodecError` unless `value` is a dict with str keys nested at most `MAX_DEPTH` deep:
+    `decode` reads metadata and `extra` back only as such, so a group written with an int key
+    or a list would fail only when handed out, its batch already taken from the buffer."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise CodecError(f"{what} must be a dict with str keys, got {_shape_of(value)}")
+    _check_depth(value, what)
+
+
+def _shape_of(value: Any) -> str:
+    if isinstance(value, dict):
+        keys = sorted({type(k).__name__ for k in value})
+        return f"a dict with keys of type {', '.join(keys)}"
+    return type(value).__name__
+
+
 def _encode_failed(exc: TypeError | OverflowError | RecursionError, what: str) -> CodecError:
     """msgspec's own refusals, as `CodecError`."""
     if isinstance(exc, RecursionError):
@@ -375,12 +392,14 @@ def _layout(group: RolloutGroup) -> _Data:
     arrays elsewhere (metadata, `extra`, a loss mask, turn boundaries, routed experts that do
     not line up) go through the encoder's hook.
     """
-    if group.metadata:
-        _check_depth(group.metadata, f"group {group.uid}'s metadata")
+    metadata = group.metadata
+    if metadata or type(metadata) is not dict:
+        _check_mapping(metadata, f"group {group.uid}'s metadata")
     columns = list(zip(*map(msgspec.structs.astuple, group.samples), strict=True))
-    if any(columns[_EXTRA_AT]):
-        for extra in columns[_EXTRA_AT]:
-            _check_depth(extra, f"group {group.uid}'s sample extra")
+    extras = columns[_EXTRA_AT]
+    if extras.count({}) != len(extras):  # one `==` per sample, in C: not all empty dicts
+        for extra in extras:
+            _check_mapping(extra, f"group {group.uid}'s sample extra")
     lengths = list(map(len, columns[0]))
     total = sum(lengths)
     prompt = group.prompt_tokens

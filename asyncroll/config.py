@@ -177,5 +177,6 @@ def make_config(config: ProducerConfig | None, overrides: dict[str, Any]) -> Pro
 
 
 def _at_least(name: str, value: int, low: int, fix: str) -> None:
-    if not isinstance(value, int) or value < low:
+    # A bool is an int: max_staleness=False (meant as "off") would be a limit of 0.
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name}={value!r}: must be an integer >= {low} ({fix})")

@@ -25,7 +25,8 @@ What the producer guarantees around user code (`EpisodeRun` runs the episodes of
   Every token keeps the version that sampled it. A pause never reaches user code.
 * **Failures fail the group, readably.** An engine error, a turn past `generate_timeout_s`,
   malformed output, a rollout function that raises, breaks a limit (`max_turns`,
-  `max_episode_tokens`) or runs past `episode_timeout_s` (parked time not counted) ends the
+  `max_episode_tokens`), uses its episode out of turn (a call while a turn is being sampled,
+  or after it returned) or runs past `episode_timeout_s` (parked time not counted) ends the
   whole group FAILED with a `FailureReason` and an error naming the episode and where it was.
   `generate` raises `EpisodeError` for a failed turn; catching it does not save the group.
 * **Cancellation reaches user code.** On a failure of a sibling episode, a deadline or the
@@ -37,6 +38,8 @@ What the producer guarantees around user code (`EpisodeRun` runs the episodes of
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
@@ -58,7 +61,7 @@ from asyncroll.engines.base import (
     SampleRequest,
     SamplingConfig,
 )
-from asyncroll.outcomes import FailureReason, GroupFailure
+from asyncroll.outcomes import FailureReason, GroupFailure, cancelling
 from asyncroll.types import (
     EMPTY_FLOAT32,
     EMPTY_INT32,
@@ -87,6 +90,16 @@ _IDLE_ABORTS = 8
 class EpisodeError(GroupFailure):
     """The episode's group fails: a turn failed (engine error, deadline, malformed output) or
     the episode broke a limit. Raised by `Episode.generate` / `append`; let it propagate."""
+
+
+class _Phase(enum.Enum):
+    """Where an episode's user code stands. `generate` and `append` act only when READY: a
+    turn samples after what the episode held when it started, so a call racing it (another
+    turn, an append) would be stored next to tokens sampled without it in context."""
+
+    READY = "ready"  # between calls: the rollout function may generate or append
+    IN_TURN = "in_turn"  # a policy turn is being sampled
+    RETURNED = "returned"  # the rollout function returned: the episode is its sample now
 
 
 class Turn(msgspec.Struct, frozen=True):
@@ -153,7 +166,7 @@ class Episode:
         self.policy_turns = 0
         self.finish_reason: str | None = None
         self.where = "before its first turn"  # for the deadline's error message
-        self.done = False  # the rollout function returned
+        self._phase = _Phase.READY
 
     @property
     def tokens(self) -> Int32Array:
@@ -185,6 +198,7 @@ class Episode:
         fails."""
         run = self._run
         run.check_alive(self)
+        self._check_ready("generate()")
         if self.policy_turns >= run.config.max_turns:
             raise run.fail(
                 self, FailureReason.ENVIRONMENT_ERROR,
@@ -205,6 +219,16 @@ class Episode:
             self.finish_reason = "length"
             return Turn(EMPTY_INT32, EMPTY_FLOAT32, EMPTY_INT32, "length")
         self.where = f"in policy turn {self.policy_turns}"
+        self._phase = _Phase.IN_TURN
+        try:
+            return await self._sample_turn(sampling, budget)
+        finally:
+            if self._phase is _Phase.IN_TURN:  # not RETURNED meanwhile (a task left behind)
+                self._phase = _Phase.READY
+
+    async def _sample_turn(self, sampling: SamplingConfig, budget: int) -> Turn:
+        """The engine calls of one policy turn (re-submitted after a drain's abort)."""
+        run = self._run
         pieces: list[RolloutState] = []
         prefix = self._tokens
         last = self.last_version()
@@ -257,6 +281,7 @@ class Episode:
         Raises `EpisodeError` for ids outside the vocabulary or past the token budget."""
         run = self._run
         run.check_alive(self)
+        self._check_ready("append()")
         try:
             arr = rollout.prompt_array(tokens, run.vocab_size, None)
         except rollout.RolloutError as exc:
@@ -279,6 +304,23 @@ class Episode:
             np.full(n, version, dtype=np.int32),
             np.zeros(n, dtype=np.uint8),
         )
+
+    def _check_ready(self, call: str) -> None:
+        """Refuse `call` unless the episode is between calls (see `_Phase`): the group fails."""
+        match self._phase:
+            case _Phase.READY:
+                return
+            case _Phase.IN_TURN:
+                problem = (
+                    f"{call} while policy turn {self.policy_turns} is still being sampled: "
+                    "await each generate() before the episode's next call"
+                )
+            case _Phase.RETURNED:
+                problem = (
+                    f"{call} after the rollout function returned: the episode is its group's "
+                    "sample now (a task the rollout function started outlived it?)"
+                )
+        raise self._run.fail(self, FailureReason.ENVIRONMENT_ERROR, problem)
 
     def _commit(
         self,
@@ -424,7 +466,7 @@ class EpisodeRun:
                     tg.start_soon(self._one, episode, name=f"asyncroll-episode-{episode.index}")
         self._scope = self.parking.scope = None
         if self.failure is None and deadline.cancelled_caught:
-            late = [e for e in self.episodes if not e.done]
+            late = [e for e in self.episodes if e._phase is not _Phase.RETURNED]
             where = "; ".join(f"episode {e.index} {e.where}" for e in late)
             self.failure = EpisodeError(
                 FailureReason.EPISODE_DEADLINE,
@@ -440,8 +482,15 @@ class EpisodeRun:
             await self.rollout_fn(episode)
         except EpisodeError as exc:  # recorded by whoever raised it; else record it now
             self.fail(episode, exc.reason, exc.message, exc.fatal)
-        except anyio.get_cancelled_exc_class():
-            raise
+        except asyncio.CancelledError:
+            if cancelling():  # a deadline, a failed sibling, the producer's stop
+                raise
+            # The episode ended part-way: a task group would take this for a cancellation.
+            message = (
+                "rollout function raised CancelledError though nothing cancelled it "
+                f"({episode.where})"
+            )
+            self.fail(episode, FailureReason.ENVIRONMENT_ERROR, message)
         except Exception as exc:
             message = f"rollout function raised {type(exc).__name__}: {exc} ({episode.where})"
             self.fail(episode, FailureReason.ENVIRONMENT_ERROR, message)
@@ -449,8 +498,14 @@ class EpisodeRun:
             message = f"rollout function raised {type(exc).__name__} (a BaseException): {exc}"
             self.fail(episode, FailureReason.ENVIRONMENT_ERROR, message, fatal=message)
         else:
+            if episode._phase is _Phase.IN_TURN:  # a task it started still samples a turn
+                self.fail(
+                    episode, FailureReason.ENVIRONMENT_ERROR,
+                    f"the rollout function returned while policy turn {episode.policy_turns} "
+                    "was still being sampled (by a task it started and did not await)",
+                )  # fmt: skip
             episode.where = "done"
-            episode.done = True
+            episode._phase = _Phase.RETURNED
 
 
 def split_turns(sample: RolloutState) -> list[tuple[bool, Int32Array]]:

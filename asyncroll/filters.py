@@ -6,11 +6,33 @@ counted on the producer (with their tokens as waste) and dropped on arrival.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from asyncroll.types import RolloutGroup
 
 GroupFilter = Callable[[RolloutGroup], bool]
+
+
+class BadVerdict(TypeError):
+    """A filter returned something that is not a verdict (None, an awaitable)."""
+
+
+def verdict(result: object) -> bool:
+    """A filter's result as keep (True) or not. None and awaitables are refused with
+    `BadVerdict`: None is a filter that lost its `return` and would reject every group, and
+    an awaitable's `bool()` is True, so a filter returning a coroutine, awaited by nobody,
+    would keep every group."""
+    if result is None:
+        raise BadVerdict("filter returned None, not a bool: a missing return?")
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()  # never to be awaited: no "never awaited" warning
+        raise BadVerdict(
+            f"filter returned a {type(result).__name__}, not a bool: a filter is a plain "
+            "function (`def`, not `async def`)"
+        )
+    return bool(result)
 
 
 def nonzero_std(group: RolloutGroup) -> bool:
@@ -30,7 +52,17 @@ FILTERS: dict[str, GroupFilter] = {"nonzero_std": nonzero_std}
 
 def resolve(spec: str | GroupFilter | None) -> GroupFilter | None:
     """A filter from its name, a callable, or None (keep everything)."""
-    if spec is None or callable(spec):
+    if spec is None:
+        return spec
+    if callable(spec):
+        if inspect.iscoroutinefunction(spec) or inspect.iscoroutinefunction(
+            getattr(spec, "__call__", None)  # noqa: B004
+        ):
+            raise ValueError(
+                f"filter must be a plain function returning a bool, got the async "
+                f"{getattr(spec, '__qualname__', type(spec).__qualname__)!r}: its coroutine "
+                "would never be awaited"
+            )
         return spec
     try:
         return FILTERS[spec]

@@ -60,6 +60,13 @@ class TinyModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in (
+            "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+            "max_position_embeddings",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:  # 0 layers built a model with none
+                raise ValueError(f"{name}={value!r}: must be an integer >= 1")
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
             raise ValueError(
                 f"hidden_size={self.hidden_size} / num_heads={self.num_heads} must be a whole "

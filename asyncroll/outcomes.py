@@ -32,6 +32,14 @@ NOT_ABSORBED = (KeyboardInterrupt, SystemExit, asyncio.CancelledError)
 """What user or engine code may raise that no group absorbs as its own failure."""
 
 
+def cancelling() -> bool:
+    """Whether the current task is being cancelled. A `CancelledError` raised while it is not
+    came from the code it called (a client session torn down under a tool or a judge), not
+    from a cancellation: it is that code's failure, which a task group would swallow."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class GroupFailure(Exception):
     """A group fails: why (`reason`), a readable `message`, and `fatal` when the producer
     cannot go on either (a dead engine, a `BaseException` from user or engine code)."""

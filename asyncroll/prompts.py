@@ -1,9 +1,10 @@
 """Where prompts come from: one source or a weighted mix of tasks, with a resumable cursor.
 
-A checkpoint stores how many prompts each task has given (its cursor), the mix's random state
-and the prompts waiting to be drawn again; on resume the same sources are skipped forward by
-the cursor. That is exact as long as a source yields the same prompts in the same order each
-time it is iterated (a list, a file, a seeded generator factory).
+A checkpoint stores how many prompts each task has given (its cursor), which tasks were found
+used up, the mix's random state and the prompts waiting to be drawn again; on resume the same
+sources are skipped forward by the cursor. That is exact as long as a source yields the same
+prompts in the same order each time it is iterated (a list, a file, a seeded generator
+factory).
 
 The prompts waiting to be drawn again are stored encoded (`encode_prompt`, through
 `codec.encode_value`), so that their metadata may hold what a group's may: numpy arrays and
@@ -41,6 +42,9 @@ class CursorState(msgspec.Struct, frozen=True, kw_only=True):
     drawn: dict[str, int]  # prompts drawn so far, per task
     rng_state: list[Any] | None  # the task mix's random state
     requeued: list[bytes]  # prompts to draw again before any new one, as `encode_prompt` bytes
+    # Tasks found used up. Finding it costs the mix a draw, so a resumed mix must not find it
+    # again: every choice after that extra draw would differ from the run's.
+    exhausted: list[str] = []
 
 
 _PROMPT_FIELDS = frozenset(Prompt.__struct_fields__)
@@ -106,30 +110,40 @@ class _TaskSource:
         self.exhausted = False
         self.may_wait = isinstance(source, AsyncIterable)  # drawing awaits the source
 
-    def seek(self, drawn: int) -> None:
-        """Resume after `drawn` items (skipped on the next draw)."""
+    def seek(self, drawn: int, *, exhausted: bool = False) -> None:
+        """Resume after `drawn` items (skipped before the next one is drawn). `exhausted`: the
+        run found the source used up, so it leaves the mix at once (finding that again would
+        cost the mix a draw the run did not make); `skip` still checks that it holds `drawn`."""
         if self._sync is not None or self._async is not None:
             raise RuntimeError("seek() after drawing has started")
         self.drawn = self._skip = drawn
+        self.exhausted = exhausted
+
+    @property
+    def skipping(self) -> bool:
+        """Items given before a checkpoint are still to be skipped."""
+        return self._skip > 0
+
+    async def skip(self) -> None:
+        """Skip the items a resumed source gave before the checkpoint; `ValueError` if it runs
+        out first (it is not the same source)."""
+        while self._skip:
+            if await self._next_raw() is _End.END:
+                raise ValueError(
+                    f"task {self.task!r} ran out {self._skip} prompts before the checkpoint's "
+                    "cursor: resume with the same prompt source"
+                )
+            self._skip -= 1
 
     async def next(self) -> Prompt | None:
-        while not self.exhausted:
-            item = await self._next_raw()
-            if item is _End.END:
-                self.exhausted = True
-                break
-            if self._skip:
-                self._skip -= 1
-                continue
-            prompt = as_prompt(item, self.task, self.drawn)
-            self.drawn += 1
-            return prompt
-        if self._skip:
-            raise ValueError(
-                f"task {self.task!r} ran out {self._skip} prompts before the checkpoint's cursor: "
-                "resume with the same prompt source"
-            )
-        return None
+        await self.skip()
+        item = _End.END if self.exhausted else await self._next_raw()
+        if item is _End.END:
+            self.exhausted = True
+            return None
+        prompt = as_prompt(item, self.task, self.drawn)
+        self.drawn += 1
+        return prompt
 
     async def _next_raw(self) -> PromptLike | Literal[_End.END] | None:
         """The source's next item as is (None included), or `_End.END`."""
@@ -188,14 +202,16 @@ class PromptStream:
     @property
     def exhausted(self) -> bool:
         """No prompt left to draw: every source ran dry and nothing is re-queued."""
-        return not self._requeued and all(s.exhausted for s in self._sources.values())
+        return not self._requeued and all(
+            s.exhausted and not s.skipping for s in self._sources.values()
+        )
 
     @property
     def may_wait(self) -> bool:
         """Whether the next draw may wait on a source (an async iterable): only such a draw
         needs a deadline; drawing from iterators never yields to the event loop."""
         return not self._requeued and any(
-            s.may_wait for s in self._sources.values() if not s.exhausted
+            s.may_wait for s in self._sources.values() if not s.exhausted or s.skipping
         )
 
     def requeue(self, prompt: Prompt) -> None:
@@ -210,6 +226,9 @@ class PromptStream:
         """The next prompt, or None once every source is exhausted."""
         if self._requeued:
             return self._requeued.popleft()
+        for source in self._sources.values():
+            if source.exhausted:  # used up before a checkpoint: still the same source?
+                await source.skip()
         while True:
             live = [s for s in self._sources.values() if not s.exhausted]
             if not live:
@@ -228,6 +247,7 @@ class PromptStream:
             drawn={t: s.drawn for t, s in self._sources.items()},
             rng_state=_to_list(self._mix.rng.getstate()) if self._mix else None,
             requeued=[encode_prompt(p) for p in self._requeued],
+            exhausted=[t for t, s in self._sources.items() if s.exhausted],
         )
 
     def check(self, state: CursorState) -> None:
@@ -243,13 +263,15 @@ class PromptStream:
             )
         if (state.rng_state is None) != (self._mix is None):
             raise ValueError("the checkpoint and this producer differ in using a TaskMix")
+        if not set(state.exhausted) <= set(self._sources):
+            raise ValueError(f"the checkpoint's used-up tasks {state.exhausted} are not all tasks")
         return _requeued_prompts(state)
 
     def load(self, state: CursorState) -> None:
         """Continue from `state`; call before the first draw. All or nothing."""
         requeued = self._checked(state)
         for task, drawn in state.drawn.items():
-            self._sources[task].seek(drawn)
+            self._sources[task].seek(drawn, exhausted=task in state.exhausted)
         if self._mix is not None and state.rng_state is not None:
             self._mix.rng.setstate(_to_tuple(state.rng_state))
         self._requeued = deque(requeued)

@@ -13,8 +13,8 @@ Three ways to call it, fixed when the producer is built:
 * INLINE (`reward_in_thread=False`): called on the loop; it cannot be interrupted, only judged
   late.
 
-In THREAD and INLINE modes a sync function may return a coroutine (a `lambda` around an async
-judge): it is awaited on the loop, with the deadline of its own.
+A sync function that returns an awaitable (a lambda or a sync wrapper around an async judge)
+has it awaited on the loop, with a deadline of its own, in either sync mode.
 
 Threads are daemon threads started per call, not a `ThreadPoolExecutor` or anyio's worker
 threads: both are joined when the interpreter exits, so one reward function that never returns
@@ -121,10 +121,15 @@ class RewardRunner:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Any] = loop.create_future()
         call = _ThreadCall(self, limiter, borrower, done)
-        threading.Thread(
+        thread = threading.Thread(
             target=call.run, args=(self.fn, group), name="asyncroll-reward", daemon=True
-        ).start()
-        del group  # the thread holds it while the function runs, nobody else
+        )
+        try:
+            thread.start()
+        except BaseException:  # "can't start new thread": nothing will give the worker back
+            limiter.release_on_behalf_of(borrower)
+            raise
+        del group, thread  # the thread holds the group while the function runs, nobody else
         try:
             return await self._deadline(asyncio.shield(done))
         except BaseException:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import msgspec
@@ -31,6 +32,7 @@ from asyncroll.types import (
 _LOGPROB_TOLERANCE = 1e-4  # float rounding can put log(1) a hair above 0
 _min = np.minimum.reduce  # the ufuncs themselves: ndarray.min/max add a Python-level call
 _max = np.maximum.reduce
+_INT32 = np.iinfo(np.int32)  # the dtype of token ids and versions
 
 
 class RolloutError(ValueError):
@@ -114,11 +116,11 @@ def merge_outputs(
     todo = unfinished(group)
     if len(outputs) != len(todo):
         raise RolloutError(f"engine returned {len(outputs)} samples for {len(todo)} requested")
-    for out in outputs:  # a None or a dict would fail the checks below as an AttributeError
-        if not isinstance(out, SampleOutput):
-            raise RolloutError(f"engine returned a {type(out).__name__}, not a SampleOutput")
     if not todo:
         return group.samples
+    if not all(map(isinstance, outputs, itertools.repeat(SampleOutput))):  # one C loop
+        bad = next(out for out in outputs if not isinstance(out, SampleOutput))
+        raise RolloutError(f"engine returned a {type(bad).__name__}, not a SampleOutput")
     tokens, logprobs, versions, ends = _joined(outputs)
     _check_group(group, todo, request, tokens, logprobs, versions, ends, vocab_size, version)
     samples = list(group.samples)
@@ -268,7 +270,14 @@ def _as(arr: Any, dtype: type[np.generic], kind: str) -> Any:
     out = np.asarray(arr)
     if out.ndim != 1 or (out.size and out.dtype.kind not in (kind, "u" if kind == "i" else kind)):
         raise TypeError(f"expected a 1-D {np.dtype(dtype).name} array, got {out.dtype} {out.shape}")
-    return out.astype(dtype) if out.size else np.zeros(0, dtype)
+    if not out.size:
+        return np.zeros(0, dtype)
+    if kind == "i":  # a cast would wrap an id past int32 around into the vocabulary
+        low, high = int(_min(out)), int(_max(out))
+        if low < _INT32.min or high > _INT32.max:
+            bad = low if low < _INT32.min else high
+            raise TypeError(f"{out.dtype} value {bad} does not fit int32")
+    return out.astype(dtype)
 
 
 def check_rewards(values: Any, n: int) -> list[float]:
@@ -303,6 +312,11 @@ def _reward_sequence(values: Any, n: int) -> Any:
         return values.tolist()  # Python scalars, checked below like any others
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise RolloutError(f"reward function returned {type(values).__name__}, not {n} numbers")
+    if isinstance(values, (Mapping, AbstractSet)):  # iterates as keys, or in no order
+        raise RolloutError(
+            f"reward function returned a {type(values).__name__}, not {n} numbers in the "
+            "samples' order: return a list"
+        )
     return values
 
 

@@ -23,6 +23,7 @@ settings instead of the staleness.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -69,6 +70,11 @@ def group_advantages(
     n = rewards.shape[1]
     centered: npt.NDArray[np.float64] = rewards - rewards.mean(axis=1, keepdims=True)
     if method == "grpo":
+        if not eps > 0:  # NaN too
+            raise ValueError(
+                f"eps={eps}: must be > 0 (a group of equal rewards has std 0: with eps <= 0 its "
+                "advantages would be NaN or infinite)"
+            )
         scale: npt.NDArray[np.float64] = rewards.std(axis=1, keepdims=True) + eps
         return centered / scale
     if method == "rloo":
@@ -93,6 +99,8 @@ def to_batch(
     rewards = np.stack([g.rewards() for g in groups])
     if np.isnan(rewards).any():
         raise ValueError("to_batch() needs scored groups: a sample has no reward")
+    if not np.isfinite(rewards).all():  # a group built or decoded outside the producer
+        raise ValueError("to_batch() needs finite rewards: an infinite one makes NaN advantages")
     rows = [(g, s) for g in groups for s in g.samples]
     length = max(len(g.prompt_tokens) + len(s.tokens) for g, s in rows)
     ids = np.full((len(rows), length), pad_id, dtype=np.int64)
@@ -159,8 +167,10 @@ def token_logprobs(
     vocabulary); the extra memory is bounded by `CHUNK_BYTES` (the gradient of `logits` itself,
     which backward must return, aside).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature}: must be > 0 (greedy has no logprobs)")
+    if not 0 < temperature < math.inf:  # NaN too: it would make every logprob NaN
+        raise ValueError(
+            f"temperature={temperature}: must be a finite number > 0 (greedy has no logprobs)"
+        )
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p}: must be in (0, 1]")
     if top_k is not None and top_k < 1:
@@ -354,6 +364,8 @@ def policy_loss(
     `stats["clip_fraction"]` is the share of trained tokens whose clipped branch wins the PPO
     min (the ones whose gradient the clip stops).
     """
+    if not clip >= 0:  # NaN too: it would make the loss NaN
+        raise ValueError(f"clip={clip}: must be >= 0 (the PPO clip range, e.g. 0.2)")
     mask = batch.loss_mask
     weight: torch.Tensor | None = None
     anchor = batch.old_logprobs
@@ -366,7 +378,10 @@ def policy_loss(
         weight = behaviour_weights(anchor, batch, correction).weight
     elif proximal_logprobs is not None:
         raise ValueError("proximal_logprobs is used only with a correction")
-    ratio = (logprobs - anchor).masked_fill(~mask, 0.0).exp()
+    # A token outside the anchor's nucleus (proximal logprob -inf; behaviour logprobs are
+    # finite) has behaviour weight 0, and a ratio to it of exp(-inf - -inf) = NaN: taken as 1,
+    # so that the weight zeroes its term instead of 0 * NaN making the whole loss NaN.
+    ratio = (logprobs - anchor).masked_fill(~mask | anchor.isneginf(), 0.0).exp()
     adv = batch.advantages[:, None]
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - clip, 1 + clip) * adv
@@ -397,6 +412,8 @@ def proximal_logprobs(
     proximal policy of decoupled PPO when one batch is trained with several optimizer steps
     (call it before the first). `forward(input_ids, attention_mask)` returns the logits;
     `micro_batch` rows at a time bound the activations."""
+    if micro_batch is not None and micro_batch < 1:
+        raise ValueError(f"micro_batch={micro_batch}: must be >= 1 rows (None: the whole batch)")
     step = micro_batch or batch.input_ids.shape[0]
     parts = []
     with torch.no_grad():

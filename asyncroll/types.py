@@ -100,7 +100,13 @@ class RolloutState(msgspec.Struct, frozen=True, array_like=True, weakref=True):
                 f"{tokens.dtype}/{versions.dtype}/{logprobs.dtype}"
             )
         n = len(tokens)
-        if tokens.ndim != 1 or len(logprobs) != n or len(versions) != n or logprobs.ndim != 1:
+        if (
+            tokens.ndim != 1
+            or len(logprobs) != n
+            or len(versions) != n
+            or logprobs.ndim != 1
+            or versions.ndim != 1
+        ):
             raise ValueError(
                 "RolloutState arrays must be 1-D and of one length: "
                 f"tokens {tokens.shape}, logprobs {logprobs.shape}, versions {versions.shape}"

@@ -212,6 +212,27 @@ def test_unsupported_values_are_refused_with_codec_error(value: Any, message: st
         encode_value({"x": [value]})
 
 
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [
+        ("metadata", {1: "x"}),
+        ("metadata", ["x"]),
+        ("metadata", []),
+        ("sample extra", {1: "x"}),
+        ("sample extra", None),
+    ],
+)
+def test_a_group_that_could_not_be_decoded_is_refused_on_encode(where: str, value: Any) -> None:
+    """The schema reads metadata and `extra` back only as dicts with str keys: a group written
+    with anything else would fail only when handed out, its batch already out of the buffer."""
+    group = make_group(metadata=value) if where == "metadata" else make_group()
+    if where == "sample extra":
+        odd = msgspec.structs.replace(group.samples[1], extra=value)
+        group = msgspec.structs.replace(group, samples=(group.samples[0], odd))
+    with pytest.raises(CodecError, match=f"{where} must be a dict with str keys"):
+        encode(group)
+
+
 def deep(depth: int) -> Any:
     value: Any = 1
     for _ in range(depth):

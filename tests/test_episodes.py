@@ -16,6 +16,7 @@ from asyncroll import (
     EpisodeError,
     Producer,
     ProducerError,
+    ProducerExhausted,
     SamplingConfig,
     SimEngine,
     single_turn,
@@ -345,6 +346,27 @@ async def test_a_rollout_function_raising_a_base_exception_stops_the_producer() 
     assert producer.progress.counters.failed_groups_by_reason == {"environment_error": 1}
 
 
+async def test_a_cancelled_error_nobody_asked_for_fails_the_group() -> None:
+    """A tool's client torn down under it raises CancelledError though nothing cancelled the
+    episode: it ended part-way, so its group must fail, not be handed out as complete."""
+
+    async def agent(episode: Episode) -> None:
+        await episode.generate(max_new_tokens=2)
+        raise asyncio.CancelledError  # the tool's session was closed: the episode ends early
+
+    drops: list[Any] = []
+    producer = Producer(
+        TurnEngine(), prompts(1), length_reward, group_size=2, rollout_fn=agent,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        with pytest.raises(ProducerExhausted):
+            await producer.produce_batch(1, timeout=DEADLINE_S)
+    assert [d.reason for d in drops] == [FailureReason.ENVIRONMENT_ERROR]
+    assert "raised CancelledError though nothing cancelled it" in drops[0].error
+    producer.check_ledger()
+
+
 async def test_every_episode_failing_stops_the_run_with_the_count_by_reason() -> None:
     async def agent(episode: Episode) -> None:
         raise RuntimeError("no environment")
@@ -619,6 +641,106 @@ async def test_an_engine_that_aborts_turns_on_its_own_fails_the_group_instead_of
     assert drops[0].reason is FailureReason.ENGINE_ERROR
     assert "aborted policy turn 1 8 times in a row" in drops[0].error
     assert len(engine.requests) == 8
+
+
+@pytest.mark.parametrize("second", ["generate", "append"])
+async def test_a_call_while_a_turn_is_in_the_engine_fails_the_group(second: str) -> None:
+    """A turn samples after what the episode held when it started. A second `generate` or an
+    `append` racing it would be stored before or after tokens sampled without it in context:
+    the trainer would score those tokens against a context the policy never saw."""
+    engine = TurnEngine(hold=[1])
+
+    async def agent(episode: Episode) -> None:
+        async def racing() -> None:
+            await engine.entered.wait()  # turn 1 is in the engine
+            if second == "generate":
+                await episode.generate(max_new_tokens=4)
+            else:
+                episode.append([5, 5])
+            engine.release()
+
+        await asyncio.gather(episode.generate(max_new_tokens=4), racing())
+
+    drops: list[Any] = []
+    producer = Producer(
+        engine, prompts(1), length_reward, group_size=1, rollout_fn=agent, on_drop=drops.append
+    )
+    async with producer:
+        ended = lambda: bool(drops) or producer.buffer.num_ready > 0  # noqa: E731
+        await asyncio.wait_for(_wait(producer, ended), DEADLINE_S)
+    assert drops and drops[0].reason is FailureReason.ENVIRONMENT_ERROR
+    assert f"{second}() while policy turn 1 is still being sampled" in drops[0].error
+    assert len(engine.requests) == 1  # the racing turn never reached the engine
+    producer.check_ledger()
+
+
+async def test_an_episode_used_after_its_rollout_function_returned_is_refused() -> None:
+    """The episode is its group's sample once the rollout function returns: a task it left
+    behind may neither call the engine for it nor change it."""
+    engine = TurnEngine()
+    kept: list[Episode] = []
+
+    async def agent(episode: Episode) -> None:
+        await episode.generate(max_new_tokens=4)
+        kept.append(episode)
+
+    producer = Producer(engine, prompts(2), length_reward, group_size=1, rollout_fn=agent)
+    async with producer:
+        groups = await take(producer, 2)
+        with pytest.raises(EpisodeError, match=r"generate\(\) after the rollout function returned"):
+            await asyncio.wait_for(kept[0].generate(max_new_tokens=4), DEADLINE_S)
+        with pytest.raises(EpisodeError, match=r"append\(\) after the rollout function returned"):
+            kept[1].append([5])
+    assert len(engine.requests) == 2  # one turn per episode, none after
+    assert [g.samples[0].tokens.tolist() for g in groups] == [EXPECTED[:4]] * 2
+
+
+async def test_a_rollout_function_returning_with_its_turn_still_running_fails_the_group() -> None:
+    """A turn left running by a task the rollout function did not await would be missing
+    from the sample, and its request would stay in the engine unseen by drains."""
+    engine = TurnEngine(hold=[1])
+    leaked: list[asyncio.Future[Any]] = []
+
+    async def leaving_a_turn_running(episode: Episode) -> None:
+        leaked.append(asyncio.ensure_future(episode.generate(max_new_tokens=4)))
+        await engine.entered.wait()  # its turn is in the engine
+
+    drops: list[Any] = []
+    producer = Producer(
+        engine, prompts(1), length_reward, group_size=1, rollout_fn=leaving_a_turn_running,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        ended = lambda: bool(drops) or producer.buffer.num_ready > 0  # noqa: E731
+        await asyncio.wait_for(_wait(producer, ended), DEADLINE_S)
+        engine.release()
+        await asyncio.wait_for(leaked[0], DEADLINE_S)
+    assert drops and drops[0].reason is FailureReason.ENVIRONMENT_ERROR
+    assert "returned while policy turn 1 was still being sampled" in drops[0].error
+
+
+async def test_an_episode_extra_with_a_non_str_key_fails_its_group_not_the_batch() -> None:
+    """A group is stored encoded and read back with `extra` as a dict with str keys: one
+    stored with an int key failed only when handed out, raising out of `produce_batch` with
+    its batch already taken from the buffer (gone from the ledger)."""
+
+    async def agent(episode: Episode) -> None:
+        await episode.generate(max_new_tokens=2)
+        if episode.prompt_id == "default/0":
+            episode.extra[3] = "the tool's exit code, keyed by turn"
+
+    drops: list[Any] = []
+    producer = Producer(
+        TurnEngine(), prompts(2), length_reward, group_size=2, rollout_fn=agent,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        groups = await take(producer, 1)
+    assert [g.prompt_id for g in groups] == ["default/1"]
+    assert [d.reason for d in drops] == [FailureReason.UNSTORABLE]
+    assert "extra must be a dict with str keys" in drops[0].error
+    ledger = producer.check_ledger()
+    assert ledger.consumed_groups == ledger.failed_groups == 1
 
 
 class KeepTurnEngine(TurnEngine):

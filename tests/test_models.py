@@ -53,7 +53,18 @@ def test_tokenizer_splits_digits_and_round_trips(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("hidden_size", 64), ("num_kv_heads", 3), ("vocab_size", 100)]
+    ("field", "value"),
+    [
+        ("hidden_size", 64),
+        ("num_kv_heads", 3),
+        ("vocab_size", 100),
+        ("num_heads", 0),  # ZeroDivisionError before
+        ("num_kv_heads", 0),  # ZeroDivisionError before
+        ("num_layers", 0),  # accepted: a model with no layer at all
+        ("num_layers", -1),
+        ("intermediate_size", 0),
+        ("max_position_embeddings", 0),
+    ],
 )
 def test_bad_configs_are_refused(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=field):

@@ -17,6 +17,7 @@ import pytest
 from asyncroll import (
     DropRecord,
     Producer,
+    ProducerConfig,
     ProducerError,
     ProducerExhausted,
     PutOutcome,
@@ -275,9 +276,13 @@ def _reward_cases() -> list[tuple[Any, str]]:
     def sync_raises(g: RolloutGroup) -> list[float]:
         raise KeyError("label")
 
+    async def torn_down(g: RolloutGroup) -> list[float]:
+        raise asyncio.CancelledError  # the judge's client session was closed under it
+
     return [
         (raises, "reward function raised RuntimeError: judge is down"),
         (sync_raises, "reward function raised KeyError"),
+        (torn_down, "reward function raised CancelledError though nothing cancelled it"),
         (lambda g: [math.nan] * g.num_samples, "not finite"),
         (lambda g: [math.inf] * g.num_samples, "not finite"),
         (lambda g: ["1"] * g.num_samples, "not a number"),
@@ -300,22 +305,6 @@ async def test_reward_errors_fail_the_group(reward: Any, message: str) -> None:
     assert drops[0].error is not None and message in drops[0].error
     producer.check_ledger()
     assert producer.progress.counters.reward_count == 0
-
-
-async def test_a_filter_that_returns_an_awaitable_stops_the_run() -> None:
-    """Filters are plain functions. An `async def` one returned a coroutine, which is true:
-    every group was kept, whatever the filter would have said, and only a RuntimeWarning
-    ("never awaited") hinted at it."""
-
-    async def reject_all(group: RolloutGroup) -> bool:
-        return False
-
-    producer = make_producer(10, filter=reject_all)
-    with pytest.raises(ProducerError, match="filter returned a coroutine"):
-        async with producer:
-            await consume_all(producer, 2)
-    assert producer.progress.counters.completed_groups == 0  # nothing was kept unfiltered
-    producer.check_ledger()
 
 
 async def test_async_reward_timeout_fails_the_group() -> None:
@@ -353,6 +342,34 @@ async def test_sync_reward_that_hangs_in_its_thread_fails_the_group() -> None:
     assert len(drops) == 2 and all("reward_timeout_s" in (d.error or "") for d in drops)
 
 
+async def test_a_reward_thread_that_cannot_start_gives_its_worker_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Starting a thread can fail ("can't start new thread" at the process's limit): the
+    group failed, but its worker was never given back, so with one worker every later group
+    waited for it forever and produce_batch never returned."""
+    start = threading.Thread.start
+    failures = [RuntimeError("can't start new thread")]
+
+    def start_or_fail(thread: threading.Thread) -> None:
+        if thread.name == "asyncroll-reward" and failures:
+            raise failures.pop()
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_or_fail)
+    drops: list[DropRecord] = []
+    producer = make_producer(
+        3, reward=lambda g: [1.0] * g.num_samples, reward_workers=1, max_inflight_groups=1,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer:
+        batch = await producer.produce_batch(2, timeout=30)  # a guard: it hung before
+    assert len(batch.groups) == 2
+    assert [d.error for d in drops] == [
+        "reward function raised RuntimeError: can't start new thread"
+    ]
+
+
 async def test_inline_sync_reward_runs_on_the_loop() -> None:
     seen: list[str] = []
 
@@ -367,22 +384,22 @@ async def test_inline_sync_reward_runs_on_the_loop() -> None:
 
 
 @pytest.mark.parametrize("in_thread", [True, False])
-async def test_a_plain_function_returning_a_coroutine_is_awaited_as_a_reward(
-    in_thread: bool,
-) -> None:
-    """`reward_fn=lambda g: judge(g, tokenizer)` around an async judge: called on the loop
-    (`reward_in_thread=False`) its coroutine was awaited, but in a worker thread (the default)
-    the coroutine itself came back as the reward and every group failed."""
+async def test_a_sync_reward_returning_a_coroutine_is_awaited(in_thread: bool) -> None:
+    """A plain function returning a coroutine (a lambda or a sync wrapper around an async
+    judge) scores groups whichever way sync reward functions are called."""
 
-    async def judge(group: RolloutGroup, bonus: float) -> list[float]:
-        return [bonus] * group.num_samples
+    async def judge(group: RolloutGroup) -> list[float]:
+        return [1.0, 0.0]
 
+    drops: list[DropRecord] = []
     producer = make_producer(
-        3, reward=lambda group: judge(group, 1.0), group_size=2, reward_in_thread=in_thread
-    )
+        3, reward=lambda g: judge(g), group_size=2, reward_in_thread=in_thread,
+        on_drop=drops.append,
+    )  # fmt: skip
     async with producer:
         consumed = await consume_all(producer, 3)
-    assert len(consumed) == 3 and all(g.rewards().tolist() == [1.0, 1.0] for g in consumed)
+    assert [d.error for d in drops] == []
+    assert [g.rewards().tolist() for g in consumed] == [[1.0, 0.0]] * 3
 
 
 async def test_hanging_engine_is_cut_by_the_generate_deadline() -> None:
@@ -843,6 +860,89 @@ async def test_async_prompt_source_and_its_deadline() -> None:
 def test_bad_config_names_the_field_and_the_fix(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_producer(4, **options)
+
+
+async def keep_none(group: RolloutGroup) -> bool:
+    return False
+
+
+async def test_a_filter_returning_none_fails_its_groups_instead_of_filtering_them() -> None:
+    """A filter without its `return` rejected every group as FILTERED (no error), burning
+    max_dropped_in_a_row groups of compute before the run said anything."""
+
+    def forgot_return(group: RolloutGroup) -> bool:
+        len(set(group.rewards().tolist())) > 1  # noqa: B015
+
+    drops: list[DropRecord] = []
+    producer = make_producer(2, filter=forgot_return, on_drop=drops.append)
+    async with producer:
+        with pytest.raises(ProducerExhausted):
+            await producer.produce_batch(2)
+    assert [d.reason for d in drops] == [FailureReason.FILTER_ERROR] * 2
+    assert "filter returned None, not a bool" in (drops[0].error or "")
+
+
+def test_an_async_filter_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="filter must be a plain function"):
+        make_producer(4, filter=keep_none)
+
+
+async def test_a_filter_returning_a_coroutine_fails_its_groups() -> None:
+    """`bool()` of a coroutine is True: nobody awaiting it, it would keep every group."""
+    drops: list[DropRecord] = []
+    producer = make_producer(2, filter=lambda g: keep_none(g), on_drop=drops.append)
+    async with producer:
+        with pytest.raises(ProducerExhausted):
+            await producer.produce_batch(2)
+    assert [d.reason for d in drops] == [FailureReason.FILTER_ERROR] * 2
+    assert "filter returned a coroutine, not a bool" in (drops[0].error or "")
+
+
+async def test_a_filter_raising_a_cancelled_error_nobody_asked_for_fails_its_groups() -> None:
+    def torn_down(group: RolloutGroup) -> bool:
+        raise asyncio.CancelledError
+
+    drops: list[DropRecord] = []
+    producer = make_producer(2, filter=torn_down, on_drop=drops.append)
+    async with producer:
+        with pytest.raises(ProducerExhausted):
+            await producer.produce_batch(2)
+    assert [d.reason for d in drops] == [FailureReason.FILTER_ERROR] * 2
+    assert "filter raised CancelledError though nothing cancelled it" in (drops[0].error or "")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_staleness": False, "batch_size": 4}, "max_staleness=False"),  # was 0: on-policy
+        ({"group_size": True}, "group_size=True"),  # was 1
+        ({"max_turns": True}, "max_turns=True"),
+    ],
+)
+def test_a_bool_for_a_count_is_refused(options: dict[str, Any], message: str) -> None:
+    """bool is an int subclass: False passed as a count of 0, so max_staleness=False (meant as
+    'off', which is None) made the run strictly on-policy without a word."""
+    with pytest.raises(ValueError, match=message):
+        ProducerConfig(**options)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens=2.5"),  # a fractional token budget
+        ({"max_new_tokens": math.nan}, "max_new_tokens=nan"),  # NaN < 1 is False
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"temperature": math.nan}, "temperature=nan"),  # NaN < 0 is False
+        ({"temperature": math.inf}, "temperature=inf"),
+        ({"top_p": math.nan}, "top_p=nan"),
+        ({"top_k": 0}, "top_k=0"),
+        ({"top_k": 2.5}, "top_k=2.5"),
+    ],
+)
+def test_bad_sampling_names_the_field(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**options)
 
 
 def test_reward_fn_must_be_callable() -> None:

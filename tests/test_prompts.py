@@ -72,6 +72,26 @@ async def test_cursor_resumes_exactly() -> None:
     assert head_ids + tail[1:] == straight
 
 
+async def test_cursor_resumes_exactly_after_a_task_ran_dry() -> None:
+    """Finding a task used up costs the mix a draw. A resumed stream that did not know the
+    task had run dry found it again, one more draw, and every choice after it differed."""
+
+    def source() -> TaskMix:
+        return TaskMix(
+            {"a": [[i] for i in range(2)], "b": [[100 + i] for i in range(30)],
+             "c": [[200 + i] for i in range(30)]},
+            seed=3,
+        )  # fmt: skip
+
+    straight = [p.prompt_id for p in await draw_all(PromptStream(source()))]
+    for cut in range(len(straight)):
+        first = PromptStream(source())
+        head = [p.prompt_id for p in [await first.next() for _ in range(cut)] if p is not None]
+        resumed = PromptStream(source())
+        resumed.load(first.state())
+        assert head + [p.prompt_id for p in await draw_all(resumed)] == straight, cut
+
+
 async def test_async_sources_and_their_cursor() -> None:
     async def gen():  # type: ignore[no-untyped-def]
         for i in range(5):

@@ -97,6 +97,42 @@ def test_versions_that_go_back_or_run_ahead_are_malformed(
         extend(prefix, new, version)
 
 
+@pytest.mark.parametrize(
+    ("field", "values"),
+    [
+        ("tokens", [2**32 + 5, 7]),  # int64 ids that int32 would wrap to 5 and 7: in the vocab
+        ("tokens", np.array([-(2**32) + 5, 7], dtype=np.int64)),
+        ("tokens", np.array([2**63 + 5, 7], dtype=np.uint64)),
+        ("versions", [2**32, 2**32]),  # would wrap to version 0
+    ],
+)
+def test_ids_or_versions_that_do_not_fit_int32_are_malformed(field: str, values: Any) -> None:
+    arrays: dict[str, Any] = {
+        "tokens": np.array([5, 7], np.int32),
+        "logprobs": np.full(2, -0.5, np.float32),
+        "versions": np.zeros(2, np.int32),
+    }
+    arrays[field] = values
+    out = SampleOutput(**arrays, finish_reason="stop")
+    with pytest.raises(RolloutError, match="int32"):
+        extend_one(sample_with_versions([]), out, vocab_size=10, version=0)
+
+
+@pytest.mark.parametrize("output", [None, {"tokens": [5], "logprobs": [-0.5], "versions": [0]}])
+def test_outputs_that_are_not_sample_outputs_are_malformed(output: Any) -> None:
+    """A RolloutError fails the group as malformed output; an AttributeError escaped every
+    handler and stopped the producer as an internal error."""
+    group = group_of(sample_with_versions([]))
+    request = GenerateRequest(
+        request_id="r",
+        prompt_tokens=np.zeros(1, np.int32),
+        samples=(SampleRequest(np.zeros(0, np.int32), 4),),
+        sampling=SamplingConfig(),
+    )
+    with pytest.raises(RolloutError, match=f"{type(output).__name__}, not a SampleOutput"):
+        merge_outputs(group, request, [output], vocab_size=10, version=0)
+
+
 def group_of(*samples: RolloutState, start_version: int = 0) -> RolloutGroup:
     return RolloutGroup(
         uid=0,
@@ -160,6 +196,8 @@ def test_rewards_as_numbers_scalars_arrays_and_tensors(values: Any) -> None:
         (torch.tensor(1.0), "0-d"),
         ("abc", "str"),
         (1.0, "float"),
+        ({0: 1.0, 1: 0.0, 2: -2.5}, "dict"),  # iterating it gives its keys, not the rewards
+        ({1.0, 0.0, -2.5}, "set"),  # no order: the rewards would land on the wrong samples
     ],
 )
 def test_bad_rewards_are_refused_clearly(values: Any, message: str) -> None:

@@ -47,6 +47,13 @@ def test_advantages() -> None:
         group_advantages(np.ones((1, 1)), "rloo")
 
 
+@pytest.mark.parametrize("eps", [0.0, -0.5, math.nan])
+def test_grpo_refuses_an_eps_that_lets_equal_rewards_divide_by_zero(eps: float) -> None:
+    equal = np.array([[1.0, 1.0], [1.0, 0.0]])  # std 0: eps=0 made NaN, eps=-0.5 made inf
+    with pytest.raises(ValueError, match=f"eps={eps}"):
+        group_advantages(equal, "grpo", eps=eps)
+
+
 def test_to_batch_layout_is_aligned_with_input_ids() -> None:
     a, b = scored(0, [1.0, 0.0], tokens=3, version=2), scored(1, [0.5, 0.5], tokens=5)
     batch = to_batch([a, b], pad_id=7)
@@ -81,6 +88,8 @@ def test_to_batch_refuses_unscored_or_ragged_groups() -> None:
         to_batch([_unscored()])
     with pytest.raises(ValueError, match="one size"):
         to_batch([scored(0, [1.0, 0.0]), scored(1, [1.0, 0.0, 1.0])])
+    with pytest.raises(ValueError, match="finite rewards"):  # its advantages would be NaN
+        to_batch([scored(0, [math.inf, 0.0])])
 
 
 def _unscored():  # type: ignore[no-untyped-def]
@@ -242,6 +251,13 @@ def test_policy_loss_refuses_a_missing_or_unused_proximal_policy() -> None:
         Correction(token_band=(1.5, 2.0))
 
 
+@pytest.mark.parametrize("clip", [-0.2, math.nan])
+def test_policy_loss_refuses_a_clip_range_that_is_not_one(clip: float) -> None:
+    prox, batch = proximal_and_batch()  # a negative clip inverts the range, NaN makes NaN
+    with pytest.raises(ValueError, match=f"clip={clip}"):
+        policy_loss(prox, batch, clip=clip)
+
+
 def test_policy_loss_gradcheck_for_every_correction() -> None:
     """Away from the clip's kinks, autograd's gradient of the loss matches finite differences
     (the proximal policy fixed, the trainer moved off it by small random steps)."""
@@ -257,6 +273,26 @@ def test_policy_loss_gradcheck_for_every_correction() -> None:
             return policy_loss(x, batch, correction=c, **kw)[0]
 
         assert torch.autograd.gradcheck(loss, (start.clone().requires_grad_(True),))
+
+
+@pytest.mark.parametrize("name", [n for n, c in CORRECTIONS.items() if c is not None])
+def test_a_token_outside_the_trainers_nucleus_keeps_a_corrected_loss_finite(name: str) -> None:
+    """With top_p < 1 a sampled token can fall outside the trainer's nucleus: logprob -inf,
+    in the proximal policy too (`logprobs.detach()` for one step). Its behaviour weight is 0,
+    but its ratio to the proximal policy was exp(-inf - -inf) = NaN, and 0 * NaN made the
+    whole loss NaN."""
+    batch = to_batch([scored(0, [1.0, 0.0], tokens=4)])
+    torch.manual_seed(0)
+    logits = torch.randn(*batch.input_ids.shape, 100, requires_grad=True)
+    logprobs = token_logprobs(logits, batch.input_ids, top_p=0.3)
+    outside = logprobs.isneginf() & batch.loss_mask
+    assert outside.any() and not outside.all()
+    loss, stats = policy_loss(
+        logprobs, batch, correction=CORRECTIONS[name], proximal_logprobs=logprobs.detach()
+    )
+    assert math.isfinite(float(loss.detach())) and all(map(math.isfinite, stats.values()))
+    loss.backward()  # type: ignore[no-untyped-call]
+    assert logits.grad is not None and logits.grad.isfinite().all()
 
 
 def test_mismatch_metrics_by_hand_and_by_staleness() -> None:
@@ -329,6 +365,25 @@ def test_token_logprobs_match_the_sampler_written_out(t: float, p: float, k: int
     assert torch.allclose(out[finite], ref[finite], atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"temperature": 0.0}, "temperature=0.0"),
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"temperature": math.nan}, "temperature=nan"),  # NaN logprobs everywhere
+        ({"temperature": math.inf}, "temperature=inf"),  # a uniform distribution
+        ({"top_p": math.nan}, "top_p=nan"),
+        ({"top_k": 0}, "top_k=0"),
+    ],
+)
+def test_token_logprobs_refuses_sampling_parameters_with_no_distribution(
+    options: dict[str, float], message: str
+) -> None:
+    logits, ids = torch.randn(1, 3, 5), torch.randint(0, 5, (1, 3))
+    with pytest.raises(ValueError, match=message):
+        token_logprobs(logits, ids, **options)  # type: ignore[arg-type]
+
+
 def test_token_logprobs_chunks_agree_with_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(2)
     logits = torch.randn(2, 9, 50, requires_grad=True)
@@ -358,6 +413,22 @@ def test_proximal_logprobs_in_micro_batches_equals_one_pass() -> None:
             forward(batch.input_ids, batch.attention_mask), batch.input_ids, temperature=0.5
         ),
     )
+
+
+@pytest.mark.parametrize("micro_batch", [0, -1])
+def test_proximal_logprobs_refuses_a_micro_batch_below_one(micro_batch: int) -> None:
+    """0 ran the whole batch in one pass (the memory a micro-batch is meant to bound), -1 ran
+    none and failed inside torch.cat."""
+    batch = to_batch([scored(0, [1.0, 0.0], tokens=4)])
+    calls: list[int] = []
+
+    def forward(ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        calls.append(len(ids))
+        return torch.zeros(*ids.shape, 100)
+
+    with pytest.raises(ValueError, match=f"micro_batch={micro_batch}"):
+        proximal_logprobs(forward, batch, micro_batch=micro_batch)
+    assert calls == []
 
 
 class LiveBytes(TorchDispatchMode):

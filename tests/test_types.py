@@ -81,6 +81,12 @@ def test_sample_rejects_mismatched_lengths_and_dtypes() -> None:
             logprobs=np.zeros(3, np.float32),
             versions=np.zeros(3, np.int32),
         )
+    with pytest.raises(ValueError, match="1-D"):  # one version per token, not a row of them
+        RolloutState(
+            tokens=np.zeros(3, np.int32),
+            logprobs=np.zeros(3, np.float32),
+            versions=np.zeros((3, 2), np.int32),
+        )
 
 
 def test_group_needs_samples_and_int32_prompt() -> None:

@@ -8,6 +8,7 @@ the policy version it was sampled under; the producer tells it the version in `u
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -41,14 +42,18 @@ class SamplingConfig(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None  # reproducible sampling; each sample's stream derives from it
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be at least 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 is greedy)")
+        # Nothing checks a struct's field types: NaN passes every `<` check, and a fractional
+        # or NaN budget would be accepted here only to fail every group at run time.
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be an integer >= 1")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(
+                f"temperature={self.temperature}: must be a finite number >= 0 (0 is greedy)"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k={self.top_k}: use None to disable or a value >= 1")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k={self.top_k}: use None to disable or an integer >= 1")
 
 
 class SampleRequest(msgspec.Struct, frozen=True):
