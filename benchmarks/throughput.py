@@ -29,6 +29,7 @@ import asyncio
 import cProfile
 import importlib.util
 import io
+import math
 import os
 import pickle
 import pstats
@@ -705,9 +706,12 @@ def _latency_table(rows: list[dict[str, Any]]) -> tuple[str, list[str], list[lis
 def targets(results: dict[str, Any]) -> list[list[Any]]:
     """Each figure next to its target. Issue #12's 10,000 groups/s, codec >= 50% of a memory
     copy at 1 MiB and `put` >= 80% of a warm encode are retired (README, "Targets"): their rows
-    stay, marked so, for comparison with earlier runs."""
+    stay, marked so, for comparison with earlier runs. Ratios that swing by tens of per cent
+    between runs on a shared machine (the codec at 16 MiB, `put` next to its floor) are shown
+    without a target; `put`'s page faults, the issue's cause, are counted exactly."""
     rows: list[list[Any]] = []
     retired = "retired (was >= {})"
+    reference = "none: for reference (README)"
     if "codec" in results:
         trips = {(r["shape"], r["method"]): r["encode_s"] + r["decode_s"] for r in results["codec"]}
         if ("1 MiB", "asyncroll codec") in trips:
@@ -730,16 +734,14 @@ def targets(results: dict[str, Any]) -> list[list[Any]]:
             ]
         if ("16 MiB", "asyncroll codec") in trips:
             big = trips[("16 MiB", "memory copy (limit)")] / trips[("16 MiB", "asyncroll codec")]
-            rows.append(
-                ["codec 16 MiB round trip vs memory copy", f"{big:.0%}", ">= 90%", _yes(big >= 0.9)]
-            )
+            rows.append(["codec 16 MiB round trip vs memory copy", f"{big:.0%}", reference, "-"])
     for r in results.get("buffer", []):
         if r["shape"] == "1 MiB":
             warm, held = r["encode_s"] / r["put_s"], r["encode_held_s"] / r["put_s"]
             faults = r["faults_per_put"]
             rows += [
                 ["put 1 MiB vs a warm encode", f"{warm:.0%}", retired.format("80%"), "-"],
-                ["put 1 MiB vs an encode held", f"{held:.0%}", ">= 80%", _yes(held >= 0.8)],
+                ["put 1 MiB vs an encode held", f"{held:.0%}", reference, "-"],
                 ["put 1 MiB page faults per put", f"{faults:g}", "< 1", _yes(faults < 1)],
             ]
     if "producer" in results:
@@ -851,7 +853,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"shorter responses than {TOKENS} tokens per sample, run at zero latency and at "
         f"{REALISTIC_MS_PER_TOKEN:g} ms/token (default '128,32'; quick '32')",
     )
-    p.add_argument("--waves", type=int, default=2, help="lockstep waves per wall-share run")
+    p.add_argument(
+        "--waves",
+        type=int,
+        default=2,
+        help="lockstep waves per wall-share run (more for short groups: 10 s of engine time)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for PNG/JSON/MD")
     return p.parse_args(argv)
 
@@ -886,7 +893,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         inflight = args.inflight or (64 if quick else 256)
         runs = [(ms, TOKENS) for ms in per_token]
         runs += [(REALISTIC_MS_PER_TOKEN, n) for n in lengths]
-        results["latency"] = [bench_latency(ms, inflight, args.waves, n) for ms, n in runs]
+        # Short groups take more waves, so no run is over in a second or two (where one
+        # scheduler hiccup would be a visible share): at least 10 s of engine time each.
+        min_s = 0.0 if quick else 10.0
+        results["latency"] = [
+            bench_latency(ms, inflight, max(args.waves, math.ceil(min_s / (n * ms / 1000))), n)
+            for ms, n in runs
+        ]
     report(results, args)
     return 0
 
