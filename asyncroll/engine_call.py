@@ -22,7 +22,7 @@ import contextlib
 from collections.abc import Sequence
 
 from asyncroll.engines.base import Engine, EngineDeadError, GenerateRequest, SampleOutput
-from asyncroll.outcomes import NOT_ABSORBED, FailureReason, GroupFailure
+from asyncroll.outcomes import NOT_ABSORBED, FailureReason, GroupFailure, cancelling
 
 __all__ = ["EngineCallError", "generate"]
 
@@ -59,8 +59,7 @@ async def _call(engine: Engine, request: GenerateRequest) -> Sequence[SampleOutp
         message = f"engine died: {exc}"
         raise EngineCallError(FailureReason.ENGINE_DEAD, message, message) from None
     except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
+        if cancelling():
             raise
         error = "engine error: it raised CancelledError though nothing cancelled the request"
         raise EngineCallError(FailureReason.ENGINE_ERROR, error) from None

@@ -26,8 +26,8 @@ from aiohttp import web
 from asyncroll.engines import EngineDeadError, GenerateRequest, SampleRequest, SamplingConfig
 from asyncroll.engines.nccl_transfer import NCCLWeightTransfer
 from asyncroll.engines.replicas import ReplicaError, ReplicaState
-from asyncroll.engines.vllm_serve import free_port
 from asyncroll.engines.vllm_server import VLLMServerEngine
+from tests.stubs import served
 
 WAIT_S = 5.0
 
@@ -226,24 +226,15 @@ async def setup() -> AsyncIterator[Setup]:
     log: list[tuple[str, str]] = []
     sender = FakeSender(log)
     stubs = [TransferStub(f"r{i}", log, sender, size) for i, size in enumerate((1, 2))]
-    runners, urls = [], []
-    for stub in stubs:
-        runner = web.AppRunner(stub.app(), shutdown_timeout=1.0)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runners.append(runner)
-        urls.append(f"http://127.0.0.1:{port}")
-    engine = VLLMServerEngine(
-        urls, vocab_size=512, control_timeout_s=WAIT_S, weight_transfer=sender
-    )
-    sender.members = len(stubs)
-    try:
-        yield Setup(engine, sender, stubs)
-    finally:
-        await engine.close()
-        for runner in runners:
-            await runner.cleanup()
+    async with served([stub.app() for stub in stubs]) as urls:
+        engine = VLLMServerEngine(
+            urls, vocab_size=512, control_timeout_s=WAIT_S, weight_transfer=sender
+        )
+        sender.members = len(stubs)
+        try:
+            yield Setup(engine, sender, stubs)
+        finally:
+            await engine.close()
 
 
 def _request(rid: str) -> GenerateRequest:

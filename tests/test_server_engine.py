@@ -33,6 +33,7 @@ from asyncroll.engines import (
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, control, pick
 from asyncroll.engines.vllm_serve import ServerProcess, ServerStartError, free_port
 from asyncroll.engines.vllm_server import VLLMServerEngine, attempt_session
+from tests.stubs import served
 
 
 @pytest.mark.parametrize(
@@ -143,23 +144,19 @@ async def test_a_rejoining_replica_takes_the_engines_pause_state(tmp_path: Path)
     `control_timeout_s`): when it rejoins an engine that is not paused it must serve again,
     and when it rejoins a paused engine it must be paused."""
     stub = PausableStub()
-    runner = web.AppRunner(stub.app())
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    engine = VLLMServerEngine(f"http://127.0.0.1:{port}", vocab_size=512, weights_dir=tmp_path)
-    try:
-        (replica,) = engine.replicas
-        for engine_paused in (False, True, False):
-            await (engine.pause_generation if engine_paused else engine.resume_generation)()
-            replica.mark_down("its /pause answered late", retry_at=0.0)
-            stub.paused = not engine_paused
-            await engine.check_replicas()
-            assert replica.state is ReplicaState.UP
-            assert stub.paused is engine_paused
-    finally:
-        await engine.close()
-        await runner.cleanup()
+    async with served([stub.app()]) as urls:
+        engine = VLLMServerEngine(urls, vocab_size=512, weights_dir=tmp_path)
+        try:
+            (replica,) = engine.replicas
+            for engine_paused in (False, True, False):
+                await (engine.pause_generation if engine_paused else engine.resume_generation)()
+                replica.mark_down("its /pause answered late", retry_at=0.0)
+                stub.paused = not engine_paused
+                await engine.check_replicas()
+                assert replica.state is ReplicaState.UP
+                assert stub.paused is engine_paused
+        finally:
+            await engine.close()
 
 
 class _Reply:
@@ -305,24 +302,15 @@ async def scripted(
 ) -> AsyncIterator[tuple[VLLMServerEngine, list[ScriptedStub]]]:
     """`count` scripted replicas and an engine over them (`kwargs` for the engine)."""
     stubs = [ScriptedStub() for _ in range(count)]
-    runners, urls = [], []
-    for stub in stubs:
-        runner = web.AppRunner(stub.app(), shutdown_timeout=1.0)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runners.append(runner)
-        urls.append(f"http://127.0.0.1:{port}")
-    engine = VLLMServerEngine(urls, vocab_size=512, **kwargs)
-    try:
-        yield engine, stubs
-    finally:
-        for stub in stubs:
-            if stub.hang is not None:
-                stub.hang.set()
-        await engine.close()
-        for runner in runners:
-            await runner.cleanup()
+    async with served([stub.app() for stub in stubs]) as urls:
+        engine = VLLMServerEngine(urls, vocab_size=512, **kwargs)
+        try:
+            yield engine, stubs
+        finally:
+            for stub in stubs:
+                if stub.hang is not None:
+                    stub.hang.set()
+            await engine.close()
 
 
 async def test_a_replica_answering_garbage_to_its_health_probe_leaves_the_rotation() -> None:
