@@ -384,15 +384,22 @@ def test_token_logprobs_refuses_sampling_parameters_with_no_distribution(
         token_logprobs(logits, ids, **options)  # type: ignore[arg-type]
 
 
-def test_token_logprobs_chunks_agree_with_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "filters", [{}, {"top_p": 0.9}, {"top_k": 7}, {"top_k": 7, "top_p": 0.8}], ids=str
+)
+def test_token_logprobs_chunks_agree_with_one_chunk(
+    monkeypatch: pytest.MonkeyPatch, filters: dict[str, float]
+) -> None:
     torch.manual_seed(2)
     logits = torch.randn(2, 9, 50, requires_grad=True)
     ids = torch.randint(0, 50, (2, 9))
-    whole = token_logprobs(logits, ids, temperature=0.8)
+    monkeypatch.setattr("asyncroll.training._chunk_rows", lambda *_: 18)  # all rows at once
+    whole = token_logprobs(logits, ids, temperature=0.8, **filters)  # type: ignore[arg-type]
     (g_whole,) = torch.autograd.grad(whole.sum(), logits)
-    monkeypatch.setattr("asyncroll.training.CHUNK_BYTES", 3 * 50 * 12)  # 3 rows per chunk
-    chunked = token_logprobs(logits, ids, temperature=0.8)
+    monkeypatch.setattr("asyncroll.training._chunk_rows", lambda *_: 4)  # 4 + 4 + 4 + 4 + 2
+    chunked = token_logprobs(logits, ids, temperature=0.8, **filters)  # type: ignore[arg-type]
     (g_chunked,) = torch.autograd.grad(chunked.sum(), logits)
+    assert torch.equal(whole.isneginf(), chunked.isneginf())
     assert torch.allclose(whole, chunked) and torch.allclose(g_whole, g_chunked)
 
 
@@ -488,3 +495,74 @@ def test_token_logprobs_extra_memory_at_a_152k_vocabulary(top_p: float) -> None:
     with LiveBytes() as naive:
         torch.log_softmax(logits[:, :-1].float() / 0.7, dim=-1)
     assert naive.peak >= logits.nbytes * 0.99  # the tracker sees a full-size allocation
+
+
+def vllm_processed_logprobs(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int | None
+) -> torch.Tensor:
+    """vLLM's own sampler ([N, V] logits): its float32 cast, temperature, top-k/top-p (the
+    dispatcher, which on this CPU wheel is the PyTorch path) and processed logprobs."""
+    sampling = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    from vllm.v1.sample.sampler import Sampler
+
+    n = logits.shape[0]
+    x = Sampler.apply_temperature(
+        logits.to(torch.float32), torch.full((n,), temperature), all_random=True
+    )
+    p = torch.full((n,), top_p) if top_p < 1 else None
+    k = torch.full((n,), top_k, dtype=torch.int32) if top_k is not None else None
+    x = sampling.apply_top_k_top_p(x, k, p)
+    return Sampler.compute_logprobs(x)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("t", "p", "k"), [(0.7, 0.9, None), (1.0, 0.8, None), (1.2, 0.95, 300), (1.0, 1.0, 40)]
+)
+def test_token_logprobs_break_boundary_ties_as_vllm_does(t: float, p: float, k: int | None) -> None:
+    """bf16 logits tie often (8 bits of mantissa: dozens of tokens share the boundary value
+    at a 152k vocabulary). vLLM's top-p removes an ascending-sorted *prefix*, so it drops some
+    tokens of a tied value and keeps the others; keeping the whole tie made the trainer's
+    normaliser larger and every ratio to vLLM's logprobs biased below 1 at staleness 0.
+
+    Every token of every row is scored (row r is repeated once per vocabulary id, each copy
+    predicting that id), so the kept sets are compared whole, against vLLM's function called on
+    the same logits."""
+    vocab, rows = 2048, 6
+    torch.manual_seed(4)
+    base = (2 * torch.randn(rows, vocab)).to(torch.bfloat16)
+    logits = base[:, None, :].expand(rows, vocab + 1, vocab)  # position i predicts id i
+    ids = torch.nn.functional.pad(torch.arange(vocab), (1, 0)).expand(rows, vocab + 1)
+    ours = token_logprobs(logits, ids, temperature=t, top_p=p, top_k=k)[:, 1:]
+    theirs = vllm_processed_logprobs(base, t, p, k)
+    if p < 1:  # the case under test happens: a tied value both kept and dropped by vLLM
+        kept = theirs.isfinite()
+        split = [
+            (base[r][kept[r]].float().min() == base[r][~kept[r]].float().max()).item()
+            for r in range(rows)
+        ]
+        assert any(split), "no tie at the boundary: the test checks nothing"
+    assert torch.equal(ours.isneginf(), theirs.isneginf())
+    finite = theirs.isfinite()
+    assert torch.allclose(ours[finite], theirs[finite], atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "filters", [{}, {"top_p": 0.9}, {"top_k": 50}, {"top_k": 50, "top_p": 0.9}], ids=str
+)
+def test_token_logprobs_extra_memory_scales_with_the_batch(
+    dtype: torch.dtype, filters: dict[str, float]
+) -> None:
+    """A 2 x 256 batch at vocabulary 152,064, every filter: forward and backward each allocate
+    under a quarter of the logits' size besides the gradient itself. A fixed 128 MiB chunk is
+    most of a small batch's logits (bf16: 156 MB), and the top-k path held three copies of a
+    chunk: 0.30-0.93x before."""
+    logits = torch.empty(2, 256, 152_064, dtype=dtype, device="meta", requires_grad=True)
+    ids = torch.zeros(2, 256, dtype=torch.int64, device="meta")
+    with LiveBytes() as forward:
+        out = token_logprobs(logits, ids, temperature=0.7, **filters)  # type: ignore[arg-type]
+    assert forward.peak < logits.nbytes / 4, forward.peak / logits.nbytes
+    with LiveBytes() as backward:
+        (grad,) = torch.autograd.grad(out.sum(), logits)
+    assert backward.peak - grad.nbytes < logits.nbytes / 4, backward.peak / logits.nbytes
