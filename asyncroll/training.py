@@ -323,6 +323,7 @@ class Correction(msgspec.Struct, frozen=True, kw_only=True):
         w_t = min(rho_t, truncate)                  (rho_t itself when truncate is None)
               * [low <= rho_t <= high]              (token_band; IcePop-style masked IS)
               * [low <= geomean_s(rho_s) <= high]   (sequence_band; over the sample's tokens)
+              * [pi_prox(t) > 0]                    (always; see `behaviour_weights`)
 
     `Correction()` is plain decoupled PPO (AReaL): unbiased but unbounded weights. `truncate`
     is token-level truncated IS (TIS): it bounds the variance and biases only the tokens above
@@ -364,16 +365,26 @@ class BehaviourWeights(msgspec.Struct, frozen=True, kw_only=True):
     ratio: torch.Tensor  # rho = pi_prox / mu on trained tokens, 1 elsewhere
     weight: torch.Tensor  # w, 0 where masked and off the loss mask
     truncated: torch.Tensor  # bool: the cap lowered the weight
-    masked: torch.Tensor  # bool: dropped by the token or the sequence band
+    masked: torch.Tensor  # bool: dropped by the token or the sequence band, or outside
+    outside: torch.Tensor  # bool: outside the trainer's top-k/top-p set (pi_prox = 0, rho = 0)
 
 
 def behaviour_weights(
     proximal_logprobs: torch.Tensor, batch: TrainBatch, correction: Correction
 ) -> BehaviourWeights:
-    """The behaviour weights of `correction` (see `Correction`), without gradient."""
+    """The behaviour weights of `correction` (see `Correction`), without gradient.
+
+    A token outside the trainer's top-k/top-p set (proximal logprob -inf: the proximal policy
+    cannot sample it, typically a token near the boundary that the staleness moved out) has
+    rho exactly 0. It is dropped on its own: masked, weight 0, whatever the correction. It is
+    left out of its sample's geometric mean, which judges how far the sample drifted as a
+    whole: log 0 = -inf would make that mean 0 and drop every token of the sample for one
+    boundary token."""
     mask = batch.loss_mask
-    log_ratio = (proximal_logprobs.detach() - batch.old_logprobs).masked_fill(~mask, 0.0)
-    ratio = log_ratio.exp()
+    outside = proximal_logprobs.detach().isneginf() & mask
+    inside = mask & ~outside
+    log_ratio = (proximal_logprobs.detach() - batch.old_logprobs).masked_fill(~inside, 0.0)
+    ratio = log_ratio.exp().masked_fill(outside, 0.0)
     weight = ratio
     truncated = torch.zeros_like(mask)
     if correction.truncate is not None:
@@ -385,14 +396,15 @@ def behaviour_weights(
         masked |= (ratio < low) | (ratio > high)
     if correction.sequence_band is not None:
         low, high = correction.sequence_band
-        geomean = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)).exp()
+        geomean = (log_ratio.sum(-1) / inside.sum(-1).clamp(min=1)).exp()
         masked |= ((geomean < low) | (geomean > high))[:, None]
-    masked &= mask
+    masked = (masked & mask) | outside
     return BehaviourWeights(
         ratio=ratio,
         weight=weight.masked_fill(masked | ~mask, 0.0),
         truncated=truncated & ~masked,
         masked=masked,
+        outside=outside,
     )
 
 
@@ -493,8 +505,12 @@ def mismatch_metrics(
     (`{prefix}staleness_<s>/...`, s = `version` - the token's version):
 
     - `kl`: KL(mu || pi_prox) estimated from the tokens (sampled from mu) with the k3 estimator
-      mean(rho - 1 - log rho), unbiased and never negative (inf if a token has rho = 0);
-    - `ratio_p05`, `ratio_p50`, `ratio_p95`: percentiles of rho = pi_prox / mu;
+      mean(rho - 1 - log rho), unbiased and never negative, over the tokens inside the
+      trainer's top-k/top-p set (NaN if there are none);
+    - `outside_share`: the share of tokens outside that set (rho = 0). The true KL is infinite
+      as soon as mu samples a token pi_prox cannot; one such token made the k3 mean inf and
+      hid everything else, so the two are reported apart;
+    - `ratio_p05`, `ratio_p50`, `ratio_p95`: percentiles of rho = pi_prox / mu (0 outside);
     - `tokens`: how many trained tokens;
     - with a `correction`: `masked_share` and `truncated_share` of the tokens.
 
@@ -510,10 +526,13 @@ def mismatch_metrics(
         rho = weights.ratio[mask][rows].double()
         if not rho.numel():
             continue
+        outside = weights.outside[mask][rows]
+        inside = rho[~outside]
         p05, p50, p95 = np.percentile(rho.cpu().numpy(), [5, 50, 95]).tolist()
         out |= {
             f"{prefix}{name}tokens": float(rho.numel()),
-            f"{prefix}{name}kl": float((rho - 1 - rho.log()).mean()),
+            f"{prefix}{name}kl": float((inside - 1 - inside.log()).mean()),
+            f"{prefix}{name}outside_share": float(outside.double().mean()),
             f"{prefix}{name}ratio_p05": p05,
             f"{prefix}{name}ratio_p50": p50,
             f"{prefix}{name}ratio_p95": p95,

@@ -295,6 +295,43 @@ def test_a_token_outside_the_trainers_nucleus_keeps_a_corrected_loss_finite(name
     assert logits.grad is not None and logits.grad.isfinite().all()
 
 
+def outside_the_nucleus() -> tuple[torch.Tensor, TrainBatch]:
+    """`proximal_and_batch` with row 1's last token outside the trainer's nucleus (logprob
+    -inf): rho exactly 0 there, its other ratios 1.5 and 0.8."""
+    prox, batch = proximal_and_batch()
+    prox[1, 2] = -math.inf
+    return prox, batch
+
+
+@pytest.mark.parametrize("name", [n for n, c in CORRECTIONS.items() if c is not None])
+def test_a_token_outside_the_nucleus_is_dropped_alone(name: str) -> None:
+    """Its rho is exactly 0: it gets weight 0 and counts as masked, and it is left out of the
+    sample's geometric mean, which judges the sample's drift. In it, log 0 = -inf made the
+    geometric mean 0, so `seq-mask` dropped the whole sample for one boundary token."""
+    correction = CORRECTIONS[name]
+    assert correction is not None
+    prox, batch = outside_the_nucleus()
+    w = behaviour_weights(prox, batch, correction)
+    expected = behaviour_weights(proximal_and_batch()[0], batch, correction).weight
+    expected[1, 2] = 0.0
+    assert w.ratio[1, 2] == 0 and w.masked[1, 2] and w.outside[1, 2]
+    assert int(w.outside.sum()) == 1 and torch.equal(w.masked, w.weight == 0)
+    assert torch.allclose(w.weight, expected)  # row 1's other tokens keep their weights
+
+
+def test_mismatch_metrics_report_tokens_outside_the_nucleus_apart_from_the_kl() -> None:
+    """KL(mu || pi_prox) is infinite when mu samples a token pi_prox cannot: the k3 mean was inf
+    for the whole batch. It is now the KL over the tokens inside the nucleus, and the share of
+    tokens outside it is its own number."""
+    prox, batch = outside_the_nucleus()
+    m = mismatch_metrics(prox, batch, version=0, correction=CORRECTIONS["seq-mask"])
+    inside = np.array([0.25, 1.0, 3.0, 1.5, 0.8])
+    assert m["offpolicy/kl"] == pytest.approx(np.mean(inside - 1 - np.log(inside)))
+    assert m["offpolicy/outside_share"] == pytest.approx(1 / 6)
+    assert m["offpolicy/ratio_p05"] == pytest.approx(np.percentile([*inside, 0.0], 5))
+    assert all(map(math.isfinite, m.values()))
+
+
 def test_mismatch_metrics_by_hand_and_by_staleness() -> None:
     prox, batch = proximal_and_batch()
     batch = msgspec.structs.replace(
