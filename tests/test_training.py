@@ -47,6 +47,23 @@ def test_advantages() -> None:
         group_advantages(np.ones((1, 1)), "rloo")
 
 
+def test_grpo_divides_by_the_population_std_unless_told_the_samples() -> None:
+    """Population std (numpy's default, ddof 0) unless `std="sample"` (ddof 1, what TRL and
+    verl divide by): the two differ by sqrt(n / (n - 1)), 1.15 for groups of 4."""
+    r = np.array([[1.0, 0.0, 0.0, 0.0]])
+    centered = r - 0.25
+    assert np.allclose(group_advantages(r, "grpo"), centered / (np.std(r) + 1e-6))
+    sample = group_advantages(r, "grpo", std="sample")
+    assert np.allclose(sample, centered / (np.std(r, ddof=1) + 1e-6))
+    assert to_batch([scored(0, [1.0, 0.0, 0.0, 0.0])], std="sample").advantages.numpy() == (
+        pytest.approx(sample.ravel())
+    )
+    with pytest.raises(ValueError, match="std='sample' needs at least 2 samples"):
+        group_advantages(np.ones((3, 1)), "grpo", std="sample")
+    with pytest.raises(ValueError, match="std='bessel'"):
+        group_advantages(r, "grpo", std="bessel")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("eps", [0.0, -0.5, math.nan])
 def test_grpo_refuses_an_eps_that_lets_equal_rewards_divide_by_zero(eps: float) -> None:
     equal = np.array([[1.0, 1.0], [1.0, 0.0]])  # std 0: eps=0 made NaN, eps=-0.5 made inf
