@@ -35,6 +35,7 @@ import torch
 from asyncroll.types import RolloutGroup
 
 Advantage = Literal["grpo", "rloo", "none"]
+Std = Literal["population", "sample"]
 
 
 class TrainBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,13 +59,23 @@ class TrainBatch(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def group_advantages(
-    rewards: npt.NDArray[np.float64], method: Advantage = "grpo", eps: float = 1e-6
+    rewards: npt.NDArray[np.float64],
+    method: Advantage = "grpo",
+    eps: float = 1e-6,
+    *,
+    std: Std = "population",
 ) -> npt.NDArray[np.float64]:
     """Advantages of each sample within its group (`rewards` is [groups, samples]).
 
-    grpo: (r - mean) / (std + eps), the GRPO normalisation. rloo: r minus the mean of the
-    *other* samples (leave-one-out baseline, unbiased). none: the raw rewards.
+    grpo: (r - mean) / (std + eps), the GRPO normalisation, with the group's *population*
+    standard deviation (divided by n) by default; `std="sample"` divides by n - 1 instead, as
+    TRL and verl do, which makes every advantage sqrt((n - 1) / n) as large (0.87x for groups
+    of 4, 0.97x for 16; Adam is nearly invariant to such a uniform scale, the clip is not).
+    rloo: r minus the mean of the *other* samples (leave-one-out baseline, unbiased). none:
+    the raw rewards.
     """
+    if std not in ("population", "sample"):
+        raise ValueError(f"std={std!r}: use 'population' (n) or 'sample' (n - 1)")
     if method == "none":
         return rewards.copy()
     n = rewards.shape[1]
@@ -75,7 +86,12 @@ def group_advantages(
                 f"eps={eps}: must be > 0 (a group of equal rewards has std 0: with eps <= 0 its "
                 "advantages would be NaN or infinite)"
             )
-        scale: npt.NDArray[np.float64] = rewards.std(axis=1, keepdims=True) + eps
+        if std == "sample" and n < 2:
+            raise ValueError(
+                "std='sample' needs at least 2 samples per group (it divides by n - 1)"
+            )
+        ddof = 1 if std == "sample" else 0
+        scale: npt.NDArray[np.float64] = rewards.std(axis=1, keepdims=True, ddof=ddof) + eps
         return centered / scale
     if method == "rloo":
         if n < 2:
@@ -85,9 +101,14 @@ def group_advantages(
 
 
 def to_batch(
-    groups: list[RolloutGroup], *, advantage: Advantage = "grpo", pad_id: int = 0
+    groups: list[RolloutGroup],
+    *,
+    advantage: Advantage = "grpo",
+    std: Std = "population",
+    pad_id: int = 0,
 ) -> TrainBatch:
-    """Pack scored groups into padded tensors with per-sample advantages.
+    """Pack scored groups into padded tensors with per-sample advantages (`advantage` and
+    `std` as in `group_advantages`).
 
     Environment tokens of multi-turn samples (`loss_mask` 0) are in `input_ids` and
     `attention_mask` (the policy saw them) but not in `loss_mask`; their `old_logprobs` are 0
@@ -122,7 +143,7 @@ def to_batch(
             trained[row, p : p + r] = policy
             old[row, p : p + r] = np.where(policy, s.logprobs, np.float32(0))
             versions[row, p : p + r] = np.where(policy, s.versions, np.int32(-1))
-    adv = group_advantages(rewards, advantage).astype(np.float32).reshape(-1)
+    adv = group_advantages(rewards, advantage, std=std).astype(np.float32).reshape(-1)
     return TrainBatch(
         input_ids=torch.from_numpy(ids),
         attention_mask=torch.from_numpy(attention),
@@ -135,13 +156,13 @@ def to_batch(
     )
 
 
-# Bytes of temporaries one chunk of `token_logprobs` may allocate: per row of the vocabulary, a
-# float32 copy, logsumexp's exponentials and, with top-p, a sort (values + int64 indices), its
-# softmax and cumulative sum. 128 MiB is under a twentieth of the logits of one 2,048-token row at
-# a 152k vocabulary (1.16 GiB) and still hundreds of rows per chunk at small vocabularies.
+# Chunks of `token_logprobs` are sized so that their temporaries stay under `CHUNK_SHARE`-th of
+# the logits' own size (whatever the batch: a fixed size would be most of a small batch's logits)
+# and under `CHUNK_BYTES` (a large batch gains nothing from larger chunks). An eighth leaves room
+# for what torch's kernels allocate inside (sort, topk, softmax) under a quarter of the logits.
+# Only a single row can exceed it: one row is the smallest chunk there is.
 CHUNK_BYTES = 128 << 20
-_BYTES_PER_LOGIT = 12  # float32 copy + exponentials + slack
-_BYTES_PER_LOGIT_TOP_P = 28  # + sorted values, int64 indices, softmax/cumsum, bool mask
+CHUNK_SHARE = 8
 
 
 def token_logprobs(
@@ -156,16 +177,19 @@ def token_logprobs(
     `input_ids`: position t is log p(input_ids[t] | input_ids[:t]); position 0 is 0.
 
     p is the distribution the sampler draws from: softmax(logits / temperature), restricted to
-    the top-k tokens and then to the top-p nucleus (vLLM's order) and renormalised. Pass the
-    sampling parameters the rollouts used, so that these logprobs and vLLM's processed logprobs
-    describe the same policy. A token outside the trainer's own nucleus gets -inf (probability
-    0 under the truncated policy): its importance ratio is 0 and it gets no gradient.
+    the top-k tokens and then to the top-p nucleus (vLLM's order) and renormalised, with vLLM's
+    rule at the boundary (see `_Sampler`). Pass the sampling parameters the rollouts used, so
+    that these logprobs and vLLM's processed logprobs describe the same policy. A token outside
+    the trainer's own nucleus gets -inf (probability 0 under the truncated policy): its
+    importance ratio is 0 and it gets no gradient.
 
     Computed as the chosen logit minus a logsumexp, in chunks of rows, by a custom autograd
     function that keeps only `logits` and one float per position for backward and recomputes
     the softmax there: no [B, L, V] float32 log_softmax is ever built (tens of GB at a 152k
-    vocabulary); the extra memory is bounded by `CHUNK_BYTES` (the gradient of `logits` itself,
-    which backward must return, aside).
+    vocabulary). Each chunk works in place on one float32 copy of its rows (plus, with top-p, a
+    sort), so the extra memory of forward and of backward (the gradient of `logits` itself,
+    which backward must return, aside) is at most min(`CHUNK_BYTES`, the logits' size /
+    `CHUNK_SHARE`), or one row's worth when that is more.
     """
     if not 0 < temperature < math.inf:  # NaN too: it would make every logprob NaN
         raise ValueError(
@@ -180,47 +204,72 @@ def token_logprobs(
     # Using every row keeps `logits` a view in the graph: slicing off the last row would make
     # autograd allocate a second full-size gradient to pad it back.
     targets = torch.nn.functional.pad(input_ids[:, 1:], (0, 1)).reshape(-1)
-    per_logit = _BYTES_PER_LOGIT_TOP_P if top_p < 1 else _BYTES_PER_LOGIT
-    rows = max(1, CHUNK_BYTES // (vocab * per_logit))
+    sampler = _Sampler(temperature, top_p, top_k)
     picked: torch.Tensor = _ChosenLogprob.apply(  # type: ignore[no-untyped-call]
-        logits.reshape(b * length, vocab), targets, _Sampler(temperature, top_p, top_k), rows
+        logits.reshape(b * length, vocab), targets, sampler, _chunk_rows(logits, sampler)
     )
     return torch.nn.functional.pad(picked.view(b, length)[:, :-1], (1, 0))
 
 
+def _chunk_rows(logits: torch.Tensor, sampler: _Sampler) -> int:
+    """Rows per chunk: their temporaries within min(CHUNK_BYTES, the logits' size /
+    CHUNK_SHARE), at least one row."""
+    budget = min(CHUNK_BYTES, logits.numel() * logits.element_size() // CHUNK_SHARE)
+    return max(1, budget // (logits.shape[-1] * sampler.bytes_per_logit(logits.dtype)))
+
+
 class _Sampler(msgspec.Struct, frozen=True):
-    """The sampler's transformation of the logits (temperature, then top-k, then top-p)."""
+    """vLLM's transformation of the logits (temperature, then top-k, then top-p), the way its
+    PyTorch sampler does it (`apply_top_k_top_p_pytorch`, the path of the CPU wheel), down to
+    the order of the floating-point operations, so that the kept set is the same token for
+    token: top-k keeps every logit >= the k-th largest (ties with it included); top-p sorts the
+    logits ascending with the same (unstable) `sort` and removes the *prefix* of sorted
+    positions whose float32 cumulative probability is <= 1 - top_p (1 - top_p taken in float32
+    too), always keeping the last. A value tied across that boundary is thus partly removed and
+    partly kept, by sort position: bf16 logits tie in dozens of tokens at a large vocabulary,
+    and keeping the whole tie (a threshold on the value) gave a larger normaliser than vLLM's
+    and ratios biased below 1. vLLM's Triton kernel (GPUs) and FlashInfer pick their sets by
+    other algorithms; these are what its `processed_logprobs` describe only on its PyTorch path.
+    """
 
     temperature: float
     top_p: float
     top_k: int | None
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits of the sampling distribution, in float32 at least (float64 stays, for
-        gradcheck); -inf outside the kept tokens."""
-        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if self.temperature != 1.0:
-            x = x / self.temperature
-        if self.top_k is None and self.top_p >= 1:
-            return x
-        return x.masked_fill(x < self._threshold(x)[:, None], float("-inf"))
+    def dtype(self, logits_dtype: torch.dtype) -> torch.dtype:
+        """float32, as vLLM samples in; float64 stays (gradcheck)."""
+        return torch.promote_types(logits_dtype, torch.float32)
 
-    def _threshold(self, x: torch.Tensor) -> torch.Tensor:
-        """Smallest kept logit per row: vLLM keeps logits >= the k-th largest, then removes,
-        in ascending order, the tokens whose cumulative probability is <= 1 - top_p (always
-        keeping the largest)."""
+    def bytes_per_logit(self, logits_dtype: torch.dtype) -> int:
+        """Bytes `kept` allocates per logit at its peak: the copy it returns, and with top-k a
+        bool mask, with top-p the sorted values, their int64 order, their cumulative
+        probabilities and a bool mask."""
+        size = self.dtype(logits_dtype).itemsize
+        if self.top_p < 1:
+            return 3 * size + 8 + 1
+        return size + 1 if self.top_k is not None else size
+
+    def kept(self, logits: torch.Tensor) -> torch.Tensor:
+        """A new tensor of the sampling distribution's logits, -inf outside the kept tokens
+        (the caller may overwrite it)."""
+        x = logits.to(self.dtype(logits.dtype), copy=True)
+        if self.temperature != 1.0:
+            x.div_(self.temperature)
         vocab = x.shape[-1]
         k = min(self.top_k, vocab) if self.top_k is not None else None
         if self.top_p >= 1:
-            assert k is not None
-            return x.topk(k, dim=-1).values[:, -1]
-        ascending = x.sort(dim=-1).values
+            if k is not None:
+                x.masked_fill_(x < x.topk(k, dim=-1).values[:, -1:], float("-inf"))
+            return x
+        ascending, order = x.sort(dim=-1, descending=False)
         if k is not None:
-            kth = ascending[:, vocab - k, None]
-            ascending = ascending.masked_fill(ascending < kth, float("-inf"))
-        cumulative = ascending.softmax(dim=-1).cumsum_(dim=-1)
-        removed = (cumulative <= 1 - self.top_p).sum(dim=-1).clamp_(max=vocab - 1)
-        return ascending.gather(-1, removed[:, None]).squeeze(-1)
+            ascending.masked_fill_(ascending < ascending[:, vocab - k, None], float("-inf"))
+        cumulative = ascending.softmax(dim=-1)
+        torch.cumsum(cumulative, dim=-1, out=cumulative)
+        removed = cumulative <= float(np.float32(1) - np.float32(self.top_p))
+        del cumulative
+        removed[:, -1] = False
+        return x.scatter_(-1, order, ascending.masked_fill_(removed, float("-inf")))
 
 
 class _ChosenLogprob(torch.autograd.Function):
@@ -230,15 +279,14 @@ class _ChosenLogprob(torch.autograd.Function):
     def forward(
         ctx: Any, logits: torch.Tensor, targets: torch.Tensor, sampler: _Sampler, rows: int
     ) -> torch.Tensor:
-        dtype = torch.promote_types(logits.dtype, torch.float32)
+        dtype = sampler.dtype(logits.dtype)
         out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
         lse = torch.empty_like(out)
         for start in range(0, logits.shape[0], rows):
-            x = sampler.apply(logits[start : start + rows])
-            chunk_lse = torch.logsumexp(x, dim=-1)
-            chosen = x.gather(-1, targets[start : start + rows, None]).squeeze(-1)
-            out[start : start + rows] = chosen - chunk_lse
-            lse[start : start + rows] = chunk_lse
+            stop = start + rows
+            out[start:stop], lse[start:stop] = _chunk_logprob(
+                sampler, logits[start:stop], targets[start:stop]
+            )
         ctx.save_for_backward(logits, targets, lse, out.isneginf())
         ctx.sampler, ctx.rows = sampler, rows
         return out
@@ -253,11 +301,38 @@ class _ChosenLogprob(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.rows):
             stop = start + ctx.rows
-            # `apply` may return the logits themselves: the first step must not be in place
-            g = (sampler.apply(logits[start:stop]) - lse[start:stop, None]).exp_().neg_()
-            g.scatter_add_(-1, targets[start:stop, None], torch.ones_like(g[:, :1]))
-            grad_logits[start:stop] = g.mul_(scale[start:stop, None])
+            grad_logits[start:stop] = _chunk_gradient(
+                sampler, logits[start:stop], targets[start:stop], lse[start:stop], scale[start:stop]
+            )
         return grad_logits, None, None, None
+
+
+# One chunk each, in functions of their own: their temporaries die on return, before the next
+# chunk's are allocated (a loop variable would keep the previous chunk alive beside it).
+
+
+def _chunk_logprob(
+    sampler: _Sampler, logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), logsumexp) per row, the logsumexp in place on the chunk's one copy."""
+    x = sampler.kept(logits)
+    chosen = x.gather(-1, targets[:, None]).squeeze(-1)
+    peak = x.amax(dim=-1, keepdim=True)  # finite: the largest logit is always kept
+    lse = x.sub_(peak).exp_().sum(dim=-1).log_().add_(peak.squeeze(-1))
+    return chosen - lse, lse
+
+
+def _chunk_gradient(
+    sampler: _Sampler,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """scale * (1[j = target] - p_j) per row, in place on the chunk's one copy."""
+    g = sampler.kept(logits).sub_(lse[:, None]).exp_().neg_()
+    g.scatter_add_(-1, targets[:, None], torch.ones_like(g[:, :1]))
+    return g.mul_(scale[:, None])
 
 
 class Correction(msgspec.Struct, frozen=True, kw_only=True):
@@ -269,6 +344,7 @@ class Correction(msgspec.Struct, frozen=True, kw_only=True):
         w_t = min(rho_t, truncate)                  (rho_t itself when truncate is None)
               * [low <= rho_t <= high]              (token_band; IcePop-style masked IS)
               * [low <= geomean_s(rho_s) <= high]   (sequence_band; over the sample's tokens)
+              * [pi_prox(t) > 0]                    (always; see `behaviour_weights`)
 
     `Correction()` is plain decoupled PPO (AReaL): unbiased but unbounded weights. `truncate`
     is token-level truncated IS (TIS): it bounds the variance and biases only the tokens above
@@ -310,16 +386,26 @@ class BehaviourWeights(msgspec.Struct, frozen=True, kw_only=True):
     ratio: torch.Tensor  # rho = pi_prox / mu on trained tokens, 1 elsewhere
     weight: torch.Tensor  # w, 0 where masked and off the loss mask
     truncated: torch.Tensor  # bool: the cap lowered the weight
-    masked: torch.Tensor  # bool: dropped by the token or the sequence band
+    masked: torch.Tensor  # bool: dropped by the token or the sequence band, or outside
+    outside: torch.Tensor  # bool: outside the trainer's top-k/top-p set (pi_prox = 0, rho = 0)
 
 
 def behaviour_weights(
     proximal_logprobs: torch.Tensor, batch: TrainBatch, correction: Correction
 ) -> BehaviourWeights:
-    """The behaviour weights of `correction` (see `Correction`), without gradient."""
+    """The behaviour weights of `correction` (see `Correction`), without gradient.
+
+    A token outside the trainer's top-k/top-p set (proximal logprob -inf: the proximal policy
+    cannot sample it, typically a token near the boundary that the staleness moved out) has
+    rho exactly 0. It is dropped on its own: masked, weight 0, whatever the correction. It is
+    left out of its sample's geometric mean, which judges how far the sample drifted as a
+    whole: log 0 = -inf would make that mean 0 and drop every token of the sample for one
+    boundary token."""
     mask = batch.loss_mask
-    log_ratio = (proximal_logprobs.detach() - batch.old_logprobs).masked_fill(~mask, 0.0)
-    ratio = log_ratio.exp()
+    outside = proximal_logprobs.detach().isneginf() & mask
+    inside = mask & ~outside
+    log_ratio = (proximal_logprobs.detach() - batch.old_logprobs).masked_fill(~inside, 0.0)
+    ratio = log_ratio.exp().masked_fill(outside, 0.0)
     weight = ratio
     truncated = torch.zeros_like(mask)
     if correction.truncate is not None:
@@ -331,14 +417,15 @@ def behaviour_weights(
         masked |= (ratio < low) | (ratio > high)
     if correction.sequence_band is not None:
         low, high = correction.sequence_band
-        geomean = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)).exp()
+        geomean = (log_ratio.sum(-1) / inside.sum(-1).clamp(min=1)).exp()
         masked |= ((geomean < low) | (geomean > high))[:, None]
-    masked &= mask
+    masked = (masked & mask) | outside
     return BehaviourWeights(
         ratio=ratio,
         weight=weight.masked_fill(masked | ~mask, 0.0),
         truncated=truncated & ~masked,
         masked=masked,
+        outside=outside,
     )
 
 
@@ -439,8 +526,12 @@ def mismatch_metrics(
     (`{prefix}staleness_<s>/...`, s = `version` - the token's version):
 
     - `kl`: KL(mu || pi_prox) estimated from the tokens (sampled from mu) with the k3 estimator
-      mean(rho - 1 - log rho), unbiased and never negative (inf if a token has rho = 0);
-    - `ratio_p05`, `ratio_p50`, `ratio_p95`: percentiles of rho = pi_prox / mu;
+      mean(rho - 1 - log rho), unbiased and never negative, over the tokens inside the
+      trainer's top-k/top-p set (NaN if there are none);
+    - `outside_share`: the share of tokens outside that set (rho = 0). The true KL is infinite
+      as soon as mu samples a token pi_prox cannot; one such token made the k3 mean inf and
+      hid everything else, so the two are reported apart;
+    - `ratio_p05`, `ratio_p50`, `ratio_p95`: percentiles of rho = pi_prox / mu (0 outside);
     - `tokens`: how many trained tokens;
     - with a `correction`: `masked_share` and `truncated_share` of the tokens.
 
@@ -456,10 +547,13 @@ def mismatch_metrics(
         rho = weights.ratio[mask][rows].double()
         if not rho.numel():
             continue
+        outside = weights.outside[mask][rows]
+        inside = rho[~outside]
         p05, p50, p95 = np.percentile(rho.cpu().numpy(), [5, 50, 95]).tolist()
         out |= {
             f"{prefix}{name}tokens": float(rho.numel()),
-            f"{prefix}{name}kl": float((rho - 1 - rho.log()).mean()),
+            f"{prefix}{name}kl": float((inside - 1 - inside.log()).mean()),
+            f"{prefix}{name}outside_share": float(outside.double().mean()),
             f"{prefix}{name}ratio_p05": p05,
             f"{prefix}{name}ratio_p50": p50,
             f"{prefix}{name}ratio_p95": p95,

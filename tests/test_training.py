@@ -47,6 +47,23 @@ def test_advantages() -> None:
         group_advantages(np.ones((1, 1)), "rloo")
 
 
+def test_grpo_divides_by_the_population_std_unless_told_the_samples() -> None:
+    """Population std (numpy's default, ddof 0) unless `std="sample"` (ddof 1, what TRL and
+    verl divide by): the two differ by sqrt(n / (n - 1)), 1.15 for groups of 4."""
+    r = np.array([[1.0, 0.0, 0.0, 0.0]])
+    centered = r - 0.25
+    assert np.allclose(group_advantages(r, "grpo"), centered / (np.std(r) + 1e-6))
+    sample = group_advantages(r, "grpo", std="sample")
+    assert np.allclose(sample, centered / (np.std(r, ddof=1) + 1e-6))
+    assert to_batch([scored(0, [1.0, 0.0, 0.0, 0.0])], std="sample").advantages.numpy() == (
+        pytest.approx(sample.ravel())
+    )
+    with pytest.raises(ValueError, match="std='sample' needs at least 2 samples"):
+        group_advantages(np.ones((3, 1)), "grpo", std="sample")
+    with pytest.raises(ValueError, match="std='bessel'"):
+        group_advantages(r, "grpo", std="bessel")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("eps", [0.0, -0.5, math.nan])
 def test_grpo_refuses_an_eps_that_lets_equal_rewards_divide_by_zero(eps: float) -> None:
     equal = np.array([[1.0, 1.0], [1.0, 0.0]])  # std 0: eps=0 made NaN, eps=-0.5 made inf
@@ -295,6 +312,43 @@ def test_a_token_outside_the_trainers_nucleus_keeps_a_corrected_loss_finite(name
     assert logits.grad is not None and logits.grad.isfinite().all()
 
 
+def outside_the_nucleus() -> tuple[torch.Tensor, TrainBatch]:
+    """`proximal_and_batch` with row 1's last token outside the trainer's nucleus (logprob
+    -inf): rho exactly 0 there, its other ratios 1.5 and 0.8."""
+    prox, batch = proximal_and_batch()
+    prox[1, 2] = -math.inf
+    return prox, batch
+
+
+@pytest.mark.parametrize("name", [n for n, c in CORRECTIONS.items() if c is not None])
+def test_a_token_outside_the_nucleus_is_dropped_alone(name: str) -> None:
+    """Its rho is exactly 0: it gets weight 0 and counts as masked, and it is left out of the
+    sample's geometric mean, which judges the sample's drift. In it, log 0 = -inf made the
+    geometric mean 0, so `seq-mask` dropped the whole sample for one boundary token."""
+    correction = CORRECTIONS[name]
+    assert correction is not None
+    prox, batch = outside_the_nucleus()
+    w = behaviour_weights(prox, batch, correction)
+    expected = behaviour_weights(proximal_and_batch()[0], batch, correction).weight
+    expected[1, 2] = 0.0
+    assert w.ratio[1, 2] == 0 and w.masked[1, 2] and w.outside[1, 2]
+    assert int(w.outside.sum()) == 1 and torch.equal(w.masked, w.weight == 0)
+    assert torch.allclose(w.weight, expected)  # row 1's other tokens keep their weights
+
+
+def test_mismatch_metrics_report_tokens_outside_the_nucleus_apart_from_the_kl() -> None:
+    """KL(mu || pi_prox) is infinite when mu samples a token pi_prox cannot: the k3 mean was inf
+    for the whole batch. It is now the KL over the tokens inside the nucleus, and the share of
+    tokens outside it is its own number."""
+    prox, batch = outside_the_nucleus()
+    m = mismatch_metrics(prox, batch, version=0, correction=CORRECTIONS["seq-mask"])
+    inside = np.array([0.25, 1.0, 3.0, 1.5, 0.8])
+    assert m["offpolicy/kl"] == pytest.approx(np.mean(inside - 1 - np.log(inside)))
+    assert m["offpolicy/outside_share"] == pytest.approx(1 / 6)
+    assert m["offpolicy/ratio_p05"] == pytest.approx(np.percentile([*inside, 0.0], 5))
+    assert all(map(math.isfinite, m.values()))
+
+
 def test_mismatch_metrics_by_hand_and_by_staleness() -> None:
     prox, batch = proximal_and_batch()
     batch = msgspec.structs.replace(
@@ -384,15 +438,22 @@ def test_token_logprobs_refuses_sampling_parameters_with_no_distribution(
         token_logprobs(logits, ids, **options)  # type: ignore[arg-type]
 
 
-def test_token_logprobs_chunks_agree_with_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "filters", [{}, {"top_p": 0.9}, {"top_k": 7}, {"top_k": 7, "top_p": 0.8}], ids=str
+)
+def test_token_logprobs_chunks_agree_with_one_chunk(
+    monkeypatch: pytest.MonkeyPatch, filters: dict[str, float]
+) -> None:
     torch.manual_seed(2)
     logits = torch.randn(2, 9, 50, requires_grad=True)
     ids = torch.randint(0, 50, (2, 9))
-    whole = token_logprobs(logits, ids, temperature=0.8)
+    monkeypatch.setattr("asyncroll.training._chunk_rows", lambda *_: 18)  # all rows at once
+    whole = token_logprobs(logits, ids, temperature=0.8, **filters)  # type: ignore[arg-type]
     (g_whole,) = torch.autograd.grad(whole.sum(), logits)
-    monkeypatch.setattr("asyncroll.training.CHUNK_BYTES", 3 * 50 * 12)  # 3 rows per chunk
-    chunked = token_logprobs(logits, ids, temperature=0.8)
+    monkeypatch.setattr("asyncroll.training._chunk_rows", lambda *_: 4)  # 4 + 4 + 4 + 4 + 2
+    chunked = token_logprobs(logits, ids, temperature=0.8, **filters)  # type: ignore[arg-type]
     (g_chunked,) = torch.autograd.grad(chunked.sum(), logits)
+    assert torch.equal(whole.isneginf(), chunked.isneginf())
     assert torch.allclose(whole, chunked) and torch.allclose(g_whole, g_chunked)
 
 
@@ -488,3 +549,74 @@ def test_token_logprobs_extra_memory_at_a_152k_vocabulary(top_p: float) -> None:
     with LiveBytes() as naive:
         torch.log_softmax(logits[:, :-1].float() / 0.7, dim=-1)
     assert naive.peak >= logits.nbytes * 0.99  # the tracker sees a full-size allocation
+
+
+def vllm_processed_logprobs(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int | None
+) -> torch.Tensor:
+    """vLLM's own sampler ([N, V] logits): its float32 cast, temperature, top-k/top-p (the
+    dispatcher, which on this CPU wheel is the PyTorch path) and processed logprobs."""
+    sampling = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    from vllm.v1.sample.sampler import Sampler
+
+    n = logits.shape[0]
+    x = Sampler.apply_temperature(
+        logits.to(torch.float32), torch.full((n,), temperature), all_random=True
+    )
+    p = torch.full((n,), top_p) if top_p < 1 else None
+    k = torch.full((n,), top_k, dtype=torch.int32) if top_k is not None else None
+    x = sampling.apply_top_k_top_p(x, k, p)
+    return Sampler.compute_logprobs(x)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("t", "p", "k"), [(0.7, 0.9, None), (1.0, 0.8, None), (1.2, 0.95, 300), (1.0, 1.0, 40)]
+)
+def test_token_logprobs_break_boundary_ties_as_vllm_does(t: float, p: float, k: int | None) -> None:
+    """bf16 logits tie often (8 bits of mantissa: dozens of tokens share the boundary value
+    at a 152k vocabulary). vLLM's top-p removes an ascending-sorted *prefix*, so it drops some
+    tokens of a tied value and keeps the others; keeping the whole tie made the trainer's
+    normaliser larger and every ratio to vLLM's logprobs biased below 1 at staleness 0.
+
+    Every token of every row is scored (row r is repeated once per vocabulary id, each copy
+    predicting that id), so the kept sets are compared whole, against vLLM's function called on
+    the same logits."""
+    vocab, rows = 2048, 6
+    torch.manual_seed(4)
+    base = (2 * torch.randn(rows, vocab)).to(torch.bfloat16)
+    logits = base[:, None, :].expand(rows, vocab + 1, vocab)  # position i predicts id i
+    ids = torch.nn.functional.pad(torch.arange(vocab), (1, 0)).expand(rows, vocab + 1)
+    ours = token_logprobs(logits, ids, temperature=t, top_p=p, top_k=k)[:, 1:]
+    theirs = vllm_processed_logprobs(base, t, p, k)
+    if p < 1:  # the case under test happens: a tied value both kept and dropped by vLLM
+        kept = theirs.isfinite()
+        split = [
+            (base[r][kept[r]].float().min() == base[r][~kept[r]].float().max()).item()
+            for r in range(rows)
+        ]
+        assert any(split), "no tie at the boundary: the test checks nothing"
+    assert torch.equal(ours.isneginf(), theirs.isneginf())
+    finite = theirs.isfinite()
+    assert torch.allclose(ours[finite], theirs[finite], atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "filters", [{}, {"top_p": 0.9}, {"top_k": 50}, {"top_k": 50, "top_p": 0.9}], ids=str
+)
+def test_token_logprobs_extra_memory_scales_with_the_batch(
+    dtype: torch.dtype, filters: dict[str, float]
+) -> None:
+    """A 2 x 256 batch at vocabulary 152,064, every filter: forward and backward each allocate
+    under a quarter of the logits' size besides the gradient itself. A fixed 128 MiB chunk is
+    most of a small batch's logits (bf16: 156 MB), and the top-k path held three copies of a
+    chunk: 0.30-0.93x before."""
+    logits = torch.empty(2, 256, 152_064, dtype=dtype, device="meta", requires_grad=True)
+    ids = torch.zeros(2, 256, dtype=torch.int64, device="meta")
+    with LiveBytes() as forward:
+        out = token_logprobs(logits, ids, temperature=0.7, **filters)  # type: ignore[arg-type]
+    assert forward.peak < logits.nbytes / 4, forward.peak / logits.nbytes
+    with LiveBytes() as backward:
+        (grad,) = torch.autograd.grad(out.sum(), logits)
+    assert backward.peak - grad.nbytes < logits.nbytes / 4, backward.peak / logits.nbytes
