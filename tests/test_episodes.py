@@ -679,6 +679,29 @@ async def test_a_spent_token_budget_gives_empty_turns_without_calling_the_engine
     assert producer.progress.counters.policy_turns == 3  # the empty turn counts
 
 
+async def test_the_default_token_budget_leaves_room_for_the_tools_answers() -> None:
+    """Without `max_episode_tokens`, every policy turn gets its full `max_new_tokens` even
+    with tool answers between turns. The default was max_turns x max_new_tokens, which the
+    tool's tokens ate into: this episode's third turn got 1 token and its last answer failed
+    the group."""
+    seen: list[Any] = []
+
+    async def agent(episode: Episode) -> None:
+        for _ in range(3):
+            seen.append(await episode.generate())
+            episode.append([7, 8, 9])
+
+    producer = Producer(
+        TurnEngine(), prompts(1), length_reward, group_size=1, rollout_fn=agent, max_turns=3,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        (group,) = await take(producer, 1)
+    assert [len(t.tokens) for t in seen] == [4, 4, 4]
+    assert group.samples[0].turn_ends.tolist() == [4, 7, 11, 14, 18, 21]
+    assert producer.config.episode_tokens == 2 * 3 * 4  # as much room for the environment
+
+
 async def test_an_engine_that_aborts_turns_on_its_own_fails_the_group_instead_of_spinning() -> None:
     class Aborting(TurnEngine):
         async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
