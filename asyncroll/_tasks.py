@@ -11,6 +11,7 @@ A task that ends with an exception makes `join` raise it, as a task group would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Coroutine
 from typing import Any
 
@@ -31,7 +32,13 @@ class Tasks:
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if self._error is None and not task.cancelled():
+        if task.cancelled():
+            # A cancelled task keeps its CancelledError until asked for it, and through its
+            # traceback every frame it passed: the group's (its flight, which holds this task).
+            # Taken here, the cycle never forms; the owner is freed by reference counting.
+            with contextlib.suppress(asyncio.CancelledError):
+                task.result()
+        elif self._error is None:
             self._error = task.exception()  # the first one only: None while all succeed
 
     def cancel(self) -> None:

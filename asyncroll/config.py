@@ -56,8 +56,9 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
     on_drop_timeout_s: float = 10.0
     failure_log_interval_s: float = 60.0
     # Multi-turn episodes (a `rollout_fn`): policy turns per episode, response tokens per
-    # episode (policy and environment together; None: max_turns x max_new_tokens), and the
-    # deadline of one episode (time parked by a pause or a weight update not counted).
+    # episode (policy and environment together; None: 2 x max_turns x max_new_tokens, as many
+    # for the environment as the policy may take), and the deadline of one episode (time
+    # parked by a pause or a weight update not counted).
     max_turns: int = 16
     max_episode_tokens: int | None = None
     episode_timeout_s: float = 3600.0
@@ -111,7 +112,9 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Response tokens one multi-turn episode may hold (policy and environment)."""
         if self.max_episode_tokens is not None:
             return self.max_episode_tokens
-        return self.max_turns * self.sampling.max_new_tokens
+        # Policy turns in full and as much again for tool answers: max_turns x max_new_tokens
+        # alone left the environment's tokens to eat the last turns' budget.
+        return 2 * self.max_turns * self.sampling.max_new_tokens
 
     def group_bytes(
         self,

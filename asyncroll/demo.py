@@ -235,10 +235,9 @@ async def run_demo(
             filter="nonzero_std",
             reward_in_thread=False,  # a few numpy ops: cheaper inline than a thread hop
         )
-        if cfg.resume:
-            producer.load(out / "producer.ckpt")
+        if cfg.resume:  # the engine gets the trainer's weights at the checkpoint's version
             step = trainer.load(out / "trainer.pt")
-            await engine.update_weights(trainer.weights(), version=producer.version)
+            producer.load(out / "producer.ckpt", weights=trainer.weights())
         records: list[StepRecord] = []
         staleness: Counter[int] = Counter()
         bar = tqdm(

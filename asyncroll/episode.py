@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import math
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -146,7 +147,10 @@ class Episode:
     """One sample's episode, handed to the rollout function. See the module docstring."""
 
     def __init__(self, run: EpisodeRun, index: int) -> None:
-        self._run = run
+        # Weak: the run holds its episodes, and a cycle would keep a finished group's episodes
+        # and arrays alive until the cyclic garbage collector runs. The run lives as long as
+        # its group is in flight (the producer holds it); a call after that is refused.
+        self._run_ref = weakref.ref(run)
         self.index = index  # which sample of the group
         group = run.group
         self.prompt_tokens: Int32Array = group.prompt_tokens
@@ -196,9 +200,7 @@ class Episode:
         and environment tokens together) runs out: an empty turn with finish reason "length"
         once it is spent, without calling the engine. Raises `EpisodeError` if the turn
         fails."""
-        run = self._run
-        run.check_alive(self)
-        self._check_ready("generate()")
+        run = self._check_ready("generate()")
         if self.policy_turns >= run.config.max_turns:
             raise run.fail(
                 self, FailureReason.ENVIRONMENT_ERROR,
@@ -221,14 +223,13 @@ class Episode:
         self.where = f"in policy turn {self.policy_turns}"
         self._phase = _Phase.IN_TURN
         try:
-            return await self._sample_turn(sampling, budget)
+            return await self._sample_turn(run, sampling, budget)
         finally:
             if self._phase is _Phase.IN_TURN:  # not RETURNED meanwhile (a task left behind)
                 self._phase = _Phase.READY
 
-    async def _sample_turn(self, sampling: SamplingConfig, budget: int) -> Turn:
+    async def _sample_turn(self, run: EpisodeRun, sampling: SamplingConfig, budget: int) -> Turn:
         """The engine calls of one policy turn (re-submitted after a drain's abort)."""
-        run = self._run
         pieces: list[RolloutState] = []
         prefix = self._tokens
         last = self.last_version()
@@ -279,9 +280,7 @@ class Episode:
     def append(self, tokens: Any) -> None:
         """Append environment (tool, user) tokens: context for later turns, never trained.
         Raises `EpisodeError` for ids outside the vocabulary or past the token budget."""
-        run = self._run
-        run.check_alive(self)
-        self._check_ready("append()")
+        run = self._check_ready("append()")
         try:
             arr = rollout.prompt_array(tokens, run.vocab_size, None)
         except rollout.RolloutError as exc:
@@ -305,11 +304,20 @@ class Episode:
             np.zeros(n, dtype=np.uint8),
         )
 
-    def _check_ready(self, call: str) -> None:
-        """Refuse `call` unless the episode is between calls (see `_Phase`): the group fails."""
+    def _check_ready(self, call: str) -> EpisodeRun:
+        """The episode's run, if it may make `call` now: it is between calls (see `_Phase`)
+        and its group has not failed. Otherwise the call is refused and the group fails (one
+        that already landed cannot fail any more: the call is refused all the same)."""
+        run = self._run_ref()
         match self._phase:
+            case _Phase.READY if run is not None:
+                run.check_alive(self)
+                return run
             case _Phase.READY:
-                return
+                problem = (
+                    f"{call} after its group ended ({self.where}): the producer stopped or "
+                    "the group failed, and the episode outlived it in a task it started"
+                )
             case _Phase.IN_TURN:
                 problem = (
                     f"{call} while policy turn {self.policy_turns} is still being sampled: "
@@ -320,7 +328,10 @@ class Episode:
                     f"{call} after the rollout function returned: the episode is its group's "
                     "sample now (a task the rollout function started outlived it?)"
                 )
-        raise self._run.fail(self, FailureReason.ENVIRONMENT_ERROR, problem)
+        if run is None:
+            message = f"episode {self.index}: {problem}"
+            raise EpisodeError(FailureReason.ENVIRONMENT_ERROR, message)
+        raise run.fail(self, FailureReason.ENVIRONMENT_ERROR, problem)
 
     def _commit(
         self,
@@ -458,13 +469,15 @@ class EpisodeRun:
         """Run every episode of the group concurrently, within `episode_timeout_s`; the
         group's samples, or `EpisodeError` (the first failure; the others are cancelled)."""
         timeout = self.config.episode_timeout_s
-        with anyio.move_on_after(timeout) as deadline:
-            self.parking.scope = deadline
-            async with anyio.create_task_group() as tg:
-                self._scope = tg.cancel_scope
-                for episode in self.episodes:
-                    tg.start_soon(self._one, episode, name=f"asyncroll-episode-{episode.index}")
-        self._scope = self.parking.scope = None
+        try:
+            with anyio.move_on_after(timeout) as deadline:
+                self.parking.scope = deadline
+                async with anyio.create_task_group() as tg:
+                    self._scope = tg.cancel_scope
+                    for episode in self.episodes:
+                        tg.start_soon(self._one, episode, name=f"asyncroll-episode-{episode.index}")
+        finally:  # the scopes refer to this task: not kept past the run, however it ends
+            self._scope = self.parking.scope = None
         if self.failure is None and deadline.cancelled_caught:
             late = [e for e in self.episodes if e._phase is not _Phase.RETURNED]
             where = "; ".join(f"episode {e.index} {e.where}" for e in late)
@@ -473,8 +486,8 @@ class EpisodeRun:
                 f"episodes ran past episode_timeout_s={timeout} (time parked by pauses not "
                 f"counted): {where}",
             )
-        if self.failure is not None:
-            raise self.failure
+        if (f := self.failure) is not None:  # a copy: the raised one's traceback holds this run
+            raise EpisodeError(f.reason, f.message, f.fatal)
         return tuple(e.sample(Status.COMPLETED) for e in self.episodes)
 
     async def _one(self, episode: Episode) -> None:
@@ -484,7 +497,11 @@ class EpisodeRun:
             self.fail(episode, exc.reason, exc.message, exc.fatal)
         except asyncio.CancelledError:
             if cancelling():  # a deadline, a failed sibling, the producer's stop
-                raise
+                # The episode's task ends here without re-raising: `run` reports why. Handed to
+                # the task group, the error would be raised again in its done-callback, whose
+                # frame then holds it: a cycle through the traceback to this episode's frames
+                # (its run, its arrays), freed only by the cyclic garbage collector.
+                return
             # The episode ended part-way: a task group would take this for a cancellation.
             message = (
                 "rollout function raised CancelledError though nothing cancelled it "

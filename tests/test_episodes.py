@@ -5,6 +5,8 @@ episodes in flight. Engines here are simulations (`SimEngine` and a scripted `Tu
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -564,6 +566,59 @@ async def test_weight_updates_during_many_episodes_keep_every_prompt_and_the_led
             assert (s.logprobs[s.loss_mask == 0] == 0).all()
 
 
+async def test_finished_episodes_are_freed_by_reference_counting() -> None:
+    """Episodes completed, failed by an engine error or a raising tool, filtered, aborted by
+    weight updates and cancelled by the producer's stop: once their groups land (or the
+    producer stops), no episode is left, with the cyclic garbage collector off. An episode and
+    its run referred to each other, a raised failure's traceback held the run, and a cancelled
+    task's error held its frames: every finished group's episodes and arrays waited for a
+    collection."""
+    engine = SimEngine(
+        vocab_size=VOCAB, per_token_latency_s=0.0005, lengths="uniform", fail_rate=0.03, seed=2
+    )
+    episodes: list[weakref.ref[Episode]] = []
+    stuck = asyncio.Event()  # an episode the stop has to cancel is in flight
+
+    def index(prompt_id: str) -> int:
+        return int(prompt_id.rpartition("/")[2])
+
+    async def agent(episode: Episode) -> None:
+        episodes.append(weakref.ref(episode))
+        for turn in range(3):
+            await episode.generate(max_new_tokens=4)
+            if turn == 1 and index(episode.prompt_id) % 7 == 3:
+                raise KeyError("the tool crashed")
+            if index(episode.prompt_id) >= 60:  # ends only by the producer's stop
+                stuck.set()
+                await asyncio.Event().wait()
+            episode.append([7, 8])
+
+    def reward(group: RolloutGroup) -> list[float]:  # every fifth group has no variance
+        return [float(i * bool(index(group.prompt_id) % 5)) for i in range(group.num_samples)]
+
+    drops: list[Any] = []
+    producer = Producer(
+        engine, prompts(200), reward, group_size=3, rollout_fn=agent, filter="nonzero_std",
+        on_drop=drops.append,
+    )  # fmt: skip
+    gc.disable()
+    try:
+        async with producer:
+            for _ in range(5):
+                batch = await producer.produce_batch(4, timeout=DEADLINE_S)
+                await asyncio.wait_for(producer.update_weights(None), DEADLINE_S)
+            del batch
+            await asyncio.wait_for(stuck.wait(), DEADLINE_S)
+        alive = [e for ref in episodes if (e := ref()) is not None]
+        assert not alive, f"{len(alive)} of {len(episodes)} episodes alive"
+    finally:
+        gc.enable()
+    reasons = {d.reason for d in drops}
+    assert FailureReason.ENVIRONMENT_ERROR in reasons and FailureReason.ENGINE_ERROR in reasons
+    counters = producer.progress.counters
+    assert counters.filtered_groups > 0 and counters.restarted_groups > 0
+
+
 async def test_a_checkpoint_from_before_multi_turn_loads_with_its_ledger_whole(
     tmp_path: Any,
 ) -> None:
@@ -622,6 +677,29 @@ async def test_a_spent_token_budget_gives_empty_turns_without_calling_the_engine
     (sample,) = group.samples
     assert sample.turn_ends is not None and sample.turn_ends.tolist() == [4, 6, 6]
     assert producer.progress.counters.policy_turns == 3  # the empty turn counts
+
+
+async def test_the_default_token_budget_leaves_room_for_the_tools_answers() -> None:
+    """Without `max_episode_tokens`, every policy turn gets its full `max_new_tokens` even
+    with tool answers between turns. The default was max_turns x max_new_tokens, which the
+    tool's tokens ate into: this episode's third turn got 1 token and its last answer failed
+    the group."""
+    seen: list[Any] = []
+
+    async def agent(episode: Episode) -> None:
+        for _ in range(3):
+            seen.append(await episode.generate())
+            episode.append([7, 8, 9])
+
+    producer = Producer(
+        TurnEngine(), prompts(1), length_reward, group_size=1, rollout_fn=agent, max_turns=3,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        (group,) = await take(producer, 1)
+    assert [len(t.tokens) for t in seen] == [4, 4, 4]
+    assert group.samples[0].turn_ends.tolist() == [4, 7, 11, 14, 18, 21]
+    assert producer.config.episode_tokens == 2 * 3 * 4  # as much room for the environment
 
 
 async def test_an_engine_that_aborts_turns_on_its_own_fails_the_group_instead_of_spinning() -> None:

@@ -67,3 +67,17 @@ async def test_demo_learns_the_multi_turn_tool_echo_task(tmp_path: Path) -> None
     summary = (tmp_path / "summary.txt").read_text()
     assert "policy / environment tokens, turns per episode" in summary
     assert ", 5.0" in summary  # 3 policy turns and 2 tool answers per episode
+
+
+async def test_demo_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """`asyncroll demo --resume` continues a run from its checkpoint: the trainer's step and
+    weights, the producer's version and prompts. The producer needs the trainer's weights past
+    version 0 (`load(weights=...)`); the demo once passed none and could not resume at all."""
+    small = {"group_size": 4, "batch_groups": 4, "out": str(tmp_path), "solved_reward": 0.0}
+    first = await run_demo(DemoConfig(steps=2, checkpoint_every=2, **small), progress=False)
+    assert [r.version for r in first] == [0, 1]
+    resumed = await run_demo(DemoConfig(steps=4, resume=True, **small), progress=False)
+    assert [(r.step, r.version) for r in resumed] == [(3, 2), (4, 3)]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    assert all(r.failed_groups == 0 for r in resumed)
