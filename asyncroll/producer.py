@@ -41,7 +41,7 @@ import anyio
 import msgspec
 import numpy as np
 
-from asyncroll import codec, filters, rollout
+from asyncroll import codec, engine_call, filters, rollout
 from asyncroll._signal import Signal
 from asyncroll._tasks import Tasks
 from asyncroll.attempt import Attempts, Flight, Landing
@@ -61,7 +61,15 @@ from asyncroll.progress import (
 )
 from asyncroll.prompts import PromptSource, PromptStream, TaskMix
 from asyncroll.rewards import RewardFn, RewardRunner
-from asyncroll.state import STATE_FORMAT, CheckpointError, ProducerState, dumps, loads, write_atomic
+from asyncroll.state import (
+    STATE_FORMAT,
+    CheckpointError,
+    ProducerState,
+    dumps,
+    fit_to_run,
+    loads,
+    write_atomic,
+)
 from asyncroll.types import EMPTY_INT32, Int32Array, Prompt, RolloutGroup, Status
 
 __all__ = [
@@ -264,7 +272,10 @@ class Producer:
             order=cfg.order,
         )
         self.progress = ProduceProgress()
-        self._attempts = Attempts(engine, cfg, self._rewards, self.filter, rollout_fn)
+        self._freezes = engine_call.Freezes()  # keep-mode pauses stop the generate deadlines
+        self._attempts = Attempts(
+            engine, cfg, self._rewards, self.filter, rollout_fn, self._freezes
+        )
         self._prompts = PromptStream(prompts)
         self._version = 0
         self._next_uid = 0
@@ -282,6 +293,7 @@ class Producer:
         self._error: str | None = None
         self._dropped_in_a_row: Counter[str] = Counter()
         self._entry_weights: Weights | None = None
+        self._loaded = False  # from a checkpoint: entering sets the engine to its version
         self._runner: asyncio.Task[None] | None = None
         self._groups = Tasks()  # one per group in flight, owned by `_run`
         self._idle_since: float | None = None  # when the last group in flight landed
@@ -291,6 +303,14 @@ class Producer:
     async def __aenter__(self) -> Producer:
         if self._phase is not Phase.NEW:
             raise RuntimeError("a Producer runs once: build a new one and load() its checkpoint")
+        label = getattr(self.engine, "version", None)  # what engines that report it serve
+        if not self._loaded and isinstance(label, int) and label != self._version:
+            raise ValueError(
+                f"the engine serves version {label} (set by another producer) and this producer "
+                f"starts at version {self._version}: entering would relabel it, and every token "
+                "of the producer that set it would look stale. Continue that run from its "
+                "checkpoint (load(path, weights=...)), or give this producer an engine of its own"
+            )
         self._phase = move(self._phase, Phase.RUNNING)
         weights, self._entry_weights = self._entry_weights, None
         self._idle_since = time.monotonic()
@@ -535,7 +555,7 @@ class Producer:
             resume_tokens=b.resume_tokens,
             consumed_tokens=c.consumed_tokens,
             wasted_tokens=c.wasted_tokens_failed + c.wasted_tokens_filtered
-            + c.wasted_tokens_expired + c.wasted_tokens_restarted,
+            + c.wasted_tokens_expired + c.wasted_tokens_restarted + c.wasted_tokens_truncated,
             policy_tokens=c.policy_tokens,
             environment_tokens=c.environment_tokens,
         )  # fmt: skip
@@ -619,7 +639,13 @@ class Producer:
         self._prompts.check(state.cursor)
         if len(state.latency_counts) != LatencyHistogram.BUCKETS:
             raise CheckpointError("checkpoint latency histogram has another bucket layout")
+        sampling, max_model_len = self.config.sampling, self.engine.max_model_len
         try:
+            state = fit_to_run(
+                state,
+                lambda group: rollout.token_budget(group, sampling, max_model_len),
+                episodes=self._episodes,
+            )
             self.buffer.restore(state.version, state.ready, state.resume, self._reservation)
         except codec.CodecError as exc:
             raise CheckpointError(f"corrupt checkpoint: a stored group: {exc}") from None
@@ -628,6 +654,7 @@ class Producer:
         self._version = state.version
         self._next_uid = state.next_uid
         self._entry_weights = None if weights is _UNSET else weights
+        self._loaded = True
         self._set_version(state.version)  # the checkpoint does not fix max_staleness
 
     async def save(self, path: str | os.PathLike[str]) -> None:
@@ -934,8 +961,10 @@ class Producer:
         self._changed.notify()
 
     def _track_drops(self, outcome: PutOutcome, reason: FailureReason | None) -> None:
-        """Stop the run when `max_dropped_in_a_row` groups in a row fail or are filtered: an
-        endless source would otherwise burn compute forever without a word."""
+        """Stop the run when `max_dropped_in_a_row` groups in a row fail, are filtered or
+        expire on arrival: an endless source would otherwise burn compute forever without a
+        word. (Groups that expire at an update are the trainer's pace, not a storm: they are
+        not counted. One that is already too stale when it lands never can be ready.)"""
         limit = self.config.max_dropped_in_a_row
         match outcome:
             case PutOutcome.STORED_READY:
@@ -945,14 +974,19 @@ class Producer:
                 self._dropped_in_a_row[f"failed ({reason.value if reason else 'unknown'})"] += 1
             case PutOutcome.DROPPED_FILTERED:
                 self._dropped_in_a_row["filtered"] += 1
+            case PutOutcome.DROPPED_EXPIRED:
+                self._dropped_in_a_row["expired on arrival"] += 1
             case _:
                 return
         total = self._dropped_in_a_row.total()
         if limit is not None and total >= limit:
             counts = ", ".join(f"{k}: {v}" for k, v in self._dropped_in_a_row.most_common())
             self._fail(
-                f"{total} groups in a row failed or were filtered ({counts}) and none completed: "
-                "check the reward function, the filter and the engine (max_dropped_in_a_row="
+                f"{total} groups in a row failed, were filtered or expired on arrival ({counts}) "
+                "and none completed: check the reward function, the filter and the engine (a "
+                "group expires on arrival when the engine stamps versions older than "
+                f"version - max_staleness={self.config.max_staleness}: was its version label "
+                "set back by another producer on it?) (max_dropped_in_a_row="
                 f"{limit}; raise it, or None, if this is expected)"
             )
 
@@ -1042,6 +1076,7 @@ class Producer:
             self._gate = move(self._gate, Gate.DRAINING)
             try:
                 if self.config.pause_mode == "keep":
+                    self._freezes.freeze()  # thawed by `_unfreeze`, whatever happens
                     await self._control(
                         self.engine.pause_generation(), self.config.abort_timeout_s, "pause"
                     )
@@ -1090,6 +1125,8 @@ class Producer:
             )
         except Exception as exc:
             self._fail(f"the engine could not be resumed ({when}): {type(exc).__name__}: {exc}")
+        finally:  # requests frozen in an engine that did not resume fail at their deadline
+            self._freezes.thaw()
 
     async def _drain(self) -> None:
         """Abort every request in flight and wait until each group has landed: as a partial

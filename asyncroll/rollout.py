@@ -85,9 +85,15 @@ def unfinished(group: RolloutGroup) -> list[int]:
 def build_request(
     group: RolloutGroup, request_id: str, sampling: SamplingConfig, budget: int
 ) -> GenerateRequest:
+    """The engine request for the group's unfinished samples, each with what is left of
+    `budget`. A sample with nothing left is a bug upstream (`Producer.load_state_dict` finishes
+    those of a checkpoint resumed with a smaller budget): no engine is handed a budget below 1."""
+    todo = unfinished(group)
+    left = [budget - len(group.samples[i].tokens) for i in todo]
+    if left and min(left) < 1:
+        raise ValueError(f"a sample of group {group.uid} has no budget left ({budget} tokens)")
     samples = tuple(
-        SampleRequest(group.samples[i].tokens, budget - len(group.samples[i].tokens))
-        for i in unfinished(group)
+        SampleRequest(group.samples[i].tokens, n) for i, n in zip(todo, left, strict=True)
     )
     return GenerateRequest(
         request_id=request_id, prompt_tokens=group.prompt_tokens, samples=samples, sampling=sampling
@@ -338,6 +344,21 @@ def with_rewards(
     samples: tuple[RolloutState, ...], rewards: list[float]
 ) -> tuple[RolloutState, ...]:
     return tuple([scored_state(s, r) for s, r in zip(samples, rewards, strict=True)])
+
+
+def truncated(sample: RolloutState, budget: int) -> RolloutState:
+    """A partial single-turn sample of `budget` tokens or more, finished as "length" at
+    `budget`: what a run with that budget would have made of it."""
+    experts = sample.routed_experts
+    return msgspec.structs.replace(
+        sample,
+        tokens=np.array(sample.tokens[:budget]),
+        logprobs=np.array(sample.logprobs[:budget]),
+        versions=np.array(sample.versions[:budget]),
+        routed_experts=None if experts is None else np.array(experts[:budget]),
+        status=Status.COMPLETED,
+        finish_reason="length",
+    )
 
 
 def interrupted(samples: tuple[RolloutState, ...]) -> tuple[RolloutState, ...]:
