@@ -902,18 +902,21 @@ async def test_an_expiry_storm_stops_the_run_with_its_reason() -> None:
             await producer.produce_batch(2, timeout=GUARD_S)
 
 
-async def test_a_keep_mode_pause_does_not_count_against_generate_timeout_s() -> None:
+@pytest.mark.parametrize("episodes", [False, True], ids=["single-turn", "episodes"])
+async def test_a_keep_mode_pause_does_not_count_against_generate_timeout_s(episodes: bool) -> None:
     """Issue 25: a pause longer than a request's remaining time failed every group in flight
-    as engine_deadline. The pause below outlasts the deadline on purpose (the scenario, not a
-    synchronisation): the groups frozen in the engine through it must not fail."""
+    as engine_deadline (and every turn of an episode frozen in the engine). The pause below
+    outlasts the deadline on purpose (the scenario, not a synchronisation): the requests frozen
+    in the engine through it must not fail."""
     engine = SimEngine(vocab_size=VOCAB, per_token_latency_s=0.005)
     drops: list[DropRecord] = []
     producer = Producer(
         engine, prompts(8), ones, group_size=2, pause_mode="keep", generate_timeout_s=1.0,
         on_drop=drops.append, sampling=SamplingConfig(max_new_tokens=40),
+        rollout_fn=single_turn if episodes else None,
     )  # fmt: skip
     async with producer:
-        await wait_for(producer, lambda: len(producer._inflight) >= 4)
+        await engine.wait_progress(lambda: engine.running_requests >= 4, GUARD_S)  # in the engine
         async with producer.pausing():
             await asyncio.sleep(1.5)  # paused past generate_timeout_s
         consumed = await consume_all(producer, 2)
