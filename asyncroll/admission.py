@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import math
-from collections.abc import Callable
+from typing import Protocol
 
 import anyio
 import msgspec
@@ -25,7 +25,11 @@ from asyncroll.lifecycle import Gate, Hold, Phase
 from asyncroll.outcomes import NOT_ABSORBED
 from asyncroll.types import EMPTY_INT32, Int32Array, Prompt, RolloutGroup
 
-Start = Callable[..., None]  # `Flights.start(group, reserved, *, resumed=False)`
+
+class Start(Protocol):
+    """What starts an admitted group (`Flights.start`)."""
+
+    def __call__(self, group: RolloutGroup, reserved: int, *, resumed: bool = False) -> None: ...
 
 
 class _Scheduler(enum.Enum):

@@ -56,12 +56,13 @@ def _restart_entries(core: Core, counters: ProgressCounters) -> list[bytes]:
     return entries
 
 
-def restore(core: Core, admission: Admission, state: ProducerState, *, weights: bool) -> None:
+def restore(core: Core, admission: Admission, state: ProducerState, *, weights_given: bool) -> None:
     """Check `state` against this producer and load it (`Producer.load_state_dict`), all or
-    nothing; `weights`: the caller said which weights the engine serves (needed past 0)."""
+    nothing; `weights_given`: the caller said which weights the engine serves (needed past
+    version 0)."""
     if state.format != STATE_FORMAT:
         raise CheckpointError(f"checkpoint format {state.format}, expected {STATE_FORMAT}")
-    if state.version > 0 and not weights:
+    if state.version > 0 and not weights_given:
         raise ValueError(
             f"the checkpoint is at version {state.version}: pass weights=<the trainer's "
             f"weights at version {state.version}> (e.g. model.named_parameters()) so the "

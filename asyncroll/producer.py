@@ -465,7 +465,7 @@ class Producer:
         tokens would be stamped as the checkpoint's version and look on-policy."""
         if self._core.phase is not Phase.NEW:
             raise RuntimeError("load_state_dict() must come before `async with producer`")
-        checkpoint.restore(self._core, self._admission, state, weights=weights is not _UNSET)
+        checkpoint.restore(self._core, self._admission, state, weights_given=weights is not _UNSET)
         self._entry_weights = None if weights is _UNSET else weights
         self._loaded = True
         self._flights.set_version(state.version)  # the checkpoint does not fix max_staleness
