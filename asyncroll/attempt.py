@@ -93,8 +93,10 @@ class Attempts:
         rewards: RewardRunner,
         group_filter: GroupFilter | None,
         rollout_fn: RolloutFn | None = None,
+        freezes: engine_call.Freezes | None = None,
     ) -> None:
         self.engine = engine
+        self.freezes = freezes
         self.config = config
         self.rewards = rewards
         self.filter = group_filter
@@ -118,20 +120,23 @@ class Attempts:
             if parking is None:
                 raise ValueError("episodes need the producer's parking gate")
             return await self._episodes(group, flight, version, parking())
-        budget = rollout.token_budget(group, cfg.sampling, engine.max_model_len)
-        request = rollout.build_request(group, flight.request_id, cfg.sampling, budget)
-        try:
-            outputs = await self._generate(request)
-        except EngineCallError as exc:
-            return self.failed(group, flight, exc.reason, exc.message, fatal=exc.fatal)
-        try:
-            samples = rollout.merge_outputs(
-                group, request, outputs, vocab_size=engine.vocab_size, version=version()
-            )
-        except (ValueError, TypeError) as exc:  # RolloutError, or arrays that do not fit
-            error = f"malformed engine output: {exc}"
-            return self.failed(group, flight, FailureReason.MALFORMED_OUTPUT, error)
-        del outputs
+        if rollout.unfinished(group):
+            budget = rollout.token_budget(group, cfg.sampling, engine.max_model_len)
+            request = rollout.build_request(group, flight.request_id, cfg.sampling, budget)
+            try:
+                outputs = await self._generate(request)
+            except EngineCallError as exc:
+                return self.failed(group, flight, exc.reason, exc.message, fatal=exc.fatal)
+            try:
+                samples = rollout.merge_outputs(
+                    group, request, outputs, vocab_size=engine.vocab_size, version=version()
+                )
+            except (ValueError, TypeError) as exc:  # RolloutError, or arrays that do not fit
+                error = f"malformed engine output: {exc}"
+                return self.failed(group, flight, FailureReason.MALFORMED_OUTPUT, error)
+            del outputs
+        else:  # finished at a smaller budget on resume (`state.fit_to_run`): only scoring left
+            samples = group.samples
         status = group_status(samples)
         if status is not Status.COMPLETED:
             return Landing(self._finish(group, flight, samples, status))
@@ -166,12 +171,14 @@ class Attempts:
 
     async def _generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
         """One engine call (a group's, or a turn of one of its episodes) within
-        `generate_timeout_s`; every failure as `EngineCallError`."""
+        `generate_timeout_s`, not counting time the engine is frozen by a "keep"-mode pause;
+        every failure as `EngineCallError`."""
         return await engine_call.generate(
             self.engine,
             request,
             timeout_s=self.config.generate_timeout_s,
             abort_timeout_s=self.config.abort_timeout_s,
+            freezes=self.freezes,
         )
 
     async def _score(self, group: RolloutGroup, flight: Flight, samples: Samples) -> Landing:

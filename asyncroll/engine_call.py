@@ -13,6 +13,11 @@ tell it apart from a cancellation of the caller, which passes through untouched.
 exception of the engine is turned into `EngineCallError` inside the deadline, so a
 `TimeoutError` leaving it is the deadline's own. (An anyio cancel scope did the same job at
 about three times the cost per call, on the path every group takes.)
+
+Time the engine spends frozen (a "keep"-mode pause, a save or a weight update holding it) is
+not the request's: `Freezes` stops every deadline of a call into the engine while it is
+frozen and restarts each with what it had left, so a pause longer than a request's remaining
+time does not fail it. One mechanism for single-turn groups and for turns frozen in the engine.
 """
 
 from __future__ import annotations
@@ -24,22 +29,74 @@ from collections.abc import Sequence
 from asyncroll.engines.base import Engine, EngineDeadError, GenerateRequest, SampleOutput
 from asyncroll.outcomes import NOT_ABSORBED, FailureReason, GroupFailure, cancelling
 
-__all__ = ["EngineCallError", "generate"]
+__all__ = ["EngineCallError", "Freezes", "generate"]
 
 
 class EngineCallError(GroupFailure):
     """The engine call failed; `fatal` for a dead engine or a `BaseException` from it."""
 
 
+class Freezes:
+    """Whether the engine is frozen, and the deadlines of the calls into it, each stopped while
+    it is: the producer freezes it before a "keep"-mode pause and thaws it once resumed."""
+
+    def __init__(self) -> None:
+        self.frozen = False
+        self._live: dict[asyncio.Timeout, float | None] = {}  # deadline -> seconds left if frozen
+
+    def freeze(self) -> None:
+        if self.frozen:
+            return
+        self.frozen = True
+        now = asyncio.get_running_loop().time()
+        for deadline in self._live:
+            when = deadline.when()
+            if when is not None and not deadline.expired():
+                self._live[deadline] = when - now
+                deadline.reschedule(None)
+
+    def thaw(self) -> None:
+        if not self.frozen:
+            return
+        self.frozen = False
+        now = asyncio.get_running_loop().time()
+        for deadline, left in self._live.items():
+            if left is not None and not deadline.expired():
+                deadline.reschedule(now + left)
+            self._live[deadline] = None
+
+    def enter(self, deadline: asyncio.Timeout, timeout_s: float) -> None:
+        """Track an entered `deadline` of `timeout_s` (stopped at once if frozen)."""
+        self._live[deadline] = None
+        if self.frozen:
+            self._live[deadline] = timeout_s
+            deadline.reschedule(None)
+
+    def exit(self, deadline: asyncio.Timeout) -> None:
+        del self._live[deadline]
+
+
 async def generate(
-    engine: Engine, request: GenerateRequest, *, timeout_s: float, abort_timeout_s: float
+    engine: Engine,
+    request: GenerateRequest,
+    *,
+    timeout_s: float,
+    abort_timeout_s: float,
+    freezes: Freezes | None = None,
 ) -> Sequence[SampleOutput]:
-    """`engine.generate(request)` within `timeout_s`; every failure as `EngineCallError`. Only
-    a cancellation of the caller, `KeyboardInterrupt` and `SystemExit` pass through."""
+    """`engine.generate(request)` within `timeout_s` (not counting time `freezes` has the engine
+    frozen); every failure as `EngineCallError`. Only a cancellation of the caller,
+    `KeyboardInterrupt` and `SystemExit` pass through."""
     deadline = asyncio.timeout(timeout_s)
     try:
         async with deadline:
-            return await _call(engine, request)
+            if freezes is None:
+                return await _call(engine, request)
+            freezes.enter(deadline, timeout_s)
+            try:
+                return await _call(engine, request)
+            finally:
+                freezes.exit(deadline)
     except TimeoutError:
         pass  # only the deadline raises it here: `_call` turned the engine's own into errors
     # Abort what the engine may still be generating, best effort.

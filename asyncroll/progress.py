@@ -67,6 +67,9 @@ class ProgressCounters(msgspec.Struct, kw_only=True):
     environment_turns: int = 0
     restarted_groups: int = 0  # episodes cut off by a stop: the group restarts from its prompt
     wasted_tokens_restarted: int = 0
+    # Partial tokens past the budget of the run a checkpoint was resumed into (a smaller
+    # max_new_tokens or max_model_len): their samples finish as "length" at the new budget.
+    wasted_tokens_truncated: int = 0
 
     def minus(self, earlier: ProgressCounters) -> ProgressCounters:
         """The counts accumulated since `earlier` (a snapshot of the same counters)."""

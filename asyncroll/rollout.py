@@ -30,8 +30,6 @@ from asyncroll.types import (
 )
 
 _LOGPROB_TOLERANCE = 1e-4  # float rounding can put log(1) a hair above 0
-_min = np.minimum.reduce  # the ufuncs themselves: ndarray.min/max add a Python-level call
-_max = np.maximum.reduce
 _INT32 = np.iinfo(np.int32)  # the dtype of token ids and versions
 
 
@@ -51,7 +49,7 @@ def prompt_array(tokens: Any, vocab_size: int, max_model_len: int | None) -> Int
         )
     if arr.dtype.kind not in "iu":
         raise RolloutError(f"prompt token ids must be integers, got dtype {arr.dtype}")
-    low, high = int(_min(arr)), int(_max(arr))
+    low, high = int(arr.min()), int(arr.max())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise RolloutError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
@@ -85,9 +83,15 @@ def unfinished(group: RolloutGroup) -> list[int]:
 def build_request(
     group: RolloutGroup, request_id: str, sampling: SamplingConfig, budget: int
 ) -> GenerateRequest:
+    """The engine request for the group's unfinished samples, each with what is left of
+    `budget`. A sample with nothing left is a bug upstream (`Producer.load_state_dict` finishes
+    those of a checkpoint resumed with a smaller budget): no engine is handed a budget below 1."""
+    todo = unfinished(group)
+    left = [budget - len(group.samples[i].tokens) for i in todo]
+    if left and min(left) < 1:
+        raise ValueError(f"a sample of group {group.uid} has no budget left ({budget} tokens)")
     samples = tuple(
-        SampleRequest(group.samples[i].tokens, budget - len(group.samples[i].tokens))
-        for i in unfinished(group)
+        SampleRequest(group.samples[i].tokens, n) for i, n in zip(todo, left, strict=True)
     )
     return GenerateRequest(
         request_id=request_id, prompt_tokens=group.prompt_tokens, samples=samples, sampling=sampling
@@ -118,9 +122,9 @@ def merge_outputs(
         raise RolloutError(f"engine returned {len(outputs)} samples for {len(todo)} requested")
     if not todo:
         return group.samples
-    if not all(map(isinstance, outputs, itertools.repeat(SampleOutput))):  # one C loop
-        bad = next(out for out in outputs if not isinstance(out, SampleOutput))
-        raise RolloutError(f"engine returned a {type(bad).__name__}, not a SampleOutput")
+    for out in outputs:
+        if not isinstance(out, SampleOutput):
+            raise RolloutError(f"engine returned a {type(out).__name__}, not a SampleOutput")
     tokens, logprobs, versions, ends = _joined(outputs)
     _check_group(group, todo, request, tokens, logprobs, versions, ends, vocab_size, version)
     samples = list(group.samples)
@@ -185,11 +189,11 @@ def _check_group(
         start = end
     if not len(tokens):
         return
-    if int(_max(tokens.view(np.uint32))) >= vocab_size:  # negative ids wrap to huge
+    if int(tokens.view(np.uint32).max()) >= vocab_size:  # negative ids wrap to huge
         raise RolloutError(f"engine returned a token id outside the vocabulary [0, {vocab_size})")
-    if not (_min(logprobs) > -np.inf and _max(logprobs) <= _LOGPROB_TOLERANCE):  # NaN: False
+    if not (logprobs.min() > -np.inf and logprobs.max() <= _LOGPROB_TOLERANCE):  # NaN: False
         raise RolloutError("engine returned a logprob that is NaN, infinite or positive")
-    low, high = int(_min(versions)), int(_max(versions))
+    low, high = int(versions.min()), int(versions.max())
     # Non-decreasing first, so that each sample's ends bound its entries: a version that dips
     # or jumps mid-chunk would make the sample look fresher (or staler) than it is. All equal
     # (the common case) is non-decreasing.
@@ -273,7 +277,7 @@ def _as(arr: Any, dtype: type[np.generic], kind: str) -> Any:
     if not out.size:
         return np.zeros(0, dtype)
     if kind == "i":  # a cast would wrap an id past int32 around into the vocabulary
-        low, high = int(_min(out)), int(_max(out))
+        low, high = int(out.min()), int(out.max())
         if low < _INT32.min or high > _INT32.max:
             bad = low if low < _INT32.min else high
             raise TypeError(f"{out.dtype} value {bad} does not fit int32")
@@ -287,13 +291,12 @@ def check_rewards(values: Any, n: int) -> list[float]:
     numpy array or torch tensor. Bools are refused: a reward of True is more often a returned
     comparison than a meant 1.0.
     """
-    if type(values) is not list:  # a list is the common case: skip the probing
-        values = _reward_sequence(values, n)
+    values = _reward_sequence(values, n)
     if len(values) != n:
         raise RolloutError(f"reward function returned {len(values)} rewards for {n} samples")
     out: list[float] = []
     for v in values:
-        f = v if type(v) is float else _reward_float(v)  # exact float: no ABC check
+        f = _reward_float(v)
         if not math.isfinite(f):
             raise RolloutError(f"reward {f} is not finite")
         out.append(f)
@@ -321,7 +324,7 @@ def _reward_sequence(values: Any, n: int) -> Any:
 
 
 def _reward_float(v: Any) -> float:
-    """One reward that is not an exact float, as a float."""
+    """One reward as a float, or `RolloutError` saying why it is not one."""
     if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):
         v = v.item()  # a numpy scalar, 0-d array or 0-d tensor: its Python scalar
     if isinstance(v, bool):
@@ -338,6 +341,21 @@ def with_rewards(
     samples: tuple[RolloutState, ...], rewards: list[float]
 ) -> tuple[RolloutState, ...]:
     return tuple([scored_state(s, r) for s, r in zip(samples, rewards, strict=True)])
+
+
+def truncated(sample: RolloutState, budget: int) -> RolloutState:
+    """A partial single-turn sample of `budget` tokens or more, finished as "length" at
+    `budget`: what a run with that budget would have made of it."""
+    experts = sample.routed_experts
+    return msgspec.structs.replace(
+        sample,
+        tokens=np.array(sample.tokens[:budget]),
+        logprobs=np.array(sample.logprobs[:budget]),
+        versions=np.array(sample.versions[:budget]),
+        routed_experts=None if experts is None else np.array(experts[:budget]),
+        status=Status.COMPLETED,
+        finish_reason="length",
+    )
 
 
 def interrupted(samples: tuple[RolloutState, ...]) -> tuple[RolloutState, ...]:

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import msgspec
 
-from asyncroll import codec
+from asyncroll import codec, rollout
 from asyncroll.progress import ProgressCounters
 from asyncroll.prompts import CursorState, decode_prompt
+from asyncroll.types import RolloutGroup, Status
 
 STATE_FORMAT = 2  # 2: the cursor's re-queued prompts are `encode_prompt` bytes
 _MAGIC = b"ARCK"
@@ -88,12 +89,56 @@ def check_contents(state: ProducerState) -> None:
         ("resume group", codec.decode, state.resume),
         ("re-queued prompt", decode_prompt, state.cursor.requeued),
     ]
+    uids: set[int] = set()
     for what, decode, blobs in stored:
         for i, data in enumerate(blobs):
             try:
-                decode(data)
+                item = decode(data)
             except codec.CodecError as exc:
                 raise CheckpointError(f"corrupt checkpoint: {what} {i}: {exc}") from None
+            if isinstance(item, RolloutGroup):  # one uid is one group: the buffer keys on it
+                if item.uid in uids:
+                    raise CheckpointError(f"corrupt checkpoint: uid {item.uid} is held twice")
+                uids.add(item.uid)
+
+
+def fit_to_run(
+    state: ProducerState, budget: Callable[[RolloutGroup], int], *, episodes: bool
+) -> ProducerState:
+    """`state` with its partial groups made resumable by this run, their dropped tokens counted
+    as wasted so the ledger still holds:
+
+    * with a rollout function (`episodes`) a group restarts from its prompt (episodes cannot
+      continue a single-turn partial): its tokens are `wasted_tokens_restarted`;
+    * otherwise a sample with `budget(group)` tokens or more (the run was resumed with a smaller
+      `max_new_tokens` or `max_model_len`) finishes as "length" at that budget, the rest of its
+      tokens `wasted_tokens_truncated`: an engine is never handed a budget below 1.
+
+    Groups that need neither keep their bytes."""
+    counters = state.counters.copy()
+    resume = []
+    for data in state.resume:
+        group = codec.decode(data)
+        if episodes and group.num_tokens:
+            counters.restarted_groups += 1
+            counters.wasted_tokens_restarted += group.num_tokens
+            samples = rollout.interrupted(rollout.fresh_samples(group.num_samples))
+        else:
+            n = budget(group)
+            samples = tuple(
+                rollout.truncated(s, n)
+                if s.status is not Status.COMPLETED and len(s.tokens) >= n
+                else s
+                for s in group.samples
+            )
+            counters.wasted_tokens_truncated += group.num_tokens - sum(
+                len(s.tokens) for s in samples
+            )
+        if all(a is b for a, b in zip(samples, group.samples, strict=True)):
+            resume.append(data)
+        else:
+            resume.append(codec.encode(msgspec.structs.replace(group, samples=samples)))
+    return msgspec.structs.replace(state, counters=counters, resume=resume)
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:

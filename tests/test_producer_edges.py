@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import msgspec
 import numpy as np
 import pytest
 
@@ -29,12 +30,19 @@ from asyncroll import (
     SamplingConfig,
     SimEngine,
     StalledError,
+    rollout,
+    single_turn,
 )
+from asyncroll.codec import encode
 from asyncroll.engines.base import GenerateRequest, SampleOutput, Weights
 from asyncroll.lifecycle import Phase
 from asyncroll.outcomes import FailureReason
 from asyncroll.producer import UpdateWeightsError
-from asyncroll.types import Prompt
+from asyncroll.progress import LatencyHistogram, ProgressCounters
+from asyncroll.prompts import PromptStream
+from asyncroll.state import STATE_FORMAT, ProducerState, dumps, loads
+from asyncroll.types import Prompt, Status
+from tests.factories import make_sample
 from tests.test_producer import VOCAB, consume_all, make_producer, parity_reward, prompts
 
 GUARD_S = 60.0  # only against hangs: every wait below ends on an event long before
@@ -785,3 +793,147 @@ async def test_an_update_at_every_state_change_loses_nothing(tmp_path: Path) -> 
     assert len(ends) == 40 and set(ends.values()) == {1}
     assert done["save"] >= 1 and done["update"] >= 1 and producer.version == done["update"]
     producer.check_ledger()
+
+
+# -- issue 25: the last edges ------------------------------------------------------------------
+
+
+class RecordingBudgetEngine(SimEngine):
+    """Records each sample's `max_new_tokens` it was handed."""
+
+    budgets: list[int]
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        self.budgets = getattr(self, "budgets", []) + [s.max_new_tokens for s in request.samples]
+        return await super().generate(request)
+
+
+def partial_checkpoint(lengths: Sequence[int]) -> ProducerState:
+    """A checkpoint holding one partial group whose samples have `lengths` tokens each (cut
+    off by a pause), with counters that balance its ledger."""
+    samples = tuple(
+        msgspec.structs.replace(
+            make_sample(n, status=Status.ABORTED, finish="abort", reward=None, seed=i),
+            extra={},
+        )
+        for i, n in enumerate(lengths)
+    )
+    group = RolloutGroup(
+        uid=0, prompt_id="default/0", task="default", prompt_tokens=np.arange(3, dtype=np.int32),
+        samples=samples, status=Status.ABORTED, attempts=1,
+    )  # fmt: skip
+    counters = ProgressCounters(
+        started_groups=1, started_samples=len(lengths), generated_tokens=sum(lengths),
+        policy_tokens=sum(lengths),
+    )  # fmt: skip
+    cursor = msgspec.structs.replace(PromptStream(prompts(4)).state(), drawn={"default": 1})
+    return ProducerState(
+        format=STATE_FORMAT, version=0, next_uid=1, group_size=len(lengths), counters=counters,
+        latency_counts=[0] * LatencyHistogram.BUCKETS, cursor=cursor, ready=[],
+        resume=[encode(group)],
+    )  # fmt: skip
+
+
+async def test_a_resume_with_a_smaller_budget_finishes_long_partials_as_length() -> None:
+    """Issue 25: a checkpoint of max_new_tokens=64 resumed with 8 handed the engine negative
+    budgets; every partial group failed as engine_error and its prompt was gone."""
+    engine = RecordingBudgetEngine(vocab_size=VOCAB)
+    producer = Producer(
+        engine, prompts(4), ones, group_size=3, sampling=SamplingConfig(max_new_tokens=8)
+    )
+    producer.load_state_dict(loads(dumps(partial_checkpoint([20, 8, 5]))))
+    async with producer, asyncio.timeout(GUARD_S):
+        consumed = await consume_all(producer, 1)
+    producer.check_ledger()
+    assert all(b >= 1 for b in engine.budgets) and 3 in engine.budgets  # 8 - 5 tokens left
+    resumed = next(g for g in consumed if g.uid == 0)
+    assert [len(s.tokens) for s in resumed.samples] == [8, 8, 8]
+    assert [s.finish_reason for s in resumed.samples] == ["length", "length", "length"]
+    assert producer.progress.counters.failed_groups == 0
+    assert producer.progress.counters.wasted_tokens_truncated == 12  # the 20's last 12 tokens
+
+
+def test_build_request_never_hands_the_engine_a_budget_below_one() -> None:
+    group = RolloutGroup(
+        uid=0, prompt_id="p", task="t", prompt_tokens=np.arange(3, dtype=np.int32),
+        samples=(make_sample(9, status=Status.ABORTED, finish="abort"),), status=Status.ABORTED,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="budget"):
+        rollout.build_request(group, "r", SamplingConfig(max_new_tokens=8), 8)
+
+
+async def test_a_fresh_producer_refuses_to_rewind_a_trained_engines_label() -> None:
+    """Issue 25: a second producer on an engine at version 2 relabelled it 0 on entry, and the
+    training producer on it expired every group from then on."""
+    engine = SimEngine(vocab_size=VOCAB)
+    trainer = Producer(
+        engine, prompts(8), ones, group_size=2, sampling=SamplingConfig(max_new_tokens=4)
+    )
+    async with trainer:
+        await trainer.update_weights(None)
+        await trainer.update_weights(None)
+    evaluation = Producer(
+        engine, prompts(4), ones, group_size=2, sampling=SamplingConfig(max_new_tokens=4)
+    )
+    with pytest.raises(ValueError, match="serves version 2"):
+        async with evaluation:
+            pass
+    assert engine.version == 2 and not evaluation.running
+
+
+class StuckLabelEngine(SimEngine):
+    """Stamps version 0 whatever it is told: an engine whose label another producer rewound."""
+
+    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+        await super().update_weights(weights, version=0)
+
+
+async def test_an_expiry_storm_stops_the_run_with_its_reason() -> None:
+    """Issue 25: groups that expired on arrival did not count toward max_dropped_in_a_row; a
+    producer whose engine stamped a rewound label expired thousands without a word."""
+    producer = Producer(
+        StuckLabelEngine(vocab_size=VOCAB), endless(), ones, group_size=2, batch_size=2,
+        max_staleness=1, max_dropped_in_a_row=20, sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    with pytest.raises(ProducerError, match=r"expired.*version label"):
+        async with producer:
+            await producer.update_weights(None)
+            await producer.update_weights(None)
+            await producer.produce_batch(2, timeout=GUARD_S)
+
+
+@pytest.mark.parametrize("episodes", [False, True], ids=["single-turn", "episodes"])
+async def test_a_keep_mode_pause_does_not_count_against_generate_timeout_s(episodes: bool) -> None:
+    """Issue 25: a pause longer than a request's remaining time failed every group in flight
+    as engine_deadline (and every turn of an episode frozen in the engine). The pause below
+    outlasts the deadline on purpose (the scenario, not a synchronisation): the requests frozen
+    in the engine through it must not fail."""
+    engine = SimEngine(vocab_size=VOCAB, per_token_latency_s=0.005)
+    drops: list[DropRecord] = []
+    producer = Producer(
+        engine, prompts(8), ones, group_size=2, pause_mode="keep", generate_timeout_s=1.0,
+        on_drop=drops.append, sampling=SamplingConfig(max_new_tokens=40),
+        rollout_fn=single_turn if episodes else None,
+    )  # fmt: skip
+    async with producer:
+        await engine.wait_progress(lambda: engine.running_requests >= 4, GUARD_S)  # in the engine
+        async with producer.pausing():
+            await asyncio.sleep(1.5)  # paused past generate_timeout_s
+        consumed = await consume_all(producer, 2)
+    assert not drops and len(consumed) == 8, [d.error for d in drops]
+
+
+async def test_a_single_turn_checkpoint_resumed_with_episodes_counts_its_tokens_wasted() -> None:
+    """Issue 25 (suspected, confirmed): episodes restart a group from its prompt, so a single-
+    turn partial's tokens are not continued: they are wasted, and the ledger must say so."""
+    producer = Producer(
+        SimEngine(vocab_size=VOCAB), prompts(4), ones, group_size=2, rollout_fn=single_turn,
+        sampling=SamplingConfig(max_new_tokens=8),
+    )  # fmt: skip
+    producer.load_state_dict(loads(dumps(partial_checkpoint([5, 3]))))
+    async with producer, asyncio.timeout(GUARD_S):
+        consumed = await consume_all(producer, 1)
+    producer.check_ledger()
+    resumed = next(g for g in consumed if g.uid == 0)
+    assert [len(s.tokens) for s in resumed.samples] == [8, 8]
+    assert producer.progress.counters.wasted_tokens_restarted == 8

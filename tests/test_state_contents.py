@@ -54,10 +54,10 @@ def test_good_checkpoint_loads_equal() -> None:
 
 @pytest.mark.parametrize("where", ["ready", "resume"])
 def test_damaged_group_bytes_under_a_good_checksum_are_a_checkpoint_error(where: str) -> None:
-    good = encode(make_group(1, tokens=50))
-    damaged = good[:-20]  # truncated, then checksummed as if whole
-    groups = {"ready": [good, good], "resume": [good]}
-    groups[where] = [good, damaged]
+    good = [encode(make_group(uid, tokens=50)) for uid in range(4)]
+    damaged = good[3][:-20]  # truncated, then checksummed as if whole
+    groups = {"ready": [good[0], good[1]], "resume": [good[2]]}
+    groups[where] = [good[0 if where == "ready" else 2], damaged]
     data = dumps(producer_state(PromptStream([[1]]).state(), groups["ready"], groups["resume"]))
     with pytest.raises(CheckpointError, match=f"corrupt checkpoint: {where} group 1: truncated"):
         loads(data)
@@ -75,3 +75,13 @@ def test_a_checkpoint_of_the_previous_format_is_refused_clearly() -> None:
     data[4:8] = (1).to_bytes(4, "little")
     with pytest.raises(CheckpointError, match="format 1 cannot be read"):
         loads(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["ready", "resume", "both"])
+def test_one_uid_held_twice_under_a_good_checksum_is_a_checkpoint_error(where: str) -> None:
+    """Issue 25: the buffer's restore raised a plain ValueError for it, which a caller falling
+    back to an older checkpoint on CheckpointError would miss."""
+    one = encode(make_group(1))
+    groups = {"ready": ([one, one], []), "resume": ([], [one, one]), "both": ([one], [one])}[where]
+    with pytest.raises(CheckpointError, match="uid 1"):
+        loads(dumps(producer_state(PromptStream([[1]]).state(), *groups)))
