@@ -367,6 +367,8 @@ def app(fake: FakeReplica) -> web.Application:
 
 async def serve(args: argparse.Namespace, arrivals: TextIO) -> None:
     fake = FakeReplica(args, arrivals)
+    if args.stall:
+        fake.stalls[args.stall] = asyncio.Event()
     runner = web.AppRunner(app(fake), access_log=None, handle_signals=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", args.port, reuse_address=True)
@@ -381,6 +383,7 @@ def main() -> None:
     p.add_argument("--token-latency-s", type=float, default=0.002)
     p.add_argument("--slow-latency-s", type=float, default=0.05)
     p.add_argument("--arrivals", type=Path, required=True)
+    p.add_argument("--stall", help="a route whose first call is held until /_chaos/release")
     args = p.parse_args()
     with args.arrivals.open("a") as arrivals:
         asyncio.run(serve(args, arrivals))

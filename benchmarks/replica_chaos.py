@@ -18,6 +18,8 @@ while a replica is bad):
 - `slow`: per-token latency x25 during an episode.
 - `sigkill`: SIGKILL, restarted at once on the same port (vLLM's label "default", weights 0).
 - `flap`: SIGSTOP (answers nothing, connections hang), SIGCONT after the episode.
+- `stalled_probe`: SIGKILL, restarted at once, but its first weight reload hangs (a slow
+  disk, a big checkpoint) while `/health` answers: the engine's probe that re-syncs it waits.
 - `wedged`: generate never progresses while `/health` and the control routes answer.
 - `garbage`: the port answers bytes that are not HTTP (a wrong service behind it, a broken
   proxy); afterwards it answers HTTP again.
@@ -76,7 +78,7 @@ from asyncroll.producer import UpdateWeightsError
 
 VOCAB = 1 << 16
 FAKE = Path(__file__).resolve().parent / "_fake_replica.py"
-MODES = ("slow", "sigkill", "flap", "wedged", "garbage")
+MODES = ("slow", "sigkill", "flap", "stalled_probe", "wedged", "garbage")
 CUTS = {
     "cut_pause": "/pause",
     "cut_load": "/collective_rpc",
@@ -85,7 +87,9 @@ CUTS = {
     "cut_resume": "/resume",
 }
 SCENARIOS = (*MODES, *CUTS, "all")
-EPISODE_SHARE = {"slow": 1.0, "sigkill": 0.2, "flap": 0.3, "wedged": 1.0, "garbage": 1.0}
+EPISODE_SHARE = {
+    "slow": 1.0, "sigkill": 0.2, "flap": 0.3, "stalled_probe": 0.4, "wedged": 1.0, "garbage": 1.0,
+}  # fmt: skip
 """Of `episode_s`: a wedged or garbage episode outlasts `detect_bound_s` (removal is checked
 after it), a SIGKILL is over at once (the updates right after it are the hostile part)."""
 NEVER_ROUTED = ("wedged", "garbage")
@@ -152,15 +156,16 @@ class Fleet:
     def url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.ports[i]}"
 
-    async def start(self, i: int) -> None:
-        """A fresh process on replica `i`'s port (its previous one must be gone)."""
+    async def start(self, i: int, *, stall: str | None = None) -> None:
+        """A fresh process on replica `i`'s port (its previous one must be gone); `stall`: a
+        route whose first call it holds until released."""
         args = [sys.executable, str(FAKE), "--port", str(self.ports[i])]
         args += ["--seed", f"{self.cfg.seed * 100 + self.starts}", "--arrivals", str(self.logs[i])]
         args += ["--token-latency-s", str(self.cfg.token_latency_s)]
         args += ["--slow-latency-s", str(self.cfg.slow_latency_s)]
         self.starts += 1
         self.procs[i] = await asyncio.create_subprocess_exec(
-            *args, stdin=asyncio.subprocess.DEVNULL
+            *args, *(["--stall", stall] if stall else []), stdin=asyncio.subprocess.DEVNULL
         )
         await self.wait_listening(i)
 
@@ -392,6 +397,9 @@ class Scenario:
             case "sigkill":
                 await self.fleet.kill(i)
                 await self.fleet.start(i)
+            case "stalled_probe":
+                await self.fleet.kill(i)
+                await self.fleet.start(i, stall="/collective_rpc")
         length = EPISODE_SHARE[mode] * self.cfg.episode_s
         while self.now() - start < length and self.stopped is None:
             await self.update(producer)
@@ -407,6 +415,8 @@ class Scenario:
                 await self.fleet.admin(i, "/_chaos/mode", {"mode": "normal"})
             case "flap":
                 self.fleet.signal(i, signal.SIGCONT)
+            case "stalled_probe":
+                await self.fleet.admin(i, "/_chaos/release")
 
     async def revive_exited(self) -> None:
         """Restart a fake that exited by itself (after a failed reload, as vLLM does)."""
@@ -659,14 +669,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = ChaosConfig(
         chaos_s=8.0 if args.quick else 30.0,
         drain_s=15.0 if args.quick else 30.0,
-        episode_s=5.5 if args.quick else 7.0,
+        episode_s=7.0 if args.quick else 9.0,
         seed=args.seed,
     )
     results = []
     for name in names:
         with tempfile.TemporaryDirectory(prefix=f"asyncroll-chaos-{name}-") as tmp:
             scenario = asyncio.run(run_scenario(cfg, name, Path(tmp)))
-        results.append((scenario, scenario.summary()))
+            results.append((scenario, scenario.summary()))  # reads the replicas' arrival logs
         print(f"{name}: {results[-1][1]}", file=sys.stderr, flush=True)
     report(results, cfg, args.out)
     return 1 if any(sc.failures for sc, _ in results) else 0
