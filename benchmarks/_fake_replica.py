@@ -198,8 +198,8 @@ class FakeReplica:
         rid = SERVER_PREFIX + str(body["request_id"])
         abort = self.running[rid] = asyncio.Event()
         reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await reply.prepare(request)
         try:
+            await reply.prepare(request)
             async for event in _Stream(self, rid, n, max_tokens, interval, abort).events():
                 await reply.write(b"data: " + json.dumps(event).encode() + b"\n\n")
             await reply.write(b"data: [DONE]\n\n")

@@ -18,8 +18,8 @@ while a replica is bad):
 - `slow`: per-token latency x25 during an episode.
 - `sigkill`: SIGKILL, restarted at once on the same port (vLLM's label "default", weights 0).
 - `flap`: SIGSTOP (answers nothing, connections hang), SIGCONT after the episode.
-- `stalled_probe`: SIGKILL, restarted at once, but its first weight reload hangs (a slow
-  disk, a big checkpoint) while `/health` answers: the engine's probe that re-syncs it waits.
+- `stalled_probe`: SIGKILL, restarted at once, but the first re-sync call it gets (the cache
+  reset) hangs while `/health` answers: the engine's re-sync of it waits, the updates too.
 - `wedged`: generate never progresses while `/health` and the control routes answer.
 - `garbage`: the port answers bytes that are not HTTP (a wrong service behind it, a broken
   proxy); afterwards it answers HTTP again.
@@ -356,11 +356,14 @@ class Scenario:
             self.weights_of[task.result()] = w
             self.updates["ok" if cut is None else "cut missed"] += 1
 
-    async def stalled_there(self, cut: tuple[int, str], task: asyncio.Future[Any]) -> bool:
-        """Whether the update reached the stalled route (it may finish first: the replica was
-        out of the rotation)."""
+    async def stalled_there(
+        self, cut: tuple[int, str], task: asyncio.Future[Any] | None = None
+    ) -> bool:
+        """Whether a call reached the stalled route of replica `cut[0]` (`op_bound_s` at
+        most); False as soon as `task` (the update) ends first: the replica was out of the
+        rotation. A poll of the fake, every 20 ms: it runs in another process."""
         deadline = time.monotonic() + self.cfg.op_bound_s
-        while not task.done() and time.monotonic() < deadline:
+        while (task is None or not task.done()) and time.monotonic() < deadline:
             reply = await self.fleet.admin(cut[0], f"/_chaos/stall?route={cut[1]}", method="GET")
             if reply["entered"]:
                 return True
@@ -399,7 +402,10 @@ class Scenario:
                 await self.fleet.start(i)
             case "stalled_probe":
                 await self.fleet.kill(i)
-                await self.fleet.start(i, stall="/collective_rpc")
+                await self.fleet.start(i, stall="/reset_prefix_cache")
+                # the updates below are to meet the engine's re-sync of it while it hangs
+                if not await self.stalled_there((i, "/reset_prefix_cache")):
+                    self.event("probe_missed", f"replica {i} was not re-synced")
         length = EPISODE_SHARE[mode] * self.cfg.episode_s
         while self.now() - start < length and self.stopped is None:
             await self.update(producer)

@@ -25,10 +25,10 @@ CONFIG = ChaosConfig(
     replicas=2,
     chaos_s=2.0,
     drain_s=20.0,
-    episode_s=4.5,  # a wedged or garbage episode outlasts detect_bound_s (3.2 s here)
+    episode_s=5.0,  # a wedged or garbage episode outlasts detect_bound_s (3.7 s here)
     max_inflight=8,
     generate_timeout_s=0.5,
-    control_timeout_s=1.5,
+    control_timeout_s=2.0,
     abort_timeout_s=1.0,  # below control_timeout_s, as the defaults are (30 s < 120 s)
     update_timeout_s=10.0,
 )
