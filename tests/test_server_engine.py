@@ -33,7 +33,7 @@ from asyncroll.engines import (
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, control, pick
 from asyncroll.engines.vllm_serve import ServerProcess, ServerStartError, free_port
 from asyncroll.engines.vllm_server import VLLMServerEngine, attempt_session
-from tests.stubs import served
+from tests.stubs import not_http, served
 
 
 @pytest.mark.parametrize(
@@ -159,16 +159,27 @@ async def test_a_rejoining_replica_takes_the_engines_pause_state(tmp_path: Path)
             await engine.close()
 
 
+class _Body:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def read(self, n: int) -> bytes:
+        chunk, self.data = self.data[:n], self.data[n:]
+        return chunk
+
+
 class _Reply:
     status = 200
 
-    async def read(self) -> bytes:
-        return b'{"ok": true}'
+    def __init__(self) -> None:
+        self.content = _Body(b'{"ok": true}')
 
 
 class _Session:
     """A stand-in for `aiohttp.ClientSession.request`: each call first raises the next of
     `errors` (None: hangs until cancelled), then answers 200 once they are used up."""
+
+    closed = False
 
     def __init__(self, *errors: BaseException | None) -> None:
         self.errors = list(errors)
@@ -606,3 +617,29 @@ async def test_a_down_replica_whose_probe_hangs_does_not_stall_the_others_reques
         assert sample.tokens.tolist() == [7, 8]
         assert stubs[1].calls[-1] == "/health"  # probed, and the probe still waits
         assert down.state is ReplicaState.DOWN
+
+
+async def test_a_replica_port_answering_not_http_fails_only_that_replica() -> None:
+    """aiohttp's `ClientResponseError` (a bad status line) was neither a `ReplicaError` nor a
+    transport error: it escaped every call to that replica, so the replica never left the
+    rotation and every generate, pause and update failed, the healthy replica's included.
+    Any error from talking to a replica is that replica's failure."""
+    stub = ScriptedStub()
+    async with served([stub.app()]) as (good,), not_http() as bad:
+        engine = VLLMServerEngine([good, bad], vocab_size=512, health_timeout_s=5.0)
+        try:
+            for k in range(8):
+                (sample,) = await asyncio.wait_for(engine.generate(_request(f"run-{k}-0")), 10)
+                assert sample.tokens.tolist() == [7, 8]
+            down = engine.replicas[1]
+            assert down.state is ReplicaState.DOWN
+            assert down.error is not None and "Bad status line" in down.error
+            await asyncio.wait_for(engine.pause_generation(), 10)
+            await asyncio.wait_for(engine.update_weights(None, version=1), 10)
+            await asyncio.wait_for(engine.resume_generation(), 10)
+            await asyncio.wait_for(engine.check_replicas(), 10)  # probed again: still down
+            assert down.state is ReplicaState.DOWN
+            (sample,) = await asyncio.wait_for(engine.generate(_request("run-9-0")), 10)
+            assert sample.versions.tolist() == [0, 0]  # the stub's own label
+        finally:
+            await engine.close()

@@ -518,8 +518,7 @@ class VLLMServerEngine:
                 if _up(replica) or self._closed:  # synced by an update that held the lock
                     return
                 try:
-                    if not await self._healthy(replica):
-                        raise ReplicaError(replica.url, "GET /health failed")
+                    await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
                     if self._paused:
                         await self._call(replica, "POST", _PAUSE)
                     state = await self._catch_up(replica)
@@ -582,11 +581,12 @@ class VLLMServerEngine:
     @contextlib.contextmanager
     def _dead_if_closed(self) -> Iterator[None]:
         """Around an HTTP call: `close()` closes the session under the calls in flight,
-        which aiohttp reports as `RuntimeError("Session is closed")`. That is the engine's
-        death, raised as such, not an error of the call or the replica."""
+        which aiohttp reports as `RuntimeError("Session is closed")` or a lost connection.
+        That is the engine's death, raised as such, not an error of the call or the
+        replica."""
         try:
             yield
-        except RuntimeError as exc:
+        except Exception as exc:
             if self._closed and not isinstance(exc, ReplicaError):
                 raise EngineDeadError("VLLMServerEngine is closed") from None
             raise
@@ -628,8 +628,7 @@ class VLLMServerEngine:
             if replica.state not in (ReplicaState.UNSYNCED, ReplicaState.STALE):
                 continue
             try:
-                if not await self._healthy(replica):
-                    raise ReplicaError(replica.url, "GET /health failed")
+                await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
                 replica.state = await self._catch_up(replica)
             except ReplicaError as exc:
                 self._down(replica, exc)
@@ -937,10 +936,11 @@ class VLLMServerEngine:
                 f"{replica.url}/inference/v1/generate", json=body
             ) as reply:
                 if reply.status != 200:
-                    text = (await reply.read())[:500].decode(errors="replace")
+                    head = await rp.read_at_most(reply, rp.ERROR_BODY_BYTES)
+                    text = head.decode(errors="replace")
                     error = ReplicaError(replica.url, f"generate -> HTTP {reply.status}: {text}")
                     if 400 <= reply.status < 500:
-                        raise ValueError(str(error))
+                        raise rp.Rejected(str(error))
                     raise error
                 first = True
                 tokens = part.max_tokens * len(part.indices)
@@ -958,8 +958,11 @@ class VLLMServerEngine:
                     if first and _aborted(live):  # the abort may have beaten the request there
                         await self._abort_on(replica, [part.server_id])
                     first = False
-        except rp.TRANSPORT_ERRORS as exc:
-            raise ReplicaError(replica.url, f"generate: {type(exc).__name__}: {exc}") from None
+        except (rp.Rejected, EngineDeadError):
+            raise
+        except Exception as exc:  # anything else from talking to the replica is its failure
+            self._check_open()  # `close()` closed the session under this stream
+            raise rp.replica_failure(replica, "generate", exc) from None
         finally:
             self._open_streams -= 1
             replica.streams -= 1
