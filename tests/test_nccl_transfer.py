@@ -257,7 +257,9 @@ async def test_an_update_freezes_receives_while_the_trainer_sends_labels_and_res
     assert engine.version == 1
     for stub in stubs:
         assert stub.calls() == [
-            "/update_weight_version 0",  # the first sync
+            "/pause",  # the first sync: paused before it is synced, resumed after
+            "/update_weight_version 0",
+            "/resume",
             "/pause",
             "/init_weight_transfer_engine",
             "/start_weight_update",

@@ -300,7 +300,13 @@ class ScriptedStub:
 
         app = web.Application(middlewares=[script])
         app.router.add_get("/health", health)
-        for path in ("/pause", "/resume", "/reset_prefix_cache", "/abort_requests"):
+        for path in (
+            "/pause",
+            "/resume",
+            "/reset_prefix_cache",
+            "/abort_requests",
+            "/collective_rpc",
+        ):
             app.router.add_post(path, ok)
         app.router.add_post("/update_weight_version", version)
         app.router.add_post(GENERATE, generate)
@@ -643,3 +649,73 @@ async def test_a_replica_port_answering_not_http_fails_only_that_replica() -> No
             assert sample.versions.tolist() == [0, 0]  # the stub's own label
         finally:
             await engine.close()
+
+
+async def test_a_probe_of_a_down_replica_holds_nothing_a_pause_needs() -> None:
+    """A probe of a down replica ran its `/health` and its whole re-sync (reload, cache
+    reset, label: up to `control_timeout_s` each) under the engine-wide control lock. The
+    producer bounds a pause by `abort_timeout_s` (30 s < 120 s): it timed out waiting for the
+    lock, its undo waited on the same lock, and the run stopped while the other replica
+    served."""
+    async with scripted(2, control_timeout_s=60.0) as (engine, stubs):
+        await engine.check_replicas()
+        down = engine.replicas[1]
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/reset_prefix_cache"}
+        down.mark_down("went away", retry_at=0.0)  # due for a probe now
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is not down)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        await asyncio.wait_for(engine.generate(request), 5.0)  # starts the probe
+        await asyncio.wait_for(
+            stubs[1].progress.wait_until(lambda: "/reset_prefix_cache" in stubs[1].calls), 5.0
+        )
+        await asyncio.wait_for(engine.pause_generation(), 5.0)
+        await asyncio.wait_for(engine.update_weights(None, version=1), 5.0)
+        await asyncio.wait_for(engine.resume_generation(), 5.0)
+        assert stubs[0].label == "1"
+        assert down.state is ReplicaState.DOWN  # its probe still waits
+
+
+async def test_a_replica_is_paused_before_it_is_resynced() -> None:
+    """A replica that left the rotation may still be streaming requests (it failed a
+    control call, not its generates). Its re-sync reloaded, reset and relabelled it without a
+    `/pause`: tokens the new weights sampled carried the old label."""
+    async with scripted(1) as (engine, (stub,)):
+        await engine.check_replicas()
+        (replica,) = engine.replicas
+        replica.mark_down("its /resume failed", retry_at=0.0)
+        stub.calls.clear()
+        await engine.check_replicas()
+        assert replica.state is ReplicaState.UP
+        resync = [c for c in stub.calls if c != "/health"]
+        assert resync[0] == "/pause"
+        assert resync.index("/reset_prefix_cache") > 0
+        assert resync[-1] == "/resume"
+
+
+async def test_an_update_cancelled_at_its_resume_keeps_the_weights_it_committed(
+    tmp_path: Path,
+) -> None:
+    """`update_weights` recorded the new folder and version before its final `/resume`; cut
+    off there (the producer's `update_timeout_s`, a user's `wait_for`, Ctrl-C), its
+    `except BaseException` deleted that folder. Every later re-sync of a replica then raised
+    a bare `ValueError` (the folder was gone), and every request and update failed."""
+    import torch
+
+    async with scripted(2, weights_dir=tmp_path) as (engine, stubs):
+        await engine.check_replicas()
+        stubs[1].calls.clear()
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/resume"}
+        update = asyncio.ensure_future(engine.update_weights([("w", torch.ones(2))], version=1))
+        await asyncio.wait_for(stubs[1].progress.wait_until(lambda: "/resume" in stubs[1].calls), 5)
+        stubs[1].hanging = set()  # only that `/resume` hangs, to the end
+        update.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        served_folders = list(tmp_path.glob("asyncroll-v*"))  # noqa: ASYNC240
+        assert engine.version == 1  # loaded and labelled everywhere: committed
+        assert len(served_folders) == 1 and any(served_folders[0].glob("*.safetensors"))
+        for replica in engine.replicas:
+            replica.mark_down("restarted", retry_at=0.0)
+        await asyncio.wait_for(engine.check_replicas(), 5.0)
+        assert [r.state for r in engine.replicas] == [ReplicaState.UP] * 2
+        assert [s.label for s in stubs] == [str(engine.version)] * 2

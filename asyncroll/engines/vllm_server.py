@@ -51,6 +51,7 @@ cheaper of the two per request (`benchmarks/server_throughput.py` has the number
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import functools
@@ -221,7 +222,9 @@ class VLLMServerEngine:
         self._http: aiohttp.ClientSession | None = None  # made in the loop that first uses it
         self._version = 0
         self._weights: Path | Broadcast | None = None  # what every replica serves (None: its own)
-        self._written: Path | None = None  # the last folder this engine wrote (deleted later)
+        self._written: list[Path] = []  # folders this engine wrote, deleted once not served
+        self._pinned: collections.Counter[Path] = collections.Counter()  # being loaded by a sync
+        self._epoch = 0  # moves at the start and end of every pause, resume and update
         self._admission = Admission.OPEN
         self._paused = False
         self._live: dict[str, _Live] = {}
@@ -323,7 +326,9 @@ class VLLMServerEngine:
         bounds it by `abort_timeout_s`) is undone, the replicas that paused resumed, before
         the error is raised: a caller that gives up on a pause does not resume, and a held
         engine would hold every later request until its deadline."""
-        async with self._control:
+        self._check_open()
+        await self._revive_due(wait_new=False)
+        async with self._controlling():
             self._check_open()
             paused_before = self._paused
             self._admission = Admission.HELD
@@ -340,7 +345,9 @@ class VLLMServerEngine:
         """Resume every replica and let held requests go. Even when that fails (no replica
         answers: `EngineDeadError`), the engine is no longer paused: the caller goes on as
         resumed (the producer does), and replicas that come back are synced unpaused."""
-        async with self._control:
+        self._check_open()
+        await self._revive_due(wait_new=False)
+        async with self._controlling():
             self._check_open()
             await self._reopen()
 
@@ -363,15 +370,13 @@ class VLLMServerEngine:
             )
         folder = self.weights_dir / f"asyncroll-v{version}-{uuid.uuid4().hex[:8]}"
         folder.mkdir()
+        self._written.append(folder)
         try:
             await asyncio.to_thread(_write_weights, list(weights), folder)
             await self._update(folder, version)
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        previous, self._written = self._written, folder
-        if previous is not None:
-            shutil.rmtree(previous, ignore_errors=True)
+        finally:
+            if self._weights == folder:  # committed (even if cut off at its resume after)
+                self._collect()
 
     async def update_weights_from_path(self, path: str | os.PathLike[str], *, version: int) -> None:
         """Load the safetensors checkpoint folder `path` (written by the trainer, readable by
@@ -403,8 +408,9 @@ class VLLMServerEngine:
         if self._http is not None:
             await self._http.close()
             self._http = None
-        if self._written is not None:
-            shutil.rmtree(self._written, ignore_errors=True)
+        for folder in self._written:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._written.clear()
         if self.weight_transfer is not None:
             self.weight_transfer.leave()
 
@@ -479,23 +485,26 @@ class VLLMServerEngine:
             raise EngineDeadError(f"no replica is up: {self._states()}")
         return replica
 
-    async def _revive_due(self) -> None:
-        """Sync every new replica, and start a probe of every down one due for it. Routing
-        waits for the new ones (a session must not settle elsewhere only because its replica
-        was not synced yet), but for the probes only when no replica is up: a down replica
-        whose probe hangs (its host unreachable) must not stall, once every
-        `health_interval_s`, the requests of the replicas that serve."""
-        new = [r for r in self.replicas if r.state is ReplicaState.UNSYNCED]
-        if new:
-            await asyncio.gather(*(self._sync(r) for r in new))
+    async def _revive_due(self, *, wait_new: bool = True) -> None:
+        """Start a sync of every new replica and of every down one due for a probe, each in
+        its own task. With `wait_new` (routing) wait for the new ones: a session must not
+        settle elsewhere only because its replica was not synced yet. Wait for the others
+        only when no replica is up: a down replica whose probe hangs (its host unreachable)
+        must not stall the requests, pauses and updates of the replicas that serve."""
         now = asyncio.get_running_loop().time()
         for replica in self.replicas:
-            due = replica.state is ReplicaState.DOWN and replica.retry_at <= now
+            new = replica.state is ReplicaState.UNSYNCED
+            due = new or (replica.state is ReplicaState.DOWN and replica.retry_at <= now)
             if due and replica not in self._probes:
                 probe = self._probes[replica] = asyncio.ensure_future(self._sync(replica))
                 probe.add_done_callback(functools.partial(self._probed, replica))
-        if self._probes and not any(r.state is ReplicaState.UP for r in self.replicas):
-            await asyncio.gather(*map(asyncio.shield, list(self._probes.values())))
+        if not any(r.state is ReplicaState.UP for r in self.replicas):
+            waiting = list(self._probes.values())
+        elif wait_new:
+            waiting = [p for r, p in self._probes.items() if r.state is ReplicaState.UNSYNCED]
+        else:
+            return
+        await asyncio.gather(*map(asyncio.shield, waiting))
 
     def _probed(self, replica: Replica, _: asyncio.Task[None]) -> None:
         """A routing probe of `replica` ended (its outcome is the replica's state): the next
@@ -506,29 +515,84 @@ class VLLMServerEngine:
         """Bring `replica` into the rotation: healthy, serving the current weights under the
         current label, paused if the engine is. Any failure leaves it down until the next
         probe (`now`: probe even before `retry_at`). Concurrent callers wait for the one sync
-        in progress rather than route without it. Under the control lock, so that no update
-        runs half-way through it."""
+        in progress rather than route without it.
+
+        It holds only the replica's own lock: a probe of a down replica (its `/health` and a
+        full reload, `control_timeout_s` each) once held the engine-wide control lock, and a
+        pause waiting for it ran past the producer's `abort_timeout_s` while another replica
+        served. Instead a sync works from a snapshot of the engine's weights, label and pause
+        state and joins the rotation only if no pause, resume or update ran meanwhile (else
+        it syncs again, after that one)."""
         async with replica.syncing:
             due = now or asyncio.get_running_loop().time() >= replica.retry_at
             if replica.state is ReplicaState.UP or self._closed:
                 return
             if replica.state is ReplicaState.DOWN and not due:
                 return  # probed while this caller waited
-            async with self._control:
-                if _up(replica) or self._closed:  # synced by an update that held the lock
-                    return
-                try:
-                    await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
-                    if self._paused:
-                        await self._call(replica, "POST", _PAUSE)
-                    state = await self._catch_up(replica)
-                    if state is ReplicaState.UP and not self._paused:  # a `/pause` that
-                        await self._call(replica, "POST", "/resume")  # answered late: paused
-                except ReplicaError as exc:
-                    self._down(replica, exc)
-                    return
-                replica.state = state
-                replica.error = None
+            try:
+                await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
+                while not await self._resync(replica):
+                    async with self._control:  # wait for the pause, resume or update to end
+                        pass
+            except (ReplicaError, ValueError) as exc:  # ValueError: a folder gone from disk
+                self._down(replica, exc)
+
+    async def _resync(self, replica: Replica) -> bool:
+        """One try of `_sync` after the health probe: pause the replica (it may still be
+        streaming requests of its own: no request may see its weights change unpaused), load
+        the engine's weights and label, resume it unless the engine is paused. Whether it
+        joined the rotation: not when a control call of the engine ran meanwhile (its
+        snapshot may be out of date) or the engine closed."""
+        epoch, weights, version, paused = self._epoch, self._weights, self._version, self._paused
+        await self._call(replica, "POST", _PAUSE)
+        with self._pin(weights):
+            state = await self._catch_up(replica, weights, version)
+        if state is ReplicaState.UP and not paused:
+            await self._call(replica, "POST", "/resume")
+        if self._closed:
+            return True
+        if self._epoch != epoch or self._control.locked():
+            return False
+        replica.state = state
+        replica.error = None
+        return True
+
+    @contextlib.asynccontextmanager
+    async def _controlling(self) -> AsyncIterator[None]:
+        """The engine-wide control lock of a pause, resume or update; the epoch moves as it
+        starts and ends, which tells a sync that ran meanwhile to sync again."""
+        async with self._control:
+            self._epoch += 1
+            try:
+                yield
+            finally:
+                self._epoch += 1
+
+    @contextlib.contextmanager
+    def _pin(self, weights: Path | Broadcast | None) -> Iterator[None]:
+        """While a sync loads `weights`, their folder is not deleted under it (a reload of a
+        missing path kills a vLLM engine)."""
+        if not isinstance(weights, Path):
+            yield
+            return
+        self._pinned[weights] += 1
+        try:
+            yield
+        finally:
+            self._pinned[weights] -= 1
+            if not self._pinned[weights]:
+                del self._pinned[weights]
+
+    def _collect(self) -> None:
+        """Delete the folders this engine wrote that no replica can be loading: every one but
+        the weights the engine serves and those a sync is loading. Called once an update
+        committed, so a failed update's folder (a cut-off reload may still read it) stays
+        until the next one."""
+        keep = [f for f in self._written if f == self._weights or f in self._pinned]
+        for folder in self._written:
+            if folder not in keep:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._written = keep
 
     def _down(self, replica: Replica, exc: BaseException) -> None:
         """`replica` leaves the rotation, and the NCCL group: its workers may be new
@@ -594,7 +658,6 @@ class VLLMServerEngine:
     async def _each_replica(self, method: str, path: str, json: Any = None) -> None:
         """One control call on every UP replica at once; one that fails leaves the rotation.
         None up afterwards: `EngineDeadError`."""
-        await self._revive_due_locked()
         await self._on_every_up(lambda r: self._call(r, method, path, json))
 
     async def _on_every_up(self, call: Callable[[Replica], Awaitable[object]]) -> None:
@@ -621,24 +684,31 @@ class VLLMServerEngine:
             if not isinstance(result, BaseException)
         ]
 
-    async def _revive_due_locked(self) -> None:
-        """`_revive_due` for callers that hold the control lock: new (and stale) replicas are
-        synced inline (under the held lock), down ones wait for the next request's probe."""
+    async def _revive_for_broadcast(self) -> None:
+        """Before an NCCL update (under the control lock): new and stale replicas that answer
+        become members (their weights come with the broadcast, paused first like every
+        member); down ones wait for the next request's probe."""
         for replica in self.replicas:
             if replica.state not in (ReplicaState.UNSYNCED, ReplicaState.STALE):
                 continue
-            try:
-                await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
-                replica.state = await self._catch_up(replica)
-            except ReplicaError as exc:
-                self._down(replica, exc)
+            if replica.syncing.locked():  # its own sync runs: it takes the next broadcast
+                continue
+            async with replica.syncing:
+                try:
+                    await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
+                    await self._call(replica, "POST", _PAUSE)
+                    replica.state = await self._catch_up(replica, self._weights, self._version)
+                except (ReplicaError, ValueError) as exc:
+                    self._down(replica, exc)
 
-    async def _catch_up(self, replica: Replica) -> ReplicaState:
-        """Give an answering replica the current weights and label: UP then, or STALE when
-        they came over NCCL (nothing to load: it receives the next broadcast)."""
-        if self._weights is Broadcast.SENT:
+    async def _catch_up(
+        self, replica: Replica, weights: Path | Broadcast | None, version: int
+    ) -> ReplicaState:
+        """Give a paused, answering replica `weights` and label `version`: UP then, or STALE
+        when they came over NCCL (nothing to load: it receives the next broadcast)."""
+        if weights is Broadcast.SENT:
             return ReplicaState.STALE
-        await self._load_on(replica, self._weights, self._version)
+        await self._load_on(replica, weights, version)
         return ReplicaState.UP
 
     @contextlib.asynccontextmanager
@@ -646,7 +716,9 @@ class VLLMServerEngine:
         """A weight update's frame: under the control lock, admission held; afterwards (also
         after a failure) every replica resumed and admission released, unless the caller had
         paused."""
-        async with self._control:
+        self._check_open()
+        await self._revive_due(wait_new=False)
+        async with self._controlling():
             self._check_open()
             paused_before = self._paused
             self._admission = Admission.HELD
@@ -706,7 +778,7 @@ class VLLMServerEngine:
         the STALE ones that answer) are frozen, the group is (re)built when they changed,
         then every member receives while the trainer sends, finishes, and takes the label."""
         async with self._frozen():
-            await self._revive_due_locked()
+            await self._revive_for_broadcast()
             members = [r for r in self.replicas if r.state in (ReplicaState.UP, ReplicaState.STALE)]
             members = await self._on_every(members, lambda r: self._call(r, "POST", _PAUSE))
             members = await self._on_every(members, self._leave_group_if_restarted)
