@@ -719,3 +719,27 @@ async def test_an_update_cancelled_at_its_resume_keeps_the_weights_it_committed(
         await asyncio.wait_for(engine.check_replicas(), 5.0)
         assert [r.state for r in engine.replicas] == [ReplicaState.UP] * 2
         assert [s.label for s in stubs] == [str(engine.version)] * 2
+
+
+@pytest.mark.parametrize(
+    ("tokens", "label", "message"),
+    [
+        ([7, 2**31], "0", "token id 2147483648"),  # a bare OverflowError named no replica
+        ([7, 512], "0", "token id 512"),  # outside the vocabulary
+        ([7, -1], "0", "token id -1"),
+        ([7, 8], str(2**31), "labelled '2147483648'"),  # a bare OverflowError too
+        ([7, 8], "1_0", "labelled '1_0'"),  # int() read it as 10
+        ([7, 8], "\u0663", "labelled '\u0663'"),  # an Arabic-Indic 3: int() read it as 3
+        ([7, 8], " 1", "labelled ' 1'"),
+    ],
+)
+async def test_token_ids_and_labels_are_parsed_strictly_naming_the_replica(
+    tokens: list[int], label: str, message: str
+) -> None:
+    async with scripted(1) as (engine, (stub,)):
+        stub.stream = _stream(_choice(tokens, spans=[(label, 0, 2)]))
+        with pytest.raises(ReplicaError, match=message) as caught:
+            await engine.generate(_request("run-0-0"))
+        assert caught.value.url == engine.replicas[0].url
+        with pytest.raises(ValueError, match="int32"):  # never set a label it cannot read
+            await engine.update_weights(None, version=2**31)

@@ -56,6 +56,7 @@ import contextlib
 import enum
 import functools
 import os
+import re
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -80,6 +81,8 @@ from asyncroll.engines.base import (
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, UnsyncedReplicaError
 
 _FINISH_REASONS = frozenset({"stop", "length", "abort"})
+_LABEL = re.compile(r"-?(0|[1-9][0-9]{0,9})")  # `str(version)`, ASCII digits only
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
 _PAUSE = "/pause?mode=keep&clear_cache=false"
 _NOT_CONFIGURED = "Weight transfer not configured"  # vLLM without --weight-transfer-config
@@ -356,6 +359,7 @@ class VLLMServerEngine:
         unchanged), and label later tokens `version` there; see `update_weights_from_path`.
         With `weight_transfer`, broadcast them over NCCL instead (see the module docstring)."""
         self._check_open()
+        _check_version(version)
         if weights is None:
             await self._update(None, version)
             return
@@ -384,6 +388,7 @@ class VLLMServerEngine:
         and running ones frozen meanwhile; running ones continue on the new weights (their
         KV cache recomputed), their later tokens labelled `version`."""
         self._check_open()
+        _check_version(version)
         await self._update(_checkpoint(path), version)
 
     async def close(self) -> None:
@@ -1024,7 +1029,8 @@ class VLLMServerEngine:
                                 f"streamed choice {choice.index} of a request of"
                                 f" {len(part.indices)} samples",
                             )
-                        got = _append(samples[part.indices[choice.index]], choice, replica.url)
+                        sample = samples[part.indices[choice.index]]
+                        got = _append(sample, choice, replica.url, self._vocab_size)
                         self._generated += got
                     self._progress.notify()
                     if first and _aborted(live):  # the abort may have beaten the request there
@@ -1095,16 +1101,17 @@ class VLLMServerEngine:
         )
 
     def _label(self, label: str, replica: Replica) -> int:
-        """A version label as this engine set it; anything else (vLLM's initial "default":
-        a replica restarted behind the engine's back) fails the request."""
-        try:
-            return int(label)
-        except ValueError:
+        """A version label as this engine set it (`str(version)` of an int32); anything else
+        (vLLM's initial "default": a replica restarted behind the engine's back) fails the
+        request. Strictly: `int()` also reads "1_0" as 10, "\u0663" as 3 and " 1" as 1."""
+        value = int(label) if _LABEL.fullmatch(label) else None
+        if value is None or not _INT32_MIN <= value <= _INT32_MAX:
             raise UnsyncedReplicaError(
                 replica.url,
                 f"served tokens labelled {label!r}, a version this engine never set "
                 "(did it restart without the current weights?)",
-            ) from None
+            )
+        return value
 
     @staticmethod
     def _aborted_output() -> SampleOutput:
@@ -1119,6 +1126,12 @@ class VLLMServerEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineDeadError("VLLMServerEngine is closed")
+
+
+def _check_version(version: int) -> None:
+    """A version becomes every token's label and comes back as int32 (`SampleOutput`)."""
+    if not _INT32_MIN <= version <= _INT32_MAX:
+        raise ValueError(f"version={version}: must fit in int32 (every token carries it)")
 
 
 def _server(url: str) -> tuple[str | None, int | None, str]:
@@ -1146,9 +1159,13 @@ def _unfinished(task: asyncio.Task[None]) -> bool:
     return not task.done() or task.cancelled() or task.exception() is not None
 
 
-def _append(sample: _Sample, choice: rp.StreamChoice, url: str) -> int:
-    """Add one streamed delta of a sample; the number of new tokens."""
+def _append(sample: _Sample, choice: rp.StreamChoice, url: str, vocab_size: int) -> int:
+    """Add one streamed delta of a sample; the number of new tokens. A token id outside the
+    vocabulary (beyond int32 it was a bare `OverflowError` naming no replica) fails it."""
     tokens = choice.token_ids or []
+    for token in tokens:
+        if not 0 <= token < vocab_size:
+            raise ReplicaError(url, f"streamed token id {token}, outside [0, {vocab_size})")
     entries = choice.logprobs.content if choice.logprobs is not None else []
     if len(entries) != len(tokens) or any(
         e.token_id != t for e, t in zip(entries, tokens, strict=True)
