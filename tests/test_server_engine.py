@@ -30,7 +30,15 @@ from asyncroll.engines import (
     SamplingConfig,
     vllm_serve,
 )
-from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, control, pick
+from asyncroll.engines.replicas import (
+    MAX_BACKOFF_DOUBLINGS,
+    Replica,
+    ReplicaError,
+    ReplicaState,
+    backoff_s,
+    control,
+    pick,
+)
 from asyncroll.engines.vllm_serve import ServerProcess, ServerStartError, free_port
 from asyncroll.engines.vllm_server import VLLMServerEngine, attempt_session
 from tests.stubs import not_http, served
@@ -130,8 +138,12 @@ class PausableStub:
         async def ok(_: web.Request) -> web.Response:
             return web.json_response({"success": True})
 
+        async def generate(_: web.Request) -> web.Response:  # the liveness probe's
+            return web.Response(body=_stream(_choice([7])), content_type="text/event-stream")
+
         app = web.Application()
         app.router.add_get("/health", ok)
+        app.router.add_post(GENERATE, generate)
         app.router.add_post("/pause", pause)
         app.router.add_post("/resume", resume)
         app.router.add_post("/reset_prefix_cache", ok)
@@ -236,6 +248,7 @@ def _choice(
 
 
 GENERATE = "/inference/v1/generate"
+LIVENESS = "asyncroll-liveness"
 
 
 def _sse(*events: bytes) -> bytes:
@@ -257,7 +270,7 @@ class ScriptedStub:
         self.health = b""
         self.stream = _stream(_choice([7, 8]))
         self.hang: asyncio.Event | None = None
-        self.hanging = {"/health", "/abort_requests", GENERATE}
+        self.hanging = {"/health", "/abort_requests", GENERATE, LIVENESS}
         self.failing: set[str] = set()
         self.calls: list[str] = []
         self.progress = Signal()
@@ -281,18 +294,22 @@ class ScriptedStub:
         async def generate(request: web.Request) -> web.StreamResponse:
             reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await reply.prepare(request)
-            await reply.write(self.stream)
+            live = (await request.json())["request_id"].startswith(LIVENESS)
+            await reply.write(_stream(_choice([7])) if live else self.stream)
             await reply.write_eof()
             return reply
 
         @web.middleware
         async def script(request: web.Request, handler: Any) -> web.StreamResponse:
-            self.calls.append(request.path)
+            path = request.path
+            if path == GENERATE and (await request.json())["request_id"].startswith(LIVENESS):
+                path = LIVENESS  # the engine's liveness probe, not a request of the test's
+            self.calls.append(path)
             self.progress.notify()
             try:
-                if self.hang is not None and request.path in self.hanging:
+                if self.hang is not None and path in self.hanging:
                     await self.hang.wait()
-                if request.path in self.failing:
+                if path in self.failing:
                     return web.Response(status=500, text="scripted failure")
                 return await handler(request)  # type: ignore[no-any-return]
             finally:
@@ -392,7 +409,12 @@ async def test_a_hung_replica_leaves_the_rotation_when_a_request_times_out() -> 
     """A replica that stops answering (generate and `/health` alike) failed a request at
     `request_timeout_s` but stayed UP: every later request of its sessions was sent there to
     wait out the deadline too (only a DOWN replica is probed, and nothing took it down)."""
-    deadlines = {"request_timeout_s": 0.2, "health_timeout_s": 0.2, "control_timeout_s": 0.2}
+    deadlines = {
+        "request_timeout_s": 0.2,
+        "health_timeout_s": 0.2,
+        "control_timeout_s": 0.2,
+        "liveness_timeout_s": 0.2,
+    }
     async with scripted(2, **deadlines) as (engine, stubs):
         await engine.check_replicas()  # both synced and UP
         hung = engine.replicas[1]
@@ -436,7 +458,7 @@ async def test_a_hung_replica_leaves_the_rotation_when_its_caller_gives_up() -> 
     long before `request_timeout_s` (3600 s). The abort sent on the way out got no answer
     either, and was ignored: the replica stayed UP, and every group of its sessions waited
     out the producer's deadline in turn."""
-    deadlines = {"health_timeout_s": 0.2, "control_timeout_s": 0.2}
+    deadlines = {"health_timeout_s": 0.2, "control_timeout_s": 0.2, "liveness_timeout_s": 0.2}
     async with scripted(2, **deadlines) as (engine, stubs):
         await engine.check_replicas()
         hung = engine.replicas[1]
@@ -515,7 +537,7 @@ async def test_a_pause_that_fails_is_undone_and_requests_flow_again() -> None:
         await engine.check_replicas()  # back (as the next route's probe would bring it)
         (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), 5.0)
         assert sample.tokens.tolist() == [7, 8]
-        assert stub.calls[-2:] == ["/resume", GENERATE]
+        assert stub.calls[-3:] == ["/resume", LIVENESS, GENERATE]
 
 
 async def test_a_pause_cancelled_part_way_is_undone() -> None:
@@ -554,7 +576,7 @@ async def test_a_resume_that_fails_still_lets_requests_go() -> None:
         await engine.check_replicas()  # back (as the next route's probe would bring it)
         (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), 5.0)
         assert sample.tokens.tolist() == [7, 8]
-        assert stub.calls[-2:] == ["/resume", GENERATE]
+        assert stub.calls[-3:] == ["/resume", LIVENESS, GENERATE]
 
 
 def test_a_server_start_on_a_port_in_use_fails_instead_of_trusting_its_health(
@@ -689,7 +711,7 @@ async def test_a_replica_is_paused_before_it_is_resynced() -> None:
         resync = [c for c in stub.calls if c != "/health"]
         assert resync[0] == "/pause"
         assert resync.index("/reset_prefix_cache") > 0
-        assert resync[-1] == "/resume"
+        assert resync[-2:] == ["/resume", LIVENESS]  # then its engine core is tried
 
 
 async def test_an_update_cancelled_at_its_resume_keeps_the_weights_it_committed(
@@ -743,3 +765,36 @@ async def test_token_ids_and_labels_are_parsed_strictly_naming_the_replica(
         assert caught.value.url == engine.replicas[0].url
         with pytest.raises(ValueError, match="int32"):  # never set a label it cannot read
             await engine.update_weights(None, version=2**31)
+
+
+async def test_a_wedged_replica_whose_health_answers_leaves_the_rotation_and_stays_out() -> None:
+    """vLLM's `/health` reports a dead engine core, not a hung one. A replica whose generates
+    and aborts hang while `/health` answers failed each group sent there (after the
+    producer's deadline and the abort's), then passed its health check and stayed in the
+    rotation: 48 groups failed in a row. Liveness now exercises the engine core."""
+    deadlines = {"health_timeout_s": 0.2, "control_timeout_s": 0.2, "liveness_timeout_s": 0.2}
+    async with scripted(2, **deadlines) as (engine, stubs):
+        await engine.check_replicas()
+        wedged = engine.replicas[1]
+        stubs[1].hang = asyncio.Event()  # never set while the engine runs
+        stubs[1].hanging = {GENERATE, LIVENESS, "/abort_requests"}  # `/health` answers
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is wedged)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        call = asyncio.ensure_future(engine.generate(request))
+        await engine.wait_progress(lambda: wedged.streams == 1, 5.0)
+        call.cancel()  # the producer's `generate_timeout_s`
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert wedged.state is ReplicaState.DOWN
+        await engine.check_replicas()  # its probe: `/health` answers, the engine core does not
+        assert wedged.state is ReplicaState.DOWN
+        assert wedged.failures == 2  # the circuit stays open, its next probe further off
+        (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
+        assert sample.tokens.tolist() == [7, 8]  # served by the other replica
+        assert stubs[1].generates == 1
+
+
+def test_a_failing_replicas_probes_back_off_to_a_bound() -> None:
+    waits = [backoff_s(5.0, failures) for failures in range(1, 10)]
+    assert waits[:4] == [5.0, 10.0, 20.0, 40.0]
+    assert max(waits) == waits[-1] == 5.0 * 2**MAX_BACKOFF_DOUBLINGS

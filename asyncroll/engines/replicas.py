@@ -49,6 +49,7 @@ class Replica:
         self.state = ReplicaState.UNSYNCED
         self.error: str | None = None  # why it went down
         self.retry_at = 0.0  # loop time of the next health probe while DOWN
+        self.failures = 0  # failures in a row, since it last joined the rotation
         self.streams = 0  # generate requests open on it now
         self.sent = 0  # generate requests sent to it so far
         self.syncing = asyncio.Lock()
@@ -58,6 +59,18 @@ class Replica:
         self.error = error
         self.retry_at = retry_at
 
+    def fail(self, error: str, now: float, interval_s: float) -> None:
+        """Out of the rotation: a circuit breaker, open until its next probe, which backs off
+        with every failure in a row (a replica that keeps failing its probes is not paused
+        and reloaded every `interval_s` for ever)."""
+        self.failures += 1
+        self.mark_down(error, now + backoff_s(interval_s, self.failures))
+
+    def mark_up(self) -> None:
+        self.state = ReplicaState.UP
+        self.error = None
+        self.failures = 0
+
     def mark_unsynced(self, error: str) -> None:
         """Out of the rotation until synced again (at once, by the next request's route)."""
         self.state = ReplicaState.UNSYNCED
@@ -65,6 +78,16 @@ class Replica:
 
     def __repr__(self) -> str:
         return f"Replica({self.url!r}, {self.state.value})"
+
+
+MAX_BACKOFF_DOUBLINGS = 5
+"""A failing replica is probed at most `2**5` health intervals apart (160 s at 5 s)."""
+
+
+def backoff_s(interval_s: float, failures: int) -> float:
+    """How long a replica that failed `failures` times in a row waits for its next probe."""
+    doublings: int = min(max(failures - 1, 0), MAX_BACKOFF_DOUBLINGS)
+    return interval_s * (1 << doublings)
 
 
 def pick(replicas: Sequence[Replica], session: str) -> Replica | None:
@@ -178,6 +201,30 @@ async def healthy(session: aiohttp.ClientSession, replica: Replica, timeout_s: f
     except ReplicaError:
         return False
     return True
+
+
+async def liveness(
+    session: aiohttp.ClientSession, replica: Replica, body: dict[str, Any], timeout_s: float
+) -> None:
+    """Send the generate `body` (one token) and read its stream to the end within
+    `timeout_s`; raise `ReplicaError` naming the replica otherwise."""
+    try:
+        async with (
+            asyncio.timeout(timeout_s),
+            session.post(f"{replica.url}/inference/v1/generate", json=body) as reply,
+        ):
+            if reply.status != 200:
+                text = (await read_at_most(reply, ERROR_BODY_BYTES)).decode(errors="replace")
+                raise ReplicaError(replica.url, f"liveness generate -> HTTP {reply.status}: {text}")
+            async for _ in events(reply, replica.url, 1):
+                pass
+    except Exception as exc:
+        if session.closed:
+            raise
+        if _is_deadline(exc):
+            message = f"liveness generate: no token within {timeout_s} s (a hung engine core)"
+            raise ReplicaError(replica.url, message) from None
+        raise replica_failure(replica, "liveness generate", exc) from None
 
 
 class StreamEvent(msgspec.Struct):

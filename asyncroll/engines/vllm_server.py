@@ -83,6 +83,7 @@ from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, Unsy
 _FINISH_REASONS = frozenset({"stop", "length", "abort"})
 _LABEL = re.compile(r"-?(0|[1-9][0-9]{0,9})")  # `str(version)`, ASCII digits only
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_LIVENESS = "asyncroll-liveness"  # the request id of a liveness probe's generate
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
 _PAUSE = "/pause?mode=keep&clear_cache=false"
 _NOT_CONFIGURED = "Weight transfer not configured"  # vLLM without --weight-transfer-config
@@ -176,6 +177,7 @@ class VLLMServerEngine:
         connect_timeout_s: float = 10.0,
         health_timeout_s: float = 5.0,
         health_interval_s: float = 5.0,
+        liveness_timeout_s: float = 30.0,
         max_connections: int = 512,
         weight_transfer: nccl_transfer.WeightSender | None = None,
     ) -> None:
@@ -200,6 +202,7 @@ class VLLMServerEngine:
             "connect_timeout_s": connect_timeout_s,
             "health_timeout_s": health_timeout_s,
             "health_interval_s": health_interval_s,
+            "liveness_timeout_s": liveness_timeout_s,
         }
         for name, value in timeouts.items():
             if not value > 0:
@@ -219,6 +222,7 @@ class VLLMServerEngine:
         self.connect_timeout_s = connect_timeout_s
         self.health_timeout_s = health_timeout_s
         self.health_interval_s = health_interval_s
+        self.liveness_timeout_s = liveness_timeout_s
         self.max_connections = max_connections
         self.weight_transfer = weight_transfer
         self._group: tuple[Replica, ...] | None = None  # the NCCL group's replicas, rank order
@@ -554,12 +558,16 @@ class VLLMServerEngine:
             state = await self._catch_up(replica, weights, version)
         if state is ReplicaState.UP and not paused:
             await self._call(replica, "POST", "/resume")
+        if state is ReplicaState.UP:
+            await self._check_alive(replica, paused=paused)
         if self._closed:
             return True
         if self._epoch != epoch or self._control.locked():
             return False
-        replica.state = state
-        replica.error = None
+        if state is ReplicaState.UP:
+            replica.mark_up()
+        else:
+            replica.state = state
         return True
 
     @contextlib.asynccontextmanager
@@ -603,7 +611,7 @@ class VLLMServerEngine:
         """`replica` leaves the rotation, and the NCCL group: its workers may be new
         processes when it answers again, so the next update rebuilds the group."""
         loop = asyncio.get_running_loop()
-        replica.mark_down(str(exc), loop.time() + self.health_interval_s)
+        replica.fail(str(exc), loop.time(), self.health_interval_s)
         self._leave_group(replica)
 
     def _leave_group(self, replica: Replica) -> None:
@@ -611,16 +619,39 @@ class VLLMServerEngine:
             self._group = tuple(r for r in self._group if r is not replica)
 
     async def _failed(self, replica: Replica, exc: ReplicaError) -> None:
-        """A request to `replica` failed: it leaves the rotation unless it still answers its
-        health probe (then only the request failed). One that served weights this engine
-        never gave it is a new process: it leaves the rotation (and the NCCL group) until the
-        next request's route syncs it again, whatever its health probe says."""
+        """A request to `replica` failed: it leaves the rotation unless its engine core is
+        alive (`_check_alive`; then only the request failed). One that served weights this
+        engine never gave it is a new process: it leaves the rotation (and the NCCL group)
+        until the next request's route syncs it again, whatever its probe says."""
         if isinstance(exc, UnsyncedReplicaError):
             if replica.state is ReplicaState.UP:
                 replica.mark_unsynced(str(exc))
                 self._leave_group(replica)
-        elif replica.state is ReplicaState.UP and not await self._healthy(replica):
-            self._down(replica, exc)
+            return
+        if replica.state is not ReplicaState.UP:
+            return
+        try:
+            await self._check_alive(replica, paused=self._paused)
+        except ReplicaError as probe:
+            if _up(replica):
+                self._down(replica, ReplicaError(replica.url, f"{exc}; then {probe}"))
+
+    async def _check_alive(self, replica: Replica, *, paused: bool) -> None:
+        """Raise `ReplicaError` unless `replica`'s engine core serves: a one-token generate
+        within `liveness_timeout_s`. vLLM's `/health` reports a dead engine core, not a hung
+        one, so a wedged replica passed it for ever. A paused replica cannot generate
+        (vLLM queues the request): then `/health` is all there is to ask."""
+        if paused:
+            await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
+            return
+        body = {
+            "request_id": f"{_LIVENESS}-{uuid.uuid4().hex[:12]}",
+            "token_ids": [0],
+            "stream": True,
+            "sampling_params": {"n": 1, "max_tokens": 1, "temperature": 0.0, "logprobs": 0},
+        }
+        with self._dead_if_closed():
+            await rp.liveness(self._session(), replica, body, self.liveness_timeout_s)
 
     def _states(self) -> str:
         return "; ".join(f"{r.url} {r.state.value} ({r.error})" for r in self.replicas)
@@ -642,10 +673,6 @@ class VLLMServerEngine:
             return await rp.control(
                 self._session(), replica, method, path, timeout_s=timeout, json=json
             )
-
-    async def _healthy(self, replica: Replica) -> bool:
-        with self._dead_if_closed():
-            return await rp.healthy(self._session(), replica, self.health_timeout_s)
 
     @contextlib.contextmanager
     def _dead_if_closed(self) -> Iterator[None]:
