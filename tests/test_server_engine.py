@@ -172,19 +172,26 @@ async def test_a_rejoining_replica_takes_the_engines_pause_state(tmp_path: Path)
 
 
 class _Body:
+    """A reply's body that counts the bytes read from it."""
+
     def __init__(self, data: bytes) -> None:
         self.data = data
+        self.taken = 0
 
-    async def read(self, n: int) -> bytes:
+    async def read(self, n: int = -1) -> bytes:
+        n = len(self.data) if n < 0 else n
         chunk, self.data = self.data[:n], self.data[n:]
+        self.taken += len(chunk)
         return chunk
 
 
 class _Reply:
-    status = 200
+    def __init__(self, status: int = 200, body: bytes = b'{"ok": true}') -> None:
+        self.status = status
+        self.content = _Body(body)
 
-    def __init__(self) -> None:
-        self.content = _Body(b'{"ok": true}')
+    async def read(self) -> bytes:  # aiohttp's: the whole body
+        return await self.content.read()
 
 
 class _Session:
@@ -193,9 +200,10 @@ class _Session:
 
     closed = False
 
-    def __init__(self, *errors: BaseException | None) -> None:
+    def __init__(self, *errors: BaseException | None, reply: _Reply | None = None) -> None:
         self.errors = list(errors)
         self.calls = 0
+        self.reply = reply or _Reply()
 
     @contextlib.asynccontextmanager
     async def request(self, method: str, url: str, **kwargs: Any) -> AsyncIterator[_Reply]:
@@ -205,7 +213,7 @@ class _Session:
             if error is None:
                 await asyncio.Event().wait()
             raise error
-        yield _Reply()
+        yield self.reply
 
 
 def control_on(session: _Session, timeout_s: float = 60.0) -> Any:
@@ -223,6 +231,15 @@ async def test_aiohttps_own_timeout_is_a_transport_error_retried_not_the_deadlin
     with pytest.raises(ReplicaError, match="POST /pause: ConnectionTimeoutError") as raised:
         await control_on(twice)
     assert "no reply within" not in str(raised.value)
+
+
+async def test_an_error_reply_is_read_only_as_far_as_it_is_quoted() -> None:
+    """An error reply was read whole, then cut to 500 bytes: a replica (or a proxy) answering
+    a 500 with a gigabyte held a gigabyte here."""
+    reply = _Reply(500, b"x" * (64 << 20))
+    with pytest.raises(ReplicaError, match="HTTP 500"):
+        await control_on(_Session(reply=reply))
+    assert reply.content.taken <= 500
 
 
 async def test_a_control_call_past_its_deadline_says_so() -> None:

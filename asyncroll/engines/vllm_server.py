@@ -666,12 +666,20 @@ class VLLMServerEngine:
         json: Any = None,
         *,
         timeout_s: float | None = None,
+        idempotent: bool = True,
     ) -> Any:
-        """A control call within `timeout_s` (default `control_timeout_s`)."""
+        """A control call within `timeout_s` (default `control_timeout_s`); only an
+        `idempotent` one is tried again after a connection error (`replicas.control`)."""
         timeout = self.control_timeout_s if timeout_s is None else timeout_s
         with self._dead_if_closed():
             return await rp.control(
-                self._session(), replica, method, path, timeout_s=timeout, json=json
+                self._session(),
+                replica,
+                method,
+                path,
+                timeout_s=timeout,
+                json=json,
+                idempotent=idempotent,
             )
 
     @contextlib.contextmanager
@@ -875,6 +883,7 @@ class VLLMServerEngine:
                 "/init_weight_transfer_engine",
                 body,
                 timeout_s=sender.timeout_s,
+                idempotent=False,  # a second join waits for a rendezvous that never comes
             )
 
         joins = [sender.join(), *map(init, members, offsets[:-1])]
@@ -907,7 +916,11 @@ class VLLMServerEngine:
         body = {"update_info": nccl_transfer.update_info(named)}
 
         def calls(path: str, json: Any = None) -> list[Awaitable[Any]]:
-            return [self._call(r, "POST", path, json, timeout_s=sender.timeout_s) for r in members]
+            # never sent twice: a second receive waits for a broadcast that never comes
+            return [
+                self._call(r, "POST", path, json, timeout_s=sender.timeout_s, idempotent=False)
+                for r in members
+            ]
 
         steps: list[Callable[[], list[Awaitable[Any]]]] = [
             lambda: calls("/start_weight_update"),
