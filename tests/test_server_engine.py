@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+import tracemalloc
 import types
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -815,3 +816,27 @@ def test_a_failing_replicas_probes_back_off_to_a_bound() -> None:
     waits = [backoff_s(5.0, failures) for failures in range(1, 10)]
     assert waits[:4] == [5.0, 10.0, 20.0, 40.0]
     assert max(waits) == waits[-1] == 5.0 * 2**MAX_BACKOFF_DOUBLINGS
+
+
+def test_tokens_in_flight_are_within_the_payload_the_engine_declares() -> None:
+    """A sample's streamed tokens wait here until its request ends, outside the buffer's
+    byte bound unless `payload_bytes` counts them: it said 0, while Python lists of ints
+    and floats held ~70 B a token."""
+    from asyncroll.engines import replicas as rp
+    from asyncroll.engines import vllm_server
+
+    n, vocab = 5_000, 50_000
+    event = json.dumps({"choices": [_choice([300 + (t % 40_000) for t in range(n)])]}).encode()
+    engine = VLLMServerEngine("http://127.0.0.1:1", vocab_size=vocab)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        sample = vllm_server._Sample()
+        decoded = msgspec.json.decode(event, type=rp.StreamEvent)
+        vllm_server._append(sample, decoded.choices[0], "http://r:1", vocab)
+        del decoded
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(sample.tokens) == n
+    assert 0 < held <= engine.payload_bytes(n)

@@ -50,6 +50,7 @@ cheaper of the two per request (`benchmarks/server_throughput.py` has the number
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import contextlib
@@ -80,6 +81,8 @@ from asyncroll.engines.base import (
 )
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, UnsyncedReplicaError
 
+IN_FLIGHT_BYTES_PER_TOKEN = 10  # a token id and a logprob, 4 B each, and arrays' growth
+IN_FLIGHT_SAMPLE_BYTES = 512  # a `_Sample` and its two arrays, empty
 _FINISH_REASONS = frozenset({"stop", "length", "abort"})
 _LABEL = re.compile(r"-?(0|[1-9][0-9]{0,9})")  # `str(version)`, ASCII digits only
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -110,11 +113,14 @@ def attempt_session(request_id: str) -> str:
 
 
 class _Sample:
+    """A sample's tokens as they stream in, in C arrays (8 B a token, `IN_FLIGHT_BYTES`):
+    Python lists of ints and floats held ~70."""
+
     __slots__ = ("finish", "logprobs", "spans", "tokens")
 
     def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
+        self.tokens = array.array("i")  # int32, as `SampleOutput` has them
+        self.logprobs = array.array("f")
         self.finish: str | None = None
         self.spans: list[rp.Span] | None = None
 
@@ -263,7 +269,10 @@ class VLLMServerEngine:
         return self._version
 
     def payload_bytes(self, max_new_tokens: int) -> int:
-        return 0
+        """The bytes a sample's tokens hold here while in flight (`_Sample`), beyond what
+        the producer counts for its encoded tokens: they are in this process, and the
+        buffer's byte bound must cover them."""
+        return IN_FLIGHT_BYTES_PER_TOKEN * max_new_tokens + IN_FLIGHT_SAMPLE_BYTES
 
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
         self._check_open()
