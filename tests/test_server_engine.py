@@ -59,6 +59,8 @@ from tests.stubs import not_http, served
         ({"stream_interval": 0}, "stream_interval"),
         ({"request_timeout_s": 0}, "request_timeout_s"),
         ({"max_connections": 0}, "max_connections"),
+        ({"pause_timeout_s": 0}, "pause_timeout_s"),
+        ({"liveness_timeout_s": -1}, "liveness_timeout_s"),
         ({"weights_dir": "/nonexistent/asyncroll"}, "weights_dir"),
     ],
 )
@@ -840,3 +842,19 @@ def test_tokens_in_flight_are_within_the_payload_the_engine_declares() -> None:
         tracemalloc.stop()
     assert len(sample.tokens) == n
     assert 0 < held <= engine.payload_bytes(n)
+
+
+async def test_a_replica_hung_in_its_pause_leaves_the_rotation_within_the_pause_bound() -> None:
+    """A pause waited `control_timeout_s` (120 s) for a replica whose `/pause` hung, past
+    the producer's `abort_timeout_s` (30 s) that bounds it: the pause was undone and the run
+    stopped while the other replica served. A pause now waits `pause_timeout_s` per call,
+    and the engine states its bound (`pause_bound_s`) for the caller to compare."""
+    async with scripted(2, control_timeout_s=60.0, pause_timeout_s=0.2) as (engine, stubs):
+        await engine.check_replicas()
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/pause"}
+        assert engine.pause_bound_s == 0.4
+        await asyncio.wait_for(engine.pause_generation(), 30.0)  # not the 60 s control call
+        assert [r.state for r in engine.replicas] == [ReplicaState.UP, ReplicaState.DOWN]
+        await asyncio.wait_for(engine.resume_generation(), 30.0)
+        (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), 30.0)
+        assert sample.tokens.tolist() == [7, 8]

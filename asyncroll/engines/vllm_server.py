@@ -184,6 +184,7 @@ class VLLMServerEngine:
         health_timeout_s: float = 5.0,
         health_interval_s: float = 5.0,
         liveness_timeout_s: float = 30.0,
+        pause_timeout_s: float = 10.0,
         max_connections: int = 512,
         weight_transfer: nccl_transfer.WeightSender | None = None,
     ) -> None:
@@ -209,6 +210,7 @@ class VLLMServerEngine:
             "health_timeout_s": health_timeout_s,
             "health_interval_s": health_interval_s,
             "liveness_timeout_s": liveness_timeout_s,
+            "pause_timeout_s": pause_timeout_s,
         }
         for name, value in timeouts.items():
             if not value > 0:
@@ -229,6 +231,7 @@ class VLLMServerEngine:
         self.health_timeout_s = health_timeout_s
         self.health_interval_s = health_interval_s
         self.liveness_timeout_s = liveness_timeout_s
+        self.pause_timeout_s = pause_timeout_s
         self.max_connections = max_connections
         self.weight_transfer = weight_transfer
         self._group: tuple[Replica, ...] | None = None  # the NCCL group's replicas, rank order
@@ -267,6 +270,15 @@ class VLLMServerEngine:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def pause_bound_s(self) -> float:
+        """The longest `pause_generation` or `resume_generation` takes while no weight
+        update runs, whatever a replica does: waiting for probes when none is up, then one
+        call to each replica, `pause_timeout_s` each. Deadlines compose only if it is below
+        the caller's own (the producer's `abort_timeout_s`, 30 s by default): a pause that
+        outlives its caller is undone and the run stops."""
+        return 2 * self.pause_timeout_s
 
     def payload_bytes(self, max_new_tokens: int) -> int:
         """The bytes a sample's tokens hold here while in flight (`_Sample`), beyond what
@@ -343,7 +355,7 @@ class VLLMServerEngine:
         the error is raised: a caller that gives up on a pause does not resume, and a held
         engine would hold every later request until its deadline."""
         self._check_open()
-        await self._revive_due(wait_new=False)
+        await self._revive_due(wait_new=False, wait_s=self.pause_timeout_s)
         async with self._controlling():
             self._check_open()
             paused_before = self._paused
@@ -362,7 +374,7 @@ class VLLMServerEngine:
         answers: `EngineDeadError`), the engine is no longer paused: the caller goes on as
         resumed (the producer does), and replicas that come back are synced unpaused."""
         self._check_open()
-        await self._revive_due(wait_new=False)
+        await self._revive_due(wait_new=False, wait_s=self.pause_timeout_s)
         async with self._controlling():
             self._check_open()
             await self._reopen()
@@ -503,12 +515,13 @@ class VLLMServerEngine:
             raise EngineDeadError(f"no replica is up: {self._states()}")
         return replica
 
-    async def _revive_due(self, *, wait_new: bool = True) -> None:
+    async def _revive_due(self, *, wait_new: bool = True, wait_s: float | None = None) -> None:
         """Start a sync of every new replica and of every down one due for a probe, each in
         its own task. With `wait_new` (routing) wait for the new ones: a session must not
         settle elsewhere only because its replica was not synced yet. Wait for the others
         only when no replica is up: a down replica whose probe hangs (its host unreachable)
-        must not stall the requests, pauses and updates of the replicas that serve."""
+        must not stall the requests, pauses and updates of the replicas that serve. A pause
+        or resume waits `wait_s` at most (`pause_timeout_s`)."""
         now = asyncio.get_running_loop().time()
         for replica in self.replicas:
             new = replica.state is ReplicaState.UNSYNCED
@@ -522,7 +535,8 @@ class VLLMServerEngine:
             waiting = [p for r, p in self._probes.items() if r.state is ReplicaState.UNSYNCED]
         else:
             return
-        await asyncio.gather(*map(asyncio.shield, waiting))
+        if waiting:  # not cancelled by a caller that gives up: other callers share them
+            await asyncio.wait(waiting, timeout=wait_s)
 
     def _probed(self, replica: Replica, _: asyncio.Task[None]) -> None:
         """A routing probe of `replica` ended (its outcome is the replica's state): the next
@@ -704,10 +718,11 @@ class VLLMServerEngine:
                 raise EngineDeadError("VLLMServerEngine is closed") from None
             raise
 
-    async def _each_replica(self, method: str, path: str, json: Any = None) -> None:
-        """One control call on every UP replica at once; one that fails leaves the rotation.
-        None up afterwards: `EngineDeadError`."""
-        await self._on_every_up(lambda r: self._call(r, method, path, json))
+    async def _each_replica(self, method: str, path: str) -> None:
+        """A pause or resume on every UP replica at once, within `pause_timeout_s`; one that
+        fails leaves the rotation. None up afterwards: `EngineDeadError`."""
+        timeout_s = self.pause_timeout_s
+        await self._on_every_up(lambda r: self._call(r, method, path, timeout_s=timeout_s))
 
     async def _on_every_up(self, call: Callable[[Replica], Awaitable[object]]) -> None:
         """`call` on every UP replica at once; one that fails (`ReplicaError`) leaves the
@@ -766,7 +781,7 @@ class VLLMServerEngine:
         after a failure) every replica resumed and admission released, unless the caller had
         paused."""
         self._check_open()
-        await self._revive_due(wait_new=False)
+        await self._revive_due(wait_new=False, wait_s=self.pause_timeout_s)
         async with self._controlling():
             self._check_open()
             paused_before = self._paused
@@ -829,7 +844,9 @@ class VLLMServerEngine:
         async with self._frozen():
             await self._revive_for_broadcast()
             members = [r for r in self.replicas if r.state in (ReplicaState.UP, ReplicaState.STALE)]
-            members = await self._on_every(members, lambda r: self._call(r, "POST", _PAUSE))
+            members = await self._on_every(
+                members, lambda r: self._call(r, "POST", _PAUSE, timeout_s=self.pause_timeout_s)
+            )
             members = await self._on_every(members, self._leave_group_if_restarted)
             if not members:
                 raise EngineDeadError(f"no replica is up: {self._states()}")
