@@ -825,7 +825,7 @@ def test_tokens_in_flight_are_within_the_payload_the_engine_declares() -> None:
     byte bound unless `payload_bytes` counts them: it said 0, while Python lists of ints
     and floats held ~70 B a token."""
     from asyncroll.engines import replicas as rp
-    from asyncroll.engines import vllm_server
+    from asyncroll.engines import server_samples
 
     n, vocab = 5_000, 50_000
     event = json.dumps({"choices": [_choice([300 + (t % 40_000) for t in range(n)])]}).encode()
@@ -833,9 +833,9 @@ def test_tokens_in_flight_are_within_the_payload_the_engine_declares() -> None:
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        sample = vllm_server._Sample()
+        sample = server_samples.Sample()
         decoded = msgspec.json.decode(event, type=rp.StreamEvent)
-        vllm_server._append(sample, decoded.choices[0], "http://r:1", vocab)
+        server_samples.append(sample, decoded.choices[0], "http://r:1", vocab)
         del decoded
         held = tracemalloc.get_traced_memory()[0] - before
     finally:

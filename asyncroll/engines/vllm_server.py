@@ -50,15 +50,11 @@ cheaper of the two per request (`benchmarks/server_throughput.py` has the number
 
 from __future__ import annotations
 
-import array
 import asyncio
-import collections
 import contextlib
 import enum
 import functools
 import os
-import re
-import shutil
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -69,8 +65,9 @@ import numpy as np
 import yarl
 
 from asyncroll._signal import Signal
-from asyncroll.engines import nccl_transfer, vllm_groups, weights_file
+from asyncroll.engines import nccl_transfer, server_weights, vllm_groups, weights_file
 from asyncroll.engines import replicas as rp
+from asyncroll.engines import server_samples as ss
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -80,22 +77,16 @@ from asyncroll.engines.base import (
     Weights,
 )
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, UnsyncedReplicaError
+from asyncroll.engines.server_samples import attempt_session
 
-IN_FLIGHT_BYTES_PER_TOKEN = 10  # a token id and a logprob, 4 B each, and arrays' growth
-IN_FLIGHT_SAMPLE_BYTES = 512  # a `_Sample` and its two arrays, empty
-_FINISH_REASONS = frozenset({"stop", "length", "abort"})
-_LABEL = re.compile(r"-?(0|[1-9][0-9]{0,9})")  # `str(version)`, ASCII digits only
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+__all__ = ["VLLMServerEngine", "attempt_session"]
+
+_checkpoint = server_weights.checkpoint
+
 _LIVENESS = "asyncroll-liveness"  # the request id of a liveness probe's generate
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
 _PAUSE = "/pause?mode=keep&clear_cache=false"
 _NOT_CONFIGURED = "Weight transfer not configured"  # vLLM without --weight-transfer-config
-
-
-class Broadcast(enum.Enum):
-    """Weights the replicas received over NCCL: unlike a folder, not there to load again."""
-
-    SENT = "sent"
 
 
 class Admission(enum.Enum):
@@ -103,52 +94,6 @@ class Admission(enum.Enum):
 
     OPEN = "open"
     HELD = "held"  # paused or updating weights: requests wait here, not in a paused vLLM
-
-
-def attempt_session(request_id: str) -> str:
-    """The default session key: the request id without its last "-" part. The producer names
-    attempts `<run>-<group uid>-<attempt>`, so every attempt of a group meets the same replica
-    (and its prefix cache)."""
-    return request_id.rsplit("-", 1)[0]
-
-
-class _Sample:
-    """A sample's tokens as they stream in, in C arrays (8 B a token, `IN_FLIGHT_BYTES`):
-    Python lists of ints and floats held ~70."""
-
-    __slots__ = ("finish", "logprobs", "spans", "tokens")
-
-    def __init__(self) -> None:
-        self.tokens = array.array("i")  # int32, as `SampleOutput` has them
-        self.logprobs = array.array("f")
-        self.finish: str | None = None
-        self.spans: list[rp.Span] | None = None
-
-
-class _Part:
-    """One HTTP request of a group: `n` samples continuing the same prompt + prefix."""
-
-    __slots__ = ("indices", "max_tokens", "prompt", "server_id", "started")
-
-    def __init__(self, server_id: str, prompt: list[int], max_tokens: int, indices: list[int]):
-        self.server_id = server_id  # the request_id sent; vLLM prefixes it (_SERVER_PREFIX)
-        self.prompt = prompt
-        self.max_tokens = max_tokens
-        self.indices = indices  # positions in the group's request.samples
-        self.started = False  # sent to the replica (so an abort has to reach it there)
-
-
-class _Live:
-    """A running group: its replica, its requests and the tasks streaming them."""
-
-    __slots__ = ("aborted", "parts", "replica", "samples", "tasks")
-
-    def __init__(self, parts: list[_Part], replica: Replica, samples: list[_Sample]) -> None:
-        self.parts = parts
-        self.samples = samples
-        self.replica = replica
-        self.aborted = False
-        self.tasks: list[asyncio.Task[None]] = []
 
 
 class VLLMServerEngine:
@@ -237,13 +182,12 @@ class VLLMServerEngine:
         self._group: tuple[Replica, ...] | None = None  # the NCCL group's replicas, rank order
         self._http: aiohttp.ClientSession | None = None  # made in the loop that first uses it
         self._version = 0
-        self._weights: Path | Broadcast | None = None  # what every replica serves (None: its own)
-        self._written: list[Path] = []  # folders this engine wrote, deleted once not served
-        self._pinned: collections.Counter[Path] = collections.Counter()  # being loaded by a sync
+        self._weights: server_weights.Served = None  # what every replica serves (None: its own)
+        self._folders = server_weights.WeightFolders()
         self._epoch = 0  # moves at the start and end of every pause, resume and update
         self._admission = Admission.OPEN
         self._paused = False
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, ss.Live] = {}
         self._recent = RecentIds()
         self._generated = 0
         self._open_streams = 0
@@ -281,10 +225,10 @@ class VLLMServerEngine:
         return 2 * self.pause_timeout_s
 
     def payload_bytes(self, max_new_tokens: int) -> int:
-        """The bytes a sample's tokens hold here while in flight (`_Sample`), beyond what
-        the producer counts for its encoded tokens: they are in this process, and the
-        buffer's byte bound must cover them."""
-        return IN_FLIGHT_BYTES_PER_TOKEN * max_new_tokens + IN_FLIGHT_SAMPLE_BYTES
+        """The bytes a sample's tokens hold here while in flight (`server_samples.Sample`),
+        beyond what the producer counts for its encoded tokens: they are in this process,
+        and the buffer's byte bound must cover them."""
+        return ss.IN_FLIGHT_BYTES_PER_TOKEN * max_new_tokens + ss.IN_FLIGHT_SAMPLE_BYTES
 
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
         self._check_open()
@@ -293,15 +237,15 @@ class VLLMServerEngine:
             raise ValueError(f"request id {rid!r} is already running")
         parts = self._split(request)
         aborted_early = self._recent.take_early_abort(rid)
-        samples = [_Sample() for _ in request.samples]
+        samples = [ss.Sample() for _ in request.samples]
         if aborted_early:
             self._recent.ended(rid)
-            return [self._aborted_output() for _ in samples]
+            return [ss.aborted_output() for _ in samples]
         # an episode names its session; a single-turn group's attempts share their id's stem
         replica = await self._route(request.session or self.session_of(rid))
         if rid in self._live:  # started by another call while this one was routed
             raise ValueError(f"request id {rid!r} is already running")
-        live = self._live[rid] = _Live(parts, replica, samples)
+        live = self._live[rid] = ss.Live(parts, replica, samples)
         live.aborted = self._recent.take_early_abort(rid)  # aborted while it was routed
         try:
             async with asyncio.timeout(self.request_timeout_s):
@@ -321,7 +265,7 @@ class VLLMServerEngine:
             self._progress.notify()
         try:
             return [
-                self._output(s, rid, replica, asked.max_new_tokens)
+                ss.output(s, rid, replica.url, asked.max_new_tokens)
                 for s, asked in zip(samples, request.samples, strict=True)
             ]
         except ReplicaError as exc:  # what the replica answered is wrong: as a failed stream
@@ -384,7 +328,7 @@ class VLLMServerEngine:
         unchanged), and label later tokens `version` there; see `update_weights_from_path`.
         With `weight_transfer`, broadcast them over NCCL instead (see the module docstring)."""
         self._check_open()
-        _check_version(version)
+        ss.check_version(version)
         if weights is None:
             await self._update(None, version)
             return
@@ -399,13 +343,13 @@ class VLLMServerEngine:
             )
         folder = self.weights_dir / f"asyncroll-v{version}-{uuid.uuid4().hex[:8]}"
         folder.mkdir()
-        self._written.append(folder)
+        self._folders.add(folder)
         try:
-            await asyncio.to_thread(_write_weights, list(weights), folder)
+            await asyncio.to_thread(server_weights.write, list(weights), folder)
             await self._update(folder, version)
         finally:
             if self._weights == folder:  # committed (even if cut off at its resume after)
-                self._collect()
+                self._folders.collect(self._weights)
 
     async def update_weights_from_path(self, path: str | os.PathLike[str], *, version: int) -> None:
         """Load the safetensors checkpoint folder `path` (written by the trainer, readable by
@@ -413,8 +357,8 @@ class VLLMServerEngine:
         and running ones frozen meanwhile; running ones continue on the new weights (their
         KV cache recomputed), their later tokens labelled `version`."""
         self._check_open()
-        _check_version(version)
-        await self._update(_checkpoint(path), version)
+        ss.check_version(version)
+        await self._update(server_weights.checkpoint(path), version)
 
     async def close(self) -> None:
         """Stop serving: running `generate` calls raise `EngineDeadError` (their streams are
@@ -438,9 +382,7 @@ class VLLMServerEngine:
         if self._http is not None:
             await self._http.close()
             self._http = None
-        for folder in self._written:
-            shutil.rmtree(folder, ignore_errors=True)
-        self._written.clear()
+        self._folders.remove_all()
         if self.weight_transfer is not None:
             self.weight_transfer.leave()
 
@@ -577,7 +519,7 @@ class VLLMServerEngine:
         snapshot may be out of date) or the engine closed."""
         epoch, weights, version, paused = self._epoch, self._weights, self._version, self._paused
         await self._call(replica, "POST", _PAUSE)
-        with self._pin(weights):
+        with self._folders.pin(weights):
             state = await self._catch_up(replica, weights, version)
         if state is ReplicaState.UP and not paused:
             await self._call(replica, "POST", "/resume")
@@ -603,32 +545,6 @@ class VLLMServerEngine:
                 yield
             finally:
                 self._epoch += 1
-
-    @contextlib.contextmanager
-    def _pin(self, weights: Path | Broadcast | None) -> Iterator[None]:
-        """While a sync loads `weights`, their folder is not deleted under it (a reload of a
-        missing path kills a vLLM engine)."""
-        if not isinstance(weights, Path):
-            yield
-            return
-        self._pinned[weights] += 1
-        try:
-            yield
-        finally:
-            self._pinned[weights] -= 1
-            if not self._pinned[weights]:
-                del self._pinned[weights]
-
-    def _collect(self) -> None:
-        """Delete the folders this engine wrote that no replica can be loading: every one but
-        the weights the engine serves and those a sync is loading. Called once an update
-        committed, so a failed update's folder (a cut-off reload may still read it) stays
-        until the next one."""
-        keep = [f for f in self._written if f == self._weights or f in self._pinned]
-        for folder in self._written:
-            if folder not in keep:
-                shutil.rmtree(folder, ignore_errors=True)
-        self._written = keep
 
     def _down(self, replica: Replica, exc: BaseException) -> None:
         """`replica` leaves the rotation, and the NCCL group: its workers may be new
@@ -766,11 +682,11 @@ class VLLMServerEngine:
                     self._down(replica, exc)
 
     async def _catch_up(
-        self, replica: Replica, weights: Path | Broadcast | None, version: int
+        self, replica: Replica, weights: server_weights.Served, version: int
     ) -> ReplicaState:
         """Give a paused, answering replica `weights` and label `version`: UP then, or STALE
         when they came over NCCL (nothing to load: it receives the next broadcast)."""
-        if weights is Broadcast.SENT:
+        if weights is server_weights.Broadcast.SENT:
             return ReplicaState.STALE
         await self._load_on(replica, weights, version)
         return ReplicaState.UP
@@ -953,7 +869,7 @@ class VLLMServerEngine:
             lambda: [sender.send(named), *calls("/update_weights", body)],
             lambda: calls("/finish_weight_update"),
         ]
-        self._weights = Broadcast.SENT  # from here on, the old weights are gone everywhere
+        self._weights = server_weights.Broadcast.SENT  # the old weights are gone everywhere
         try:
             for step in steps:
                 error = await vllm_groups.first_error([asyncio.ensure_future(c) for c in step()])
@@ -1001,14 +917,14 @@ class VLLMServerEngine:
 
     # -- generation ------------------------------------------------------------------------------
 
-    def _split(self, request: GenerateRequest) -> list[_Part]:
+    def _split(self, request: GenerateRequest) -> list[ss.Part]:
         """Fresh samples of one budget travel together as `n` (not when greedy: vLLM refuses
         n > 1 then), continued samples one request each (see `vllm_groups.split_group`)."""
         together = request.sampling.temperature > 0
-        return vllm_groups.split_group(request, self._vocab_size, together=together, part=_Part)
+        return vllm_groups.split_group(request, self._vocab_size, together=together, part=ss.Part)
 
     async def _run_parts(
-        self, live: _Live, samples: list[_Sample], sampling: SamplingConfig
+        self, live: ss.Live, samples: list[ss.Sample], sampling: SamplingConfig
     ) -> None:
         """Stream every part; on the first error (or a cancellation) end the others, abort
         what was sent, and raise."""
@@ -1022,7 +938,7 @@ class VLLMServerEngine:
             unfinished = [
                 p.server_id
                 for p, task in zip(live.parts, tasks, strict=True)
-                if p.started and _unfinished(task)
+                if p.started and ss.unfinished(task)
             ]
             if unfinished and not self._closed:  # do not rely on the disconnect alone
                 await asyncio.shield(self._abort_on(live.replica, unfinished))
@@ -1033,7 +949,7 @@ class VLLMServerEngine:
                 await self._failed(live.replica, error)
             raise error
 
-    async def _admit(self, live: _Live) -> None:
+    async def _admit(self, live: ss.Live) -> None:
         """Wait while admission is held (a pause or weight update); an abort or close ends
         the wait."""
         if self._admission is Admission.OPEN:
@@ -1048,7 +964,7 @@ class VLLMServerEngine:
             self._held -= 1
 
     async def _stream(
-        self, live: _Live, part: _Part, samples: list[_Sample], sampling: SamplingConfig
+        self, live: ss.Live, part: ss.Part, samples: list[ss.Sample], sampling: SamplingConfig
     ) -> None:
         await self._admit(live)
         if self._closed:
@@ -1067,7 +983,7 @@ class VLLMServerEngine:
             "request_id": part.server_id,
             "token_ids": part.prompt,
             "stream": True,
-            "sampling_params": self._sampling_params(sampling, part),
+            "sampling_params": ss.sampling_params(sampling, part, self.stream_interval),
         }
         part.started = True
         self._open_streams += 1
@@ -1096,7 +1012,7 @@ class VLLMServerEngine:
                                 f" {len(part.indices)} samples",
                             )
                         sample = samples[part.indices[choice.index]]
-                        got = _append(sample, choice, replica.url, self._vocab_size)
+                        got = ss.append(sample, choice, replica.url, self._vocab_size)
                         self._generated += got
                     self._progress.notify()
                     if first and _aborted(live):  # the abort may have beaten the request there
@@ -1112,92 +1028,9 @@ class VLLMServerEngine:
             replica.streams -= 1
             self._progress.notify()
 
-    def _sampling_params(self, sampling: SamplingConfig, part: _Part) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "n": len(part.indices),
-            "max_tokens": part.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "stop_token_ids": list(sampling.stop_token_ids),
-            "ignore_eos": sampling.ignore_eos,
-            "logprobs": 0,  # the sampled token's logprob only
-            "stream_interval": self.stream_interval or part.max_tokens,
-        }
-        if sampling.top_k is not None:
-            params["top_k"] = sampling.top_k
-        if sampling.seed is not None:
-            params["seed"] = vllm_groups.part_seed(sampling.seed, part.server_id)
-        return params
-
-    def _output(
-        self, sample: _Sample, request_id: str, replica: Replica, max_new_tokens: int
-    ) -> SampleOutput:
-        """One sample as the `Engine` contract has it; a replica's answer that breaks the
-        contract (more tokens than asked for, a finish reason, logprobs or version labels that
-        do not fit) fails the request instead of reaching the trainer."""
-        n = len(sample.tokens)
-        if n > max_new_tokens:
-            raise ReplicaError(
-                replica.url,
-                f"returned {n} tokens for a sample of {request_id} that asked for at most"
-                f" {max_new_tokens}",
-            )
-        if sample.finish not in _FINISH_REASONS:
-            raise ReplicaError(
-                replica.url, f"finished a sample of {request_id} with reason {sample.finish!r}"
-            )
-        if len(sample.logprobs) != n:
-            raise ReplicaError(
-                replica.url, f"returned {len(sample.logprobs)} logprobs for {n} tokens"
-            )
-        versions = vllm_groups.token_versions(
-            sample.spans, n, lambda label: self._label(label, replica)
-        )
-        if versions is None:
-            raise ReplicaError(
-                replica.url,
-                f"its version spans do not label each of the {n} tokens of {request_id} once,"
-                " in order",
-            )
-        return SampleOutput(
-            tokens=np.array(sample.tokens, dtype=np.int32),
-            logprobs=np.array(sample.logprobs, dtype=np.float32),
-            versions=versions,
-            finish_reason=sample.finish,
-        )
-
-    def _label(self, label: str, replica: Replica) -> int:
-        """A version label as this engine set it (`str(version)` of an int32); anything else
-        (vLLM's initial "default": a replica restarted behind the engine's back) fails the
-        request. Strictly: `int()` also reads "1_0" as 10, "\u0663" as 3 and " 1" as 1."""
-        value = int(label) if _LABEL.fullmatch(label) else None
-        if value is None or not _INT32_MIN <= value <= _INT32_MAX:
-            raise UnsyncedReplicaError(
-                replica.url,
-                f"served tokens labelled {label!r}, a version this engine never set "
-                "(did it restart without the current weights?)",
-            )
-        return value
-
-    @staticmethod
-    def _aborted_output() -> SampleOutput:
-        empty = np.zeros(0, dtype=np.int32)
-        return SampleOutput(
-            tokens=empty,
-            logprobs=np.zeros(0, dtype=np.float32),
-            versions=empty.copy(),
-            finish_reason="abort",
-        )
-
     def _check_open(self) -> None:
         if self._closed:
             raise EngineDeadError("VLLMServerEngine is closed")
-
-
-def _check_version(version: int) -> None:
-    """A version becomes every token's label and comes back as int32 (`SampleOutput`)."""
-    if not _INT32_MIN <= version <= _INT32_MAX:
-        raise ValueError(f"version={version}: must fit in int32 (every token carries it)")
 
 
 def _server(url: str) -> tuple[str | None, int | None, str]:
@@ -1213,47 +1046,7 @@ def _up(replica: Replica) -> bool:
     return replica.state is ReplicaState.UP
 
 
-def _aborted(live: _Live) -> bool:
+def _aborted(live: ss.Live) -> bool:
     """`live.aborted`, read through a call: it changes across awaits, which mypy's narrowing
     does not know."""
     return live.aborted
-
-
-def _unfinished(task: asyncio.Task[None]) -> bool:
-    """Whether a part's stream ended without finishing (an error or a cancellation), or has
-    not ended yet."""
-    return not task.done() or task.cancelled() or task.exception() is not None
-
-
-def _append(sample: _Sample, choice: rp.StreamChoice, url: str, vocab_size: int) -> int:
-    """Add one streamed delta of a sample; the number of new tokens. A token id outside the
-    vocabulary (beyond int32 it was a bare `OverflowError` naming no replica) fails it."""
-    tokens = choice.token_ids or []
-    for token in tokens:
-        if not 0 <= token < vocab_size:
-            raise ReplicaError(url, f"streamed token id {token}, outside [0, {vocab_size})")
-    entries = choice.logprobs.content if choice.logprobs is not None else []
-    if len(entries) != len(tokens) or any(
-        e.token_id != t for e, t in zip(entries, tokens, strict=True)
-    ):
-        raise ReplicaError(url, "streamed logprobs do not line up with the token ids")
-    sample.tokens.extend(tokens)
-    sample.logprobs.extend(e.logprob for e in entries)
-    if choice.finish_reason is not None:
-        sample.finish = choice.finish_reason
-        sample.spans = choice.weight_versions
-    return len(tokens)
-
-
-def _checkpoint(path: str | os.PathLike[str]) -> Path:
-    """`path` resolved, once checked to be a folder with safetensors files: vLLM treats a
-    missing path as a Hugging Face repo id, fails, and its engine dies on the next request."""
-    folder = Path(path)
-    if not folder.is_dir() or not any(folder.glob("*.safetensors")):
-        raise ValueError(f"{folder}: not a folder with *.safetensors files")
-    return folder.resolve()
-
-
-def _write_weights(weights: Weights, folder: Path) -> None:
-    """One `model.safetensors` in `folder`, the only file vLLM's `reload_weights` needs."""
-    weights_file.write_safetensors(weights_file.detached(weights), folder / "model.safetensors")
