@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import functools
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -68,6 +67,7 @@ from asyncroll._signal import Signal
 from asyncroll.engines import nccl_transfer, server_weights, vllm_groups, weights_file
 from asyncroll.engines import replicas as rp
 from asyncroll.engines import server_samples as ss
+from asyncroll.engines import server_supervisor as sup
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -76,16 +76,15 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
-from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, UnsyncedReplicaError
+from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState
+from asyncroll.engines.server_client import ReplicaClient
 from asyncroll.engines.server_samples import attempt_session
 
 __all__ = ["VLLMServerEngine", "attempt_session"]
 
 _checkpoint = server_weights.checkpoint
 
-_LIVENESS = "asyncroll-liveness"  # the request id of a liveness probe's generate
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
-_PAUSE = "/pause?mode=keep&clear_cache=false"
 _NOT_CONFIGURED = "Weight transfer not configured"  # vLLM without --weight-transfer-config
 
 
@@ -180,22 +179,34 @@ class VLLMServerEngine:
         self.max_connections = max_connections
         self.weight_transfer = weight_transfer
         self._group: tuple[Replica, ...] | None = None  # the NCCL group's replicas, rank order
-        self._http: aiohttp.ClientSession | None = None  # made in the loop that first uses it
-        self._version = 0
-        self._weights: server_weights.Served = None  # what every replica serves (None: its own)
+        self._state = sup.ControlState()
+        self._client = ReplicaClient(
+            max_connections=max_connections,
+            connect_timeout_s=connect_timeout_s,
+            control_timeout_s=control_timeout_s,
+            health_timeout_s=health_timeout_s,
+            liveness_timeout_s=liveness_timeout_s,
+        )
         self._folders = server_weights.WeightFolders()
-        self._epoch = 0  # moves at the start and end of every pause, resume and update
+        self._supervisors = {
+            r: sup.Supervisor(
+                r,
+                self._state,
+                self._client,
+                self._folders,
+                self._load_on,
+                self._down,
+                self._leave_group,
+            )
+            for r in self.replicas
+        }
         self._admission = Admission.OPEN
-        self._paused = False
         self._live: dict[str, ss.Live] = {}
         self._recent = RecentIds()
         self._generated = 0
         self._open_streams = 0
         self._held = 0
         self._progress = Signal()
-        self._control = asyncio.Lock()
-        self._probes: dict[Replica, asyncio.Task[None]] = {}  # of down replicas, by routing
-        self._closed = False
 
     # -- Engine protocol -------------------------------------------------------------------------
 
@@ -213,7 +224,7 @@ class VLLMServerEngine:
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._state.version
 
     @property
     def pause_bound_s(self) -> float:
@@ -276,7 +287,7 @@ class VLLMServerEngine:
         """Abort every request of the group on its replica; its `generate` then returns the
         partial samples, finish reason "abort". A request still held for admission is never
         sent; an id not seen yet is remembered; an ended one is left alone."""
-        if self._closed:
+        if self._state.closed:
             return
         live = vllm_groups.claim_abort(self._live, self._recent, request_id)
         if live is None:
@@ -300,15 +311,15 @@ class VLLMServerEngine:
         engine would hold every later request until its deadline."""
         self._check_open()
         await self._revive_due(wait_new=False, wait_s=self.pause_timeout_s)
-        async with self._controlling():
+        async with self._state.controlling():
             self._check_open()
-            paused_before = self._paused
+            paused_before = self._state.paused
             self._admission = Admission.HELD
-            self._paused = True
+            self._state.paused = True
             try:
-                await self._each_replica("POST", _PAUSE)
+                await self._each_replica("POST", sup.PAUSE)
             except BaseException:
-                if not paused_before and not self._closed:
+                if not paused_before and not self._state.closed:
                     with contextlib.suppress(EngineDeadError):
                         await self._reopen()
                 raise
@@ -319,7 +330,7 @@ class VLLMServerEngine:
         resumed (the producer does), and replicas that come back are synced unpaused."""
         self._check_open()
         await self._revive_due(wait_new=False, wait_s=self.pause_timeout_s)
-        async with self._controlling():
+        async with self._state.controlling():
             self._check_open()
             await self._reopen()
 
@@ -348,8 +359,8 @@ class VLLMServerEngine:
             await asyncio.to_thread(server_weights.write, list(weights), folder)
             await self._update(folder, version)
         finally:
-            if self._weights == folder:  # committed (even if cut off at its resume after)
-                self._folders.collect(self._weights)
+            if self._state.weights == folder:  # committed (even if cut off at its resume after)
+                self._folders.collect(self._state.weights)
 
     async def update_weights_from_path(self, path: str | os.PathLike[str], *, version: int) -> None:
         """Load the safetensors checkpoint folder `path` (written by the trainer, readable by
@@ -363,9 +374,9 @@ class VLLMServerEngine:
     async def close(self) -> None:
         """Stop serving: running `generate` calls raise `EngineDeadError` (their streams are
         closed, which makes vLLM abort them), later calls too; the replicas keep running."""
-        if self._closed:
+        if self._state.closed:
             return
-        self._closed = True
+        self._state.closed = self._client.closed = True
         self._progress.notify()
         # Abort on the replicas first: a closed connection alone reaches vLLM only when it
         # next writes to the stream, which may be at the request's end.
@@ -375,13 +386,8 @@ class VLLMServerEngine:
         ]
         await asyncio.gather(*(self._abort_on(r, ids) for r, ids in started if ids))
         await vllm_groups.end_streams(self._live.values(), self.control_timeout_s)
-        probes = list(self._probes.values())
-        for probe in probes:
-            probe.cancel()
-        await asyncio.gather(*probes, return_exceptions=True)
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        await asyncio.gather(*(s.stop() for s in self._supervisors.values()))
+        await self._client.close()
         self._folders.remove_all()
         if self.weight_transfer is not None:
             self.weight_transfer.leave()
@@ -416,7 +422,9 @@ class VLLMServerEngine:
 
     async def wait_generated(self, tokens: int, timeout: float) -> None:
         """Return once `generated_tokens >= tokens`; `TimeoutError` after `timeout` s."""
-        await self._progress.wait_until(lambda: self._generated >= tokens or self._closed, timeout)
+        await self._progress.wait_until(
+            lambda: self._generated >= tokens or self._state.closed, timeout
+        )
         self._check_open()
 
     async def wait_held(self, requests: int, timeout: float) -> None:
@@ -426,7 +434,7 @@ class VLLMServerEngine:
     async def wait_progress(self, predicate: Callable[[], bool], timeout: float) -> None:
         """Return once `predicate()` holds, checked whenever requests are held, sent, stream
         tokens or end (e.g. on `replicas[i].streams`); `TimeoutError` after `timeout` s."""
-        await self._progress.wait_until(lambda: predicate() or self._closed, timeout)
+        await self._progress.wait_until(lambda: predicate() or self._state.closed, timeout)
         self._check_open()
 
     # -- routing and replica health --------------------------------------------------------------
@@ -436,18 +444,16 @@ class VLLMServerEngine:
         and bring back those that answer, with the current weights and version label."""
         self._check_open()
         await asyncio.gather(
-            *(self._sync(r, now=True) for r in self.replicas if r.state is not ReplicaState.UP)
+            *(
+                s.sync(now=True)
+                for r, s in self._supervisors.items()
+                if r.state is not ReplicaState.UP
+            )
         )
 
     def _session(self) -> aiohttp.ClientSession:
-        if self._http is None:
-            self._check_open()  # never a new session once `close()` closed the last one
-            connector = aiohttp.TCPConnector(
-                limit=self.max_connections, limit_per_host=self.max_connections
-            )
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
-            self._http = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        return self._http
+        self._check_open()  # never a new session once `close()` closed the last one
+        return self._client.session()
 
     async def _route(self, session: str) -> Replica:
         """The replica for `session`, after syncing replicas due for it."""
@@ -465,86 +471,17 @@ class VLLMServerEngine:
         must not stall the requests, pauses and updates of the replicas that serve. A pause
         or resume waits `wait_s` at most (`pause_timeout_s`)."""
         now = asyncio.get_running_loop().time()
-        for replica in self.replicas:
-            new = replica.state is ReplicaState.UNSYNCED
-            due = new or (replica.state is ReplicaState.DOWN and replica.retry_at <= now)
-            if due and replica not in self._probes:
-                probe = self._probes[replica] = asyncio.ensure_future(self._sync(replica))
-                probe.add_done_callback(functools.partial(self._probed, replica))
+        syncing = {
+            r: s.start() for r, s in self._supervisors.items() if s.due(now) or s.task is not None
+        }
         if not any(r.state is ReplicaState.UP for r in self.replicas):
-            waiting = list(self._probes.values())
+            waiting = list(syncing.values())
         elif wait_new:
-            waiting = [p for r, p in self._probes.items() if r.state is ReplicaState.UNSYNCED]
+            waiting = [t for r, t in syncing.items() if r.state is ReplicaState.UNSYNCED]
         else:
             return
         if waiting:  # not cancelled by a caller that gives up: other callers share them
             await asyncio.wait(waiting, timeout=wait_s)
-
-    def _probed(self, replica: Replica, _: asyncio.Task[None]) -> None:
-        """A routing probe of `replica` ended (its outcome is the replica's state): the next
-        one may start when it is due again."""
-        del self._probes[replica]
-
-    async def _sync(self, replica: Replica, *, now: bool = False) -> None:
-        """Bring `replica` into the rotation: healthy, serving the current weights under the
-        current label, paused if the engine is. Any failure leaves it down until the next
-        probe (`now`: probe even before `retry_at`). Concurrent callers wait for the one sync
-        in progress rather than route without it.
-
-        It holds only the replica's own lock: a probe of a down replica (its `/health` and a
-        full reload, `control_timeout_s` each) once held the engine-wide control lock, and a
-        pause waiting for it ran past the producer's `abort_timeout_s` while another replica
-        served. Instead a sync works from a snapshot of the engine's weights, label and pause
-        state and joins the rotation only if no pause, resume or update ran meanwhile (else
-        it syncs again, after that one)."""
-        async with replica.syncing:
-            due = now or asyncio.get_running_loop().time() >= replica.retry_at
-            if replica.state is ReplicaState.UP or self._closed:
-                return
-            if replica.state is ReplicaState.DOWN and not due:
-                return  # probed while this caller waited
-            try:
-                await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
-                while not await self._resync(replica):
-                    async with self._control:  # wait for the pause, resume or update to end
-                        pass
-            except (ReplicaError, ValueError) as exc:  # ValueError: a folder gone from disk
-                self._down(replica, exc)
-
-    async def _resync(self, replica: Replica) -> bool:
-        """One try of `_sync` after the health probe: pause the replica (it may still be
-        streaming requests of its own: no request may see its weights change unpaused), load
-        the engine's weights and label, resume it unless the engine is paused. Whether it
-        joined the rotation: not when a control call of the engine ran meanwhile (its
-        snapshot may be out of date) or the engine closed."""
-        epoch, weights, version, paused = self._epoch, self._weights, self._version, self._paused
-        await self._call(replica, "POST", _PAUSE)
-        with self._folders.pin(weights):
-            state = await self._catch_up(replica, weights, version)
-        if state is ReplicaState.UP and not paused:
-            await self._call(replica, "POST", "/resume")
-        if state is ReplicaState.UP:
-            await self._check_alive(replica, paused=paused)
-        if self._closed:
-            return True
-        if self._epoch != epoch or self._control.locked():
-            return False
-        if state is ReplicaState.UP:
-            replica.mark_up()
-        else:
-            replica.state = state
-        return True
-
-    @contextlib.asynccontextmanager
-    async def _controlling(self) -> AsyncIterator[None]:
-        """The engine-wide control lock of a pause, resume or update; the epoch moves as it
-        starts and ends, which tells a sync that ran meanwhile to sync again."""
-        async with self._control:
-            self._epoch += 1
-            try:
-                yield
-            finally:
-                self._epoch += 1
 
     def _down(self, replica: Replica, exc: BaseException) -> None:
         """`replica` leaves the rotation, and the NCCL group: its workers may be new
@@ -558,39 +495,8 @@ class VLLMServerEngine:
             self._group = tuple(r for r in self._group if r is not replica)
 
     async def _failed(self, replica: Replica, exc: ReplicaError) -> None:
-        """A request to `replica` failed: it leaves the rotation unless its engine core is
-        alive (`_check_alive`; then only the request failed). One that served weights this
-        engine never gave it is a new process: it leaves the rotation (and the NCCL group)
-        until the next request's route syncs it again, whatever its probe says."""
-        if isinstance(exc, UnsyncedReplicaError):
-            if replica.state is ReplicaState.UP:
-                replica.mark_unsynced(str(exc))
-                self._leave_group(replica)
-            return
-        if replica.state is not ReplicaState.UP:
-            return
-        try:
-            await self._check_alive(replica, paused=self._paused)
-        except ReplicaError as probe:
-            if _up(replica):
-                self._down(replica, ReplicaError(replica.url, f"{exc}; then {probe}"))
-
-    async def _check_alive(self, replica: Replica, *, paused: bool) -> None:
-        """Raise `ReplicaError` unless `replica`'s engine core serves: a one-token generate
-        within `liveness_timeout_s`. vLLM's `/health` reports a dead engine core, not a hung
-        one, so a wedged replica passed it for ever. A paused replica cannot generate
-        (vLLM queues the request): then `/health` is all there is to ask."""
-        if paused:
-            await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
-            return
-        body = {
-            "request_id": f"{_LIVENESS}-{uuid.uuid4().hex[:12]}",
-            "token_ids": [0],
-            "stream": True,
-            "sampling_params": {"n": 1, "max_tokens": 1, "temperature": 0.0, "logprobs": 0},
-        }
-        with self._dead_if_closed():
-            await rp.liveness(self._session(), replica, body, self.liveness_timeout_s)
+        """A request to `replica` failed: its supervisor decides (`Supervisor.failed`)."""
+        await self._supervisors[replica].failed(exc)
 
     def _states(self) -> str:
         return "; ".join(f"{r.url} {r.state.value} ({r.error})" for r in self.replicas)
@@ -607,32 +513,10 @@ class VLLMServerEngine:
         timeout_s: float | None = None,
         idempotent: bool = True,
     ) -> Any:
-        """A control call within `timeout_s` (default `control_timeout_s`); only an
-        `idempotent` one is tried again after a connection error (`replicas.control`)."""
-        timeout = self.control_timeout_s if timeout_s is None else timeout_s
-        with self._dead_if_closed():
-            return await rp.control(
-                self._session(),
-                replica,
-                method,
-                path,
-                timeout_s=timeout,
-                json=json,
-                idempotent=idempotent,
-            )
-
-    @contextlib.contextmanager
-    def _dead_if_closed(self) -> Iterator[None]:
-        """Around an HTTP call: `close()` closes the session under the calls in flight,
-        which aiohttp reports as `RuntimeError("Session is closed")` or a lost connection.
-        That is the engine's death, raised as such, not an error of the call or the
-        replica."""
-        try:
-            yield
-        except Exception as exc:
-            if self._closed and not isinstance(exc, ReplicaError):
-                raise EngineDeadError("VLLMServerEngine is closed") from None
-            raise
+        """A control call (`ReplicaClient.call`)."""
+        return await self._client.call(
+            replica, method, path, json, timeout_s=timeout_s, idempotent=idempotent
+        )
 
     async def _each_replica(self, method: str, path: str) -> None:
         """A pause or resume on every UP replica at once, within `pause_timeout_s`; one that
@@ -676,20 +560,12 @@ class VLLMServerEngine:
             async with replica.syncing:
                 try:
                     await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
-                    await self._call(replica, "POST", _PAUSE)
-                    replica.state = await self._catch_up(replica, self._weights, self._version)
+                    await self._call(replica, "POST", sup.PAUSE)
+                    replica.state = await sup.catch_up(
+                        replica, self._state.weights, self._state.version, self._load_on
+                    )
                 except (ReplicaError, ValueError) as exc:
                     self._down(replica, exc)
-
-    async def _catch_up(
-        self, replica: Replica, weights: server_weights.Served, version: int
-    ) -> ReplicaState:
-        """Give a paused, answering replica `weights` and label `version`: UP then, or STALE
-        when they came over NCCL (nothing to load: it receives the next broadcast)."""
-        if weights is server_weights.Broadcast.SENT:
-            return ReplicaState.STALE
-        await self._load_on(replica, weights, version)
-        return ReplicaState.UP
 
     @contextlib.asynccontextmanager
     async def _frozen(self) -> AsyncIterator[None]:
@@ -698,14 +574,14 @@ class VLLMServerEngine:
         paused."""
         self._check_open()
         await self._revive_due(wait_new=False, wait_s=self.pause_timeout_s)
-        async with self._controlling():
+        async with self._state.controlling():
             self._check_open()
-            paused_before = self._paused
+            paused_before = self._state.paused
             self._admission = Admission.HELD
             try:
                 yield
             finally:
-                if not paused_before and not self._closed:
+                if not paused_before and not self._state.closed:
                     with contextlib.suppress(EngineDeadError):
                         await self._reopen()
 
@@ -715,7 +591,7 @@ class VLLMServerEngine:
         try:
             await self._each_replica("POST", "/resume")
         finally:
-            self._paused = False
+            self._state.paused = False
             self._admission = Admission.OPEN
             self._progress.notify()
 
@@ -723,17 +599,17 @@ class VLLMServerEngine:
         """Hold admission, freeze every replica, load `folder` (None: keep the weights),
         recompute running requests' KV cache, label `version`, resume (unless the caller
         paused), release admission."""
-        if folder is None and version == self._version:
+        if folder is None and version == self._state.version:
             return
         async with self._frozen():
-            if not self._paused:
-                await self._each_replica("POST", _PAUSE)
-            weights = folder if folder is not None else self._weights
+            if not self._state.paused:
+                await self._each_replica("POST", sup.PAUSE)
+            weights = folder if folder is not None else self._state.weights
             loading = [r for r in self.replicas if r.state is ReplicaState.UP]
             with self._resync_if_interrupted(loading):
                 await self._on_every_up(lambda r: self._load_on(r, folder, version))
-            self._weights = weights
-            self._version = version
+            self._state.weights = weights
+            self._state.version = version
 
     @contextlib.contextmanager
     def _resync_if_interrupted(self, replicas: list[Replica]) -> Iterator[None]:
@@ -761,7 +637,7 @@ class VLLMServerEngine:
             await self._revive_for_broadcast()
             members = [r for r in self.replicas if r.state in (ReplicaState.UP, ReplicaState.STALE)]
             members = await self._on_every(
-                members, lambda r: self._call(r, "POST", _PAUSE, timeout_s=self.pause_timeout_s)
+                members, lambda r: self._call(r, "POST", sup.PAUSE, timeout_s=self.pause_timeout_s)
             )
             members = await self._on_every(members, self._leave_group_if_restarted)
             if not members:
@@ -775,7 +651,7 @@ class VLLMServerEngine:
                 raise EngineDeadError(f"no replica is up: {self._states()}")
             for replica in members:
                 replica.state = ReplicaState.UP
-            self._version = version
+            self._state.version = version
 
     async def _leave_group_if_restarted(self, replica: Replica) -> None:
         """Take `replica` out of the NCCL group if it does not carry this engine's weight
@@ -783,7 +659,7 @@ class VLLMServerEngine:
         group), so that the group is rebuilt with it instead of broadcasting to ranks that
         are not there (a broadcast that would hang until its timeout)."""
         reply = await self._call(replica, "GET", "/weight_info")
-        if not isinstance(reply, dict) or reply.get("weight_version") != str(self._version):
+        if not isinstance(reply, dict) or reply.get("weight_version") != str(self._state.version):
             self._leave_group(replica)
 
     async def _form_group(
@@ -869,7 +745,7 @@ class VLLMServerEngine:
             lambda: [sender.send(named), *calls("/update_weights", body)],
             lambda: calls("/finish_weight_update"),
         ]
-        self._weights = server_weights.Broadcast.SENT  # the old weights are gone everywhere
+        self._state.weights = server_weights.Broadcast.SENT  # the old weights are gone everywhere
         try:
             for step in steps:
                 error = await vllm_groups.first_error([asyncio.ensure_future(c) for c in step()])
@@ -940,9 +816,9 @@ class VLLMServerEngine:
                 for p, task in zip(live.parts, tasks, strict=True)
                 if p.started and ss.unfinished(task)
             ]
-            if unfinished and not self._closed:  # do not rely on the disconnect alone
+            if unfinished and not self._state.closed:  # do not rely on the disconnect alone
                 await asyncio.shield(self._abort_on(live.replica, unfinished))
-        if self._closed:
+        if self._state.closed:
             raise EngineDeadError("VLLMServerEngine is closed")
         if error is not None:
             if isinstance(error, ReplicaError):
@@ -958,7 +834,7 @@ class VLLMServerEngine:
         self._progress.notify()
         try:
             await self._progress.wait_until(
-                lambda: self._admission is Admission.OPEN or live.aborted or self._closed
+                lambda: self._admission is Admission.OPEN or live.aborted or self._state.closed
             )
         finally:
             self._held -= 1
@@ -967,7 +843,7 @@ class VLLMServerEngine:
         self, live: ss.Live, part: ss.Part, samples: list[ss.Sample], sampling: SamplingConfig
     ) -> None:
         await self._admit(live)
-        if self._closed:
+        if self._state.closed:
             raise EngineDeadError("VLLMServerEngine is closed")
         if live.aborted:
             for i in part.indices:
@@ -1029,7 +905,7 @@ class VLLMServerEngine:
             self._progress.notify()
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._state.closed:
             raise EngineDeadError("VLLMServerEngine is closed")
 
 
