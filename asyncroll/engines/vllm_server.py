@@ -35,14 +35,29 @@ reference notes):
   is STALE, out of the rotation until the next update rebuilds the group with it. A failure
   once weights are moving leaves every member with partial weights: all leave the rotation
   (as STALE ones once they answer) and the update raises, naming the replica and step.
-* **Several replicas.** Control calls go to every replica. A group's requests carry a session
-  key (by default the request id without its last "-attempt" part, which is how the producer
-  names attempts) and go to one replica (rendezvous hashing). A replica that fails leaves the
-  rotation and fails only the requests it had; it is probed again every `health_interval_s`,
-  given the current weights and label, and comes back. With no replica up, `EngineDeadError`.
-* **A bounded client.** One aiohttp session with at most `max_connections` connections, a
-  deadline on every request (`request_timeout_s` for a generate, `control_timeout_s` for the
-  rest), errors that name the replica (`ReplicaError`).
+* **Several replicas, one of which cannot take the others down.** Control calls go to every
+  replica in the rotation. A group's requests carry a session key (by default the request id
+  without its last "-attempt" part, which is how the producer names attempts) and go to one
+  replica (rendezvous hashing). Any error from talking to a replica, whatever aiohttp raised,
+  is that replica's failure and fails only the requests it had; it leaves the rotation unless
+  a one-token generate shows its engine core alive (vLLM's `/health` passes a hung one). Each
+  replica has a supervisor (`server_supervisor`) that alone probes and re-syncs it: paused
+  first, given the current weights and label, resumed, tried with a liveness generate, holding
+  nothing another replica needs; a failing replica's probes back off (a circuit breaker).
+  With no replica up, `EngineDeadError`.
+* **Deadlines that compose.** A pause or resume waits at most `pause_timeout_s` per replica
+  call (`pause_bound_s` in all, to keep under the caller's own: the producer's
+  `abort_timeout_s`); a generate `request_timeout_s`; other control calls
+  `control_timeout_s`. Only idempotent calls are tried twice (never an NCCL step); replies are
+  read up to a bound.
+* **Updates commit, then clean up.** The new folder and label become what the engine serves
+  only once every replica loaded them, and a folder is deleted only when no replica can be
+  reading it (`server_weights`): an update cut off at its final resume keeps its weights.
+
+Files: this one is the `Engine` (admission, routing, generate, pause, resume, updates);
+`server_supervisor` the per-replica control plane; `server_client` HTTP to the replicas;
+`server_samples` what a request carries and brings back, parsed strictly; `server_weights`
+which weights the replicas serve; `replicas` a replica's state and the wire format.
 
 aiohttp rather than httpx: it is already a vLLM dependency, and its connection pool is the
 cheaper of the two per request (`benchmarks/server_throughput.py` has the numbers).
