@@ -434,6 +434,7 @@ async def test_a_hung_replica_leaves_the_rotation_when_a_request_times_out() -> 
         "health_timeout_s": 0.2,
         "control_timeout_s": 0.2,
         "liveness_timeout_s": 0.2,
+        "pause_timeout_s": 0.2,
     }
     async with scripted(2, **deadlines) as (engine, stubs):
         await engine.check_replicas()  # both synced and UP
@@ -478,7 +479,12 @@ async def test_a_hung_replica_leaves_the_rotation_when_its_caller_gives_up() -> 
     long before `request_timeout_s` (3600 s). The abort sent on the way out got no answer
     either, and was ignored: the replica stayed UP, and every group of its sessions waited
     out the producer's deadline in turn."""
-    deadlines = {"health_timeout_s": 0.2, "control_timeout_s": 0.2, "liveness_timeout_s": 0.2}
+    deadlines = {
+        "health_timeout_s": 0.2,
+        "control_timeout_s": 0.2,
+        "liveness_timeout_s": 0.2,
+        "pause_timeout_s": 0.2,
+    }
     async with scripted(2, **deadlines) as (engine, stubs):
         await engine.check_replicas()
         hung = engine.replicas[1]
@@ -490,7 +496,7 @@ async def test_a_hung_replica_leaves_the_rotation_when_its_caller_gives_up() -> 
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
-        assert hung.state is ReplicaState.DOWN
+        await engine.wait_progress(lambda: hung.state is ReplicaState.DOWN, 10.0)
         (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
         assert sample.tokens.tolist() == [7, 8]  # served by the other replica
 
@@ -792,7 +798,12 @@ async def test_a_wedged_replica_whose_health_answers_leaves_the_rotation_and_sta
     and aborts hang while `/health` answers failed each group sent there (after the
     producer's deadline and the abort's), then passed its health check and stayed in the
     rotation: 48 groups failed in a row. Liveness now exercises the engine core."""
-    deadlines = {"health_timeout_s": 0.2, "control_timeout_s": 0.2, "liveness_timeout_s": 0.2}
+    deadlines = {
+        "health_timeout_s": 0.2,
+        "control_timeout_s": 0.2,
+        "liveness_timeout_s": 0.2,
+        "pause_timeout_s": 0.2,
+    }
     async with scripted(2, **deadlines) as (engine, stubs):
         await engine.check_replicas()
         wedged = engine.replicas[1]
@@ -805,7 +816,7 @@ async def test_a_wedged_replica_whose_health_answers_leaves_the_rotation_and_sta
         call.cancel()  # the producer's `generate_timeout_s`
         with pytest.raises(asyncio.CancelledError):
             await call
-        assert wedged.state is ReplicaState.DOWN
+        await engine.wait_progress(lambda: wedged.state is ReplicaState.DOWN, 10.0)
         await engine.check_replicas()  # its probe: `/health` answers, the engine core does not
         assert wedged.state is ReplicaState.DOWN
         assert wedged.failures == 2  # the circuit stays open, its next probe further off

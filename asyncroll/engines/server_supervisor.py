@@ -27,6 +27,7 @@ import typing
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+from asyncroll.engines.base import EngineDeadError
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, UnsyncedReplicaError
 from asyncroll.engines.server_client import ReplicaClient
 from asyncroll.engines.server_weights import Broadcast, Served, WeightFolders
@@ -106,6 +107,7 @@ class Supervisor:
         self._on_down = on_down
         self._on_unsynced = on_unsynced
         self.task: asyncio.Task[None] | None = None  # the sync in progress, if any
+        self.check: asyncio.Task[None] | None = None  # the liveness check after a failure
 
     def due(self, now: float) -> bool:
         """Whether its replica needs a sync now: new (or restarted), or down and past its
@@ -128,9 +130,11 @@ class Supervisor:
             self.task = None
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+        """Cancel its sync and check (the engine closes) and wait for them to end."""
+        tasks = [t for t in (self.task, self.check) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def sync(self, *, now: bool = False) -> None:
         """Bring the replica into the rotation: answering, paused first, serving the engine's
@@ -175,24 +179,39 @@ class Supervisor:
             replica.state = state
         return True
 
-    async def failed(self, exc: ReplicaError) -> None:
-        """A request to the replica failed: it leaves the rotation unless its engine core is
-        alive (then only the request failed). One that served weights the engine never gave
-        it is a new process: out of the rotation (and the NCCL group) until synced again,
-        whatever its probe says."""
+    def failed(self, exc: ReplicaError) -> asyncio.Task[None] | None:
+        """A call to the replica failed: it leaves the rotation unless its engine core is
+        alive (then only that call failed). One check at a time: the failures of every
+        request it was serving share it. The check's task (None: nothing to check), for a
+        caller that must know the outcome; it runs on when that caller gives up. One that
+        served weights the engine never gave it is a new process: out of the rotation (and
+        the NCCL group) until synced again, whatever its probe says."""
         replica = self.replica
         if isinstance(exc, UnsyncedReplicaError):
             if replica.state is ReplicaState.UP:
                 replica.mark_unsynced(str(exc))
                 self._on_unsynced(replica)
-            return
+            return None
         if replica.state is not ReplicaState.UP:
-            return
+            return None
+        if self.check is None:
+            check = self.check = asyncio.ensure_future(self._check(exc))
+            check.add_done_callback(self._checked)
+        return self.check
+
+    def _checked(self, task: asyncio.Task[None]) -> None:
+        if self.check is task:
+            self.check = None
+
+    async def _check(self, exc: ReplicaError) -> None:
+        replica = self.replica
         try:
             await self._client.check_alive(replica, paused=self._state.paused)
         except ReplicaError as probe:
             if _up(replica):
                 self._on_down(replica, ReplicaError(replica.url, f"{exc}; then {probe}"))
+        except EngineDeadError:
+            pass  # the engine closed under it: nothing left to decide
 
 
 def _up(replica: Replica) -> bool:

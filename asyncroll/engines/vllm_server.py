@@ -45,8 +45,8 @@ reference notes):
   first, given the current weights and label, resumed, tried with a liveness generate, holding
   nothing another replica needs; a failing replica's probes back off (a circuit breaker).
   With no replica up, `EngineDeadError`.
-* **Deadlines that compose.** A pause or resume waits at most `pause_timeout_s` per replica
-  call (`pause_bound_s` in all, to keep under the caller's own: the producer's
+* **Deadlines that compose.** A pause, resume or abort waits at most `pause_timeout_s` per
+  replica call (`pause_bound_s` in all, to keep under the caller's own: the producer's
   `abort_timeout_s`); a generate `request_timeout_s`; other control calls
   `control_timeout_s`. Only idempotent calls are tried twice (never an NCCL step); replies are
   read up to a bound.
@@ -126,6 +126,13 @@ class VLLMServerEngine:
     fastest). `weight_transfer`: send `update_weights`' tensors over NCCL instead (an
     `nccl_transfer.NCCLWeightTransfer`, GPUs only; the servers need
     `--weight-transfer-config '{"backend":"nccl"}'`, which the first update checks).
+
+    Deadlines: `request_timeout_s` a generate; `pause_timeout_s` each replica's pause, resume
+    or abort (keep `pause_bound_s`, twice it, under the producer's `abort_timeout_s`);
+    `control_timeout_s` a weight load and other control calls; `health_timeout_s` a
+    `/health`; `liveness_timeout_s` the one-token generate that tells a live engine core
+    from a hung one; `health_interval_s` the first delay before a failed replica's next
+    probe (doubling with each failure in a row, to 32 times it).
     """
 
     def __init__(
@@ -504,14 +511,19 @@ class VLLMServerEngine:
         loop = asyncio.get_running_loop()
         replica.fail(str(exc), loop.time(), self.health_interval_s)
         self._leave_group(replica)
+        self._progress.notify()
 
     def _leave_group(self, replica: Replica) -> None:
         if self._group is not None and replica in self._group:
             self._group = tuple(r for r in self._group if r is not replica)
 
     async def _failed(self, replica: Replica, exc: ReplicaError) -> None:
-        """A request to `replica` failed: its supervisor decides (`Supervisor.failed`)."""
-        await self._supervisors[replica].failed(exc)
+        """A request to `replica` failed: its supervisor checks whether the replica stays
+        (`Supervisor.failed`); the request's caller learns the outcome (a cancelled caller
+        leaves the check running)."""
+        check = self._supervisors[replica].failed(exc)
+        if check is not None:
+            await asyncio.shield(check)
 
     def _states(self) -> str:
         return "; ".join(f"{r.url} {r.state.value} ({r.error})" for r in self.replicas)
@@ -797,14 +809,22 @@ class VLLMServerEngine:
         """Abort requests on `replica`, through the RL route that returns once vLLM has
         aborted them (`/inference/v1/abort_requests` only starts a task that will). A failure
         fails no request (the stream's own end or deadline still bounds it), but is a failed
-        call to the replica like any other: one that does not answer its health probe either
-        leaves the rotation. Often this abort is the last call a hung replica gets (its caller
-        gave up on the request), and nothing else would take it out."""
+        call to the replica like any other: one whose engine core is not alive either leaves
+        the rotation. Often this abort is the last call a hung replica gets (its caller gave
+        up on the request), and nothing else would take it out. Within `pause_timeout_s`, and
+        not waiting for that check: a caller that gave up (the producer's
+        `generate_timeout_s`) is not held past it by a hung replica."""
         ids = [_SERVER_PREFIX + s for s in server_ids]
         try:
-            await self._call(replica, "POST", "/abort_requests", {"request_ids": ids})
+            await self._call(
+                replica,
+                "POST",
+                "/abort_requests",
+                {"request_ids": ids},
+                timeout_s=self.pause_timeout_s,
+            )
         except ReplicaError as exc:
-            await self._failed(replica, exc)
+            self._supervisors[replica].failed(exc)  # the supervisor owns the check
 
     # -- generation ------------------------------------------------------------------------------
 
