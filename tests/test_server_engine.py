@@ -869,3 +869,21 @@ async def test_a_replica_hung_in_its_pause_leaves_the_rotation_within_the_pause_
         await asyncio.wait_for(engine.resume_generation(), 30.0)
         (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), 30.0)
         assert sample.tokens.tolist() == [7, 8]
+
+
+async def test_a_restarted_replicas_resync_holds_only_its_own_sessions() -> None:
+    """A replica found serving a label the engine never set (restarted) is synced again, a
+    full reload. Every route waited for every such sync, so the sessions of the replicas
+    that served stalled behind one replica's reload (up to `control_timeout_s`)."""
+    async with scripted(2, control_timeout_s=60.0) as (engine, stubs):
+        await engine.check_replicas()
+        restarted = engine.replicas[1]
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/reset_prefix_cache"}
+        others = [f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is not restarted]
+        restarted.mark_unsynced("served tokens labelled 'default'")
+        for k, session in enumerate(others[:4]):
+            request = msgspec.structs.replace(_request(f"run-{k}-0"), session=session)
+            (sample,) = await asyncio.wait_for(engine.generate(request), 5.0)
+            assert sample.tokens.tolist() == [7, 8]
+        assert "/reset_prefix_cache" in stubs[1].calls  # its re-sync started, and waits
+        assert restarted.state is ReplicaState.UNSYNCED

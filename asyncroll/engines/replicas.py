@@ -90,11 +90,16 @@ def backoff_s(interval_s: float, failures: int) -> float:
     return interval_s * (1 << doublings)
 
 
-def pick(replicas: Sequence[Replica], session: str) -> Replica | None:
-    """The UP replica that `session` maps to (rendezvous hashing), or None when none is up."""
+def pick(
+    replicas: Sequence[Replica],
+    session: str,
+    states: frozenset[ReplicaState] = frozenset({ReplicaState.UP}),
+) -> Replica | None:
+    """The replica in one of `states` (UP ones by default) that `session` maps to
+    (rendezvous hashing), or None when there is none."""
     best: tuple[bytes, Replica] | None = None
     for replica in replicas:
-        if replica.state is not ReplicaState.UP:
+        if replica.state not in states:
             continue
         score = hashlib.blake2b(f"{session}\0{replica.url}".encode(), digest_size=8).digest()
         if best is None or score > best[0]:

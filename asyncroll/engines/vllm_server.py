@@ -99,6 +99,7 @@ __all__ = ["VLLMServerEngine", "attempt_session"]
 
 _checkpoint = server_weights.checkpoint
 
+_HOMES = frozenset({ReplicaState.UP, ReplicaState.UNSYNCED})  # where a session may live
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
 _NOT_CONFIGURED = "Weight transfer not configured"  # vLLM without --weight-transfer-config
 
@@ -332,7 +333,7 @@ class VLLMServerEngine:
         the error is raised: a caller that gives up on a pause does not resume, and a held
         engine would hold every later request until its deadline."""
         self._check_open()
-        await self._revive_due(wait_new=False, wait_s=self.pause_timeout_s)
+        await self._revive_due(wait_s=self.pause_timeout_s)
         async with self._state.controlling():
             self._check_open()
             paused_before = self._state.paused
@@ -351,7 +352,7 @@ class VLLMServerEngine:
         answers: `EngineDeadError`), the engine is no longer paused: the caller goes on as
         resumed (the producer does), and replicas that come back are synced unpaused."""
         self._check_open()
-        await self._revive_due(wait_new=False, wait_s=self.pause_timeout_s)
+        await self._revive_due(wait_s=self.pause_timeout_s)
         async with self._state.controlling():
             self._check_open()
             await self._reopen()
@@ -478,32 +479,30 @@ class VLLMServerEngine:
         return self._client.session()
 
     async def _route(self, session: str) -> Replica:
-        """The replica for `session`, after syncing replicas due for it."""
+        """The replica for `session`, after starting the syncs due. A session whose own
+        replica is being synced (new, or restarted behind the engine's back) waits for that
+        sync, so that it does not settle elsewhere only because its replica was not synced
+        yet; no other session waits for it (one replica's reload once stalled every route).
+        With no replica up, every sync is waited for."""
         await self._revive_due()
+        home = rp.pick(self.replicas, session, _HOMES)
+        task = None if home is None else self._supervisors[home].task
+        if home is not None and home.state is ReplicaState.UNSYNCED and task is not None:
+            await asyncio.wait([task])  # not cancelled by a caller that gives up
         replica = rp.pick(self.replicas, session)
         if replica is None:
             raise EngineDeadError(f"no replica is up: {self._states()}")
         return replica
 
-    async def _revive_due(self, *, wait_new: bool = True, wait_s: float | None = None) -> None:
+    async def _revive_due(self, *, wait_s: float | None = None) -> None:
         """Start a sync of every new replica and of every down one due for a probe, each in
-        its own task. With `wait_new` (routing) wait for the new ones: a session must not
-        settle elsewhere only because its replica was not synced yet. Wait for the others
-        only when no replica is up: a down replica whose probe hangs (its host unreachable)
-        must not stall the requests, pauses and updates of the replicas that serve. A pause
-        or resume waits `wait_s` at most (`pause_timeout_s`)."""
+        its own task (its supervisor's). Wait for them only when no replica is up (a pause
+        or resume `wait_s` at most, `pause_timeout_s`): a replica whose probe or reload
+        hangs must not stall the requests, pauses and updates of the replicas that serve."""
         now = asyncio.get_running_loop().time()
-        syncing = {
-            r: s.start() for r, s in self._supervisors.items() if s.due(now) or s.task is not None
-        }
-        if not any(r.state is ReplicaState.UP for r in self.replicas):
-            waiting = list(syncing.values())
-        elif wait_new:
-            waiting = [t for r, t in syncing.items() if r.state is ReplicaState.UNSYNCED]
-        else:
-            return
-        if waiting:  # not cancelled by a caller that gives up: other callers share them
-            await asyncio.wait(waiting, timeout=wait_s)
+        syncing = [s.start() for s in self._supervisors.values() if s.due(now) or s.task]
+        if syncing and not any(r.state is ReplicaState.UP for r in self.replicas):
+            await asyncio.wait(syncing, timeout=wait_s)  # not cancelled by a caller giving up
 
     def _down(self, replica: Replica, exc: BaseException) -> None:
         """`replica` leaves the rotation, and the NCCL group: its workers may be new
@@ -600,7 +599,7 @@ class VLLMServerEngine:
         after a failure) every replica resumed and admission released, unless the caller had
         paused."""
         self._check_open()
-        await self._revive_due(wait_new=False, wait_s=self.pause_timeout_s)
+        await self._revive_due(wait_s=self.pause_timeout_s)
         async with self._state.controlling():
             self._check_open()
             paused_before = self._state.paused
