@@ -586,7 +586,7 @@ class VLLMServerEngine:
             async with replica.syncing:
                 try:
                     await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
-                    await self._call(replica, "POST", sup.PAUSE)
+                    await self._call(replica, "POST", sup.PAUSE, timeout_s=self.pause_timeout_s)
                     replica.state = await sup.catch_up(
                         replica, self._state.weights, self._state.version, self._load_on
                     )
