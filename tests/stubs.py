@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
@@ -29,3 +30,23 @@ async def served(apps: Sequence[web.Application]) -> AsyncIterator[list[str]]:
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def not_http() -> AsyncIterator[str]:
+    """A loopback port that answers every connection with a line that is not HTTP (another
+    service on a replica's port); its base URL."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            await reader.read(1024)
+            writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()

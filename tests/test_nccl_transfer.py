@@ -92,6 +92,7 @@ class TransferStub:
         self.configured = True
         self.fail_update = False
         self.fail_init = False
+        self.drop: set[str] = set()  # routes that close the connection unanswered, once
         self.alive = True  # False: every route answers 503, as a server that went away
         self.label = "default"
         self.joined = False  # in the trainer's NCCL group (`/init_weight_transfer_engine`)
@@ -125,6 +126,10 @@ class TransferStub:
             if not self.configured:
                 return not_configured()
             record(request.path)
+            if request.path in self.drop:  # the step ran; its answer is lost
+                self.drop.discard(request.path)
+                assert request.transport is not None
+                request.transport.abort()
             return web.json_response({"message": "ok"})
 
         async def world_size(_: web.Request) -> web.Response:
@@ -175,7 +180,8 @@ class TransferStub:
             return web.json_response({"success": True})
 
         async def generate(request: web.Request) -> web.Response:
-            record("generate")
+            if not (await request.json())["request_id"].startswith("asyncroll-liveness"):
+                record("generate")  # the engine's liveness probes are not the test's requests
             choice = {
                 "index": 0,
                 "token_ids": [7],
@@ -257,7 +263,9 @@ async def test_an_update_freezes_receives_while_the_trainer_sends_labels_and_res
     assert engine.version == 1
     for stub in stubs:
         assert stub.calls() == [
-            "/update_weight_version 0",  # the first sync
+            "/pause",  # the first sync: paused before it is synced, resumed after
+            "/update_weight_version 0",
+            "/resume",
             "/pause",
             "/init_weight_transfer_engine",
             "/start_weight_update",
@@ -472,3 +480,16 @@ async def test_a_replica_failing_to_join_the_group_leaves_the_rotation_not_every
     assert engine.version == 2 and stubs[0].label == "2"
     (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), WAIT_S)
     assert sample.versions.tolist() == [2]
+
+
+async def test_a_weight_transfer_step_is_never_sent_twice(setup: Setup) -> None:
+    """Every control call was tried once more after a connection error, the NCCL steps too:
+    a replica that ran `/start_weight_update` and lost the connection before answering got it
+    again (a second join or receive waits for a broadcast that never comes)."""
+    engine, stubs = setup.engine, setup.stubs
+    await engine.update_weights(WEIGHTS, version=1)
+    stubs[1].drop = {"/start_weight_update"}
+    with pytest.raises(ReplicaError, match="/start_weight_update") as caught:
+        await engine.update_weights(WEIGHTS, version=2)
+    assert caught.value.url == engine.replicas[1].url
+    assert stubs[1].calls().count("/start_weight_update") == 2  # one per update, not three

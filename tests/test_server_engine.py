@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+import tracemalloc
 import types
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -30,10 +31,18 @@ from asyncroll.engines import (
     SamplingConfig,
     vllm_serve,
 )
-from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, control, pick
+from asyncroll.engines.replicas import (
+    MAX_BACKOFF_DOUBLINGS,
+    Replica,
+    ReplicaError,
+    ReplicaState,
+    backoff_s,
+    control,
+    pick,
+)
 from asyncroll.engines.vllm_serve import ServerProcess, ServerStartError, free_port
 from asyncroll.engines.vllm_server import VLLMServerEngine, attempt_session
-from tests.stubs import served
+from tests.stubs import not_http, served
 
 
 @pytest.mark.parametrize(
@@ -50,6 +59,8 @@ from tests.stubs import served
         ({"stream_interval": 0}, "stream_interval"),
         ({"request_timeout_s": 0}, "request_timeout_s"),
         ({"max_connections": 0}, "max_connections"),
+        ({"pause_timeout_s": 0}, "pause_timeout_s"),
+        ({"liveness_timeout_s": -1}, "liveness_timeout_s"),
         ({"weights_dir": "/nonexistent/asyncroll"}, "weights_dir"),
     ],
 )
@@ -130,8 +141,12 @@ class PausableStub:
         async def ok(_: web.Request) -> web.Response:
             return web.json_response({"success": True})
 
+        async def generate(_: web.Request) -> web.Response:  # the liveness probe's
+            return web.Response(body=_stream(_choice([7])), content_type="text/event-stream")
+
         app = web.Application()
         app.router.add_get("/health", ok)
+        app.router.add_post(GENERATE, generate)
         app.router.add_post("/pause", pause)
         app.router.add_post("/resume", resume)
         app.router.add_post("/reset_prefix_cache", ok)
@@ -159,20 +174,39 @@ async def test_a_rejoining_replica_takes_the_engines_pause_state(tmp_path: Path)
             await engine.close()
 
 
-class _Reply:
-    status = 200
+class _Body:
+    """A reply's body that counts the bytes read from it."""
 
-    async def read(self) -> bytes:
-        return b'{"ok": true}'
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.taken = 0
+
+    async def read(self, n: int = -1) -> bytes:
+        n = len(self.data) if n < 0 else n
+        chunk, self.data = self.data[:n], self.data[n:]
+        self.taken += len(chunk)
+        return chunk
+
+
+class _Reply:
+    def __init__(self, status: int = 200, body: bytes = b'{"ok": true}') -> None:
+        self.status = status
+        self.content = _Body(body)
+
+    async def read(self) -> bytes:  # aiohttp's: the whole body
+        return await self.content.read()
 
 
 class _Session:
     """A stand-in for `aiohttp.ClientSession.request`: each call first raises the next of
     `errors` (None: hangs until cancelled), then answers 200 once they are used up."""
 
-    def __init__(self, *errors: BaseException | None) -> None:
+    closed = False
+
+    def __init__(self, *errors: BaseException | None, reply: _Reply | None = None) -> None:
         self.errors = list(errors)
         self.calls = 0
+        self.reply = reply or _Reply()
 
     @contextlib.asynccontextmanager
     async def request(self, method: str, url: str, **kwargs: Any) -> AsyncIterator[_Reply]:
@@ -182,7 +216,7 @@ class _Session:
             if error is None:
                 await asyncio.Event().wait()
             raise error
-        yield _Reply()
+        yield self.reply
 
 
 def control_on(session: _Session, timeout_s: float = 60.0) -> Any:
@@ -200,6 +234,15 @@ async def test_aiohttps_own_timeout_is_a_transport_error_retried_not_the_deadlin
     with pytest.raises(ReplicaError, match="POST /pause: ConnectionTimeoutError") as raised:
         await control_on(twice)
     assert "no reply within" not in str(raised.value)
+
+
+async def test_an_error_reply_is_read_only_as_far_as_it_is_quoted() -> None:
+    """An error reply was read whole, then cut to 500 bytes: a replica (or a proxy) answering
+    a 500 with a gigabyte held a gigabyte here."""
+    reply = _Reply(500, b"x" * (64 << 20))
+    with pytest.raises(ReplicaError, match="HTTP 500"):
+        await control_on(_Session(reply=reply))
+    assert reply.content.taken <= 500
 
 
 async def test_a_control_call_past_its_deadline_says_so() -> None:
@@ -225,6 +268,7 @@ def _choice(
 
 
 GENERATE = "/inference/v1/generate"
+LIVENESS = "asyncroll-liveness"
 
 
 def _sse(*events: bytes) -> bytes:
@@ -246,7 +290,7 @@ class ScriptedStub:
         self.health = b""
         self.stream = _stream(_choice([7, 8]))
         self.hang: asyncio.Event | None = None
-        self.hanging = {"/health", "/abort_requests", GENERATE}
+        self.hanging = {"/health", "/abort_requests", GENERATE, LIVENESS}
         self.failing: set[str] = set()
         self.calls: list[str] = []
         self.progress = Signal()
@@ -270,18 +314,22 @@ class ScriptedStub:
         async def generate(request: web.Request) -> web.StreamResponse:
             reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await reply.prepare(request)
-            await reply.write(self.stream)
+            live = (await request.json())["request_id"].startswith(LIVENESS)
+            await reply.write(_stream(_choice([7])) if live else self.stream)
             await reply.write_eof()
             return reply
 
         @web.middleware
         async def script(request: web.Request, handler: Any) -> web.StreamResponse:
-            self.calls.append(request.path)
+            path = request.path
+            if path == GENERATE and (await request.json())["request_id"].startswith(LIVENESS):
+                path = LIVENESS  # the engine's liveness probe, not a request of the test's
+            self.calls.append(path)
             self.progress.notify()
             try:
-                if self.hang is not None and request.path in self.hanging:
+                if self.hang is not None and path in self.hanging:
                     await self.hang.wait()
-                if request.path in self.failing:
+                if path in self.failing:
                     return web.Response(status=500, text="scripted failure")
                 return await handler(request)  # type: ignore[no-any-return]
             finally:
@@ -289,7 +337,13 @@ class ScriptedStub:
 
         app = web.Application(middlewares=[script])
         app.router.add_get("/health", health)
-        for path in ("/pause", "/resume", "/reset_prefix_cache", "/abort_requests"):
+        for path in (
+            "/pause",
+            "/resume",
+            "/reset_prefix_cache",
+            "/abort_requests",
+            "/collective_rpc",
+        ):
             app.router.add_post(path, ok)
         app.router.add_post("/update_weight_version", version)
         app.router.add_post(GENERATE, generate)
@@ -375,7 +429,13 @@ async def test_a_hung_replica_leaves_the_rotation_when_a_request_times_out() -> 
     """A replica that stops answering (generate and `/health` alike) failed a request at
     `request_timeout_s` but stayed UP: every later request of its sessions was sent there to
     wait out the deadline too (only a DOWN replica is probed, and nothing took it down)."""
-    deadlines = {"request_timeout_s": 0.2, "health_timeout_s": 0.2, "control_timeout_s": 0.2}
+    deadlines = {
+        "request_timeout_s": 0.2,
+        "health_timeout_s": 0.2,
+        "control_timeout_s": 0.2,
+        "liveness_timeout_s": 0.2,
+        "pause_timeout_s": 0.2,
+    }
     async with scripted(2, **deadlines) as (engine, stubs):
         await engine.check_replicas()  # both synced and UP
         hung = engine.replicas[1]
@@ -419,7 +479,12 @@ async def test_a_hung_replica_leaves_the_rotation_when_its_caller_gives_up() -> 
     long before `request_timeout_s` (3600 s). The abort sent on the way out got no answer
     either, and was ignored: the replica stayed UP, and every group of its sessions waited
     out the producer's deadline in turn."""
-    deadlines = {"health_timeout_s": 0.2, "control_timeout_s": 0.2}
+    deadlines = {
+        "health_timeout_s": 0.2,
+        "control_timeout_s": 0.2,
+        "liveness_timeout_s": 0.2,
+        "pause_timeout_s": 0.2,
+    }
     async with scripted(2, **deadlines) as (engine, stubs):
         await engine.check_replicas()
         hung = engine.replicas[1]
@@ -431,7 +496,7 @@ async def test_a_hung_replica_leaves_the_rotation_when_its_caller_gives_up() -> 
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
-        assert hung.state is ReplicaState.DOWN
+        await engine.wait_progress(lambda: hung.state is ReplicaState.DOWN, 10.0)
         (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
         assert sample.tokens.tolist() == [7, 8]  # served by the other replica
 
@@ -498,7 +563,7 @@ async def test_a_pause_that_fails_is_undone_and_requests_flow_again() -> None:
         await engine.check_replicas()  # back (as the next route's probe would bring it)
         (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), 5.0)
         assert sample.tokens.tolist() == [7, 8]
-        assert stub.calls[-2:] == ["/resume", GENERATE]
+        assert stub.calls[-3:] == ["/resume", LIVENESS, GENERATE]
 
 
 async def test_a_pause_cancelled_part_way_is_undone() -> None:
@@ -537,7 +602,7 @@ async def test_a_resume_that_fails_still_lets_requests_go() -> None:
         await engine.check_replicas()  # back (as the next route's probe would bring it)
         (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), 5.0)
         assert sample.tokens.tolist() == [7, 8]
-        assert stub.calls[-2:] == ["/resume", GENERATE]
+        assert stub.calls[-3:] == ["/resume", LIVENESS, GENERATE]
 
 
 def test_a_server_start_on_a_port_in_use_fails_instead_of_trusting_its_health(
@@ -606,3 +671,219 @@ async def test_a_down_replica_whose_probe_hangs_does_not_stall_the_others_reques
         assert sample.tokens.tolist() == [7, 8]
         assert stubs[1].calls[-1] == "/health"  # probed, and the probe still waits
         assert down.state is ReplicaState.DOWN
+
+
+async def test_a_replica_port_answering_not_http_fails_only_that_replica() -> None:
+    """aiohttp's `ClientResponseError` (a bad status line) was neither a `ReplicaError` nor a
+    transport error: it escaped every call to that replica, so the replica never left the
+    rotation and every generate, pause and update failed, the healthy replica's included.
+    Any error from talking to a replica is that replica's failure."""
+    stub = ScriptedStub()
+    async with served([stub.app()]) as (good,), not_http() as bad:
+        engine = VLLMServerEngine([good, bad], vocab_size=512, health_timeout_s=5.0)
+        try:
+            for k in range(8):
+                (sample,) = await asyncio.wait_for(engine.generate(_request(f"run-{k}-0")), 10)
+                assert sample.tokens.tolist() == [7, 8]
+            down = engine.replicas[1]
+            assert down.state is ReplicaState.DOWN
+            assert down.error is not None and "Bad status line" in down.error
+            await asyncio.wait_for(engine.pause_generation(), 10)
+            await asyncio.wait_for(engine.update_weights(None, version=1), 10)
+            await asyncio.wait_for(engine.resume_generation(), 10)
+            await asyncio.wait_for(engine.check_replicas(), 10)  # probed again: still down
+            assert down.state is ReplicaState.DOWN
+            (sample,) = await asyncio.wait_for(engine.generate(_request("run-9-0")), 10)
+            assert sample.versions.tolist() == [0, 0]  # the stub's own label
+        finally:
+            await engine.close()
+
+
+async def test_a_probe_of_a_down_replica_holds_nothing_a_pause_needs() -> None:
+    """A probe of a down replica ran its `/health` and its whole re-sync (reload, cache
+    reset, label: up to `control_timeout_s` each) under the engine-wide control lock. The
+    producer bounds a pause by `abort_timeout_s` (30 s < 120 s): it timed out waiting for the
+    lock, its undo waited on the same lock, and the run stopped while the other replica
+    served."""
+    async with scripted(2, control_timeout_s=60.0) as (engine, stubs):
+        await engine.check_replicas()
+        down = engine.replicas[1]
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/reset_prefix_cache"}
+        down.mark_down("went away", retry_at=0.0)  # due for a probe now
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is not down)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        await asyncio.wait_for(engine.generate(request), 5.0)  # starts the probe
+        await asyncio.wait_for(
+            stubs[1].progress.wait_until(lambda: "/reset_prefix_cache" in stubs[1].calls), 5.0
+        )
+        await asyncio.wait_for(engine.pause_generation(), 5.0)
+        await asyncio.wait_for(engine.update_weights(None, version=1), 5.0)
+        await asyncio.wait_for(engine.resume_generation(), 5.0)
+        assert stubs[0].label == "1"
+        assert down.state is ReplicaState.DOWN  # its probe still waits
+
+
+async def test_a_replica_is_paused_before_it_is_resynced() -> None:
+    """A replica that left the rotation may still be streaming requests (it failed a
+    control call, not its generates). Its re-sync reloaded, reset and relabelled it without a
+    `/pause`: tokens the new weights sampled carried the old label."""
+    async with scripted(1) as (engine, (stub,)):
+        await engine.check_replicas()
+        (replica,) = engine.replicas
+        replica.mark_down("its /resume failed", retry_at=0.0)
+        stub.calls.clear()
+        await engine.check_replicas()
+        assert replica.state is ReplicaState.UP
+        resync = [c for c in stub.calls if c != "/health"]
+        assert resync[0] == "/pause"
+        assert resync.index("/reset_prefix_cache") > 0
+        assert resync[-2:] == ["/resume", LIVENESS]  # then its engine core is tried
+
+
+async def test_an_update_cancelled_at_its_resume_keeps_the_weights_it_committed(
+    tmp_path: Path,
+) -> None:
+    """`update_weights` recorded the new folder and version before its final `/resume`; cut
+    off there (the producer's `update_timeout_s`, a user's `wait_for`, Ctrl-C), its
+    `except BaseException` deleted that folder. Every later re-sync of a replica then raised
+    a bare `ValueError` (the folder was gone), and every request and update failed."""
+    import torch
+
+    async with scripted(2, weights_dir=tmp_path) as (engine, stubs):
+        await engine.check_replicas()
+        stubs[1].calls.clear()
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/resume"}
+        update = asyncio.ensure_future(engine.update_weights([("w", torch.ones(2))], version=1))
+        await asyncio.wait_for(stubs[1].progress.wait_until(lambda: "/resume" in stubs[1].calls), 5)
+        stubs[1].hanging = set()  # only that `/resume` hangs, to the end
+        update.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        served_folders = list(tmp_path.glob("asyncroll-v*"))  # noqa: ASYNC240
+        assert engine.version == 1  # loaded and labelled everywhere: committed
+        assert len(served_folders) == 1 and any(served_folders[0].glob("*.safetensors"))
+        for replica in engine.replicas:
+            replica.mark_down("restarted", retry_at=0.0)
+        await asyncio.wait_for(engine.check_replicas(), 5.0)
+        assert [r.state for r in engine.replicas] == [ReplicaState.UP] * 2
+        assert [s.label for s in stubs] == [str(engine.version)] * 2
+
+
+@pytest.mark.parametrize(
+    ("tokens", "label", "message"),
+    [
+        ([7, 2**31], "0", "token id 2147483648"),  # a bare OverflowError named no replica
+        ([7, 512], "0", "token id 512"),  # outside the vocabulary
+        ([7, -1], "0", "token id -1"),
+        ([7, 8], str(2**31), "labelled '2147483648'"),  # a bare OverflowError too
+        ([7, 8], "1_0", "labelled '1_0'"),  # int() read it as 10
+        ([7, 8], "\u0663", "labelled '\u0663'"),  # an Arabic-Indic 3: int() read it as 3
+        ([7, 8], " 1", "labelled ' 1'"),
+    ],
+)
+async def test_token_ids_and_labels_are_parsed_strictly_naming_the_replica(
+    tokens: list[int], label: str, message: str
+) -> None:
+    async with scripted(1) as (engine, (stub,)):
+        stub.stream = _stream(_choice(tokens, spans=[(label, 0, 2)]))
+        with pytest.raises(ReplicaError, match=message) as caught:
+            await engine.generate(_request("run-0-0"))
+        assert caught.value.url == engine.replicas[0].url
+        with pytest.raises(ValueError, match="int32"):  # never set a label it cannot read
+            await engine.update_weights(None, version=2**31)
+
+
+async def test_a_wedged_replica_whose_health_answers_leaves_the_rotation_and_stays_out() -> None:
+    """vLLM's `/health` reports a dead engine core, not a hung one. A replica whose generates
+    and aborts hang while `/health` answers failed each group sent there (after the
+    producer's deadline and the abort's), then passed its health check and stayed in the
+    rotation: 48 groups failed in a row. Liveness now exercises the engine core."""
+    deadlines = {
+        "health_timeout_s": 0.2,
+        "control_timeout_s": 0.2,
+        "liveness_timeout_s": 0.2,
+        "pause_timeout_s": 0.2,
+    }
+    async with scripted(2, **deadlines) as (engine, stubs):
+        await engine.check_replicas()
+        wedged = engine.replicas[1]
+        stubs[1].hang = asyncio.Event()  # never set while the engine runs
+        stubs[1].hanging = {GENERATE, LIVENESS, "/abort_requests"}  # `/health` answers
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is wedged)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        call = asyncio.ensure_future(engine.generate(request))
+        await engine.wait_progress(lambda: wedged.streams == 1, 5.0)
+        call.cancel()  # the producer's `generate_timeout_s`
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await engine.wait_progress(lambda: wedged.state is ReplicaState.DOWN, 10.0)
+        await engine.check_replicas()  # its probe: `/health` answers, the engine core does not
+        assert wedged.state is ReplicaState.DOWN
+        assert wedged.failures == 2  # the circuit stays open, its next probe further off
+        (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
+        assert sample.tokens.tolist() == [7, 8]  # served by the other replica
+        assert stubs[1].generates == 1
+
+
+def test_a_failing_replicas_probes_back_off_to_a_bound() -> None:
+    waits = [backoff_s(5.0, failures) for failures in range(1, 10)]
+    assert waits[:4] == [5.0, 10.0, 20.0, 40.0]
+    assert max(waits) == waits[-1] == 5.0 * 2**MAX_BACKOFF_DOUBLINGS
+
+
+def test_tokens_in_flight_are_within_the_payload_the_engine_declares() -> None:
+    """A sample's streamed tokens wait here until its request ends, outside the buffer's
+    byte bound unless `payload_bytes` counts them: it said 0, while Python lists of ints
+    and floats held ~70 B a token."""
+    from asyncroll.engines import replicas as rp
+    from asyncroll.engines import server_samples
+
+    n, vocab = 5_000, 50_000
+    event = json.dumps({"choices": [_choice([300 + (t % 40_000) for t in range(n)])]}).encode()
+    engine = VLLMServerEngine("http://127.0.0.1:1", vocab_size=vocab)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        sample = server_samples.Sample()
+        decoded = msgspec.json.decode(event, type=rp.StreamEvent)
+        server_samples.append(sample, decoded.choices[0], "http://r:1", vocab)
+        del decoded
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(sample.tokens) == n
+    assert 0 < held <= engine.payload_bytes(n)
+
+
+async def test_a_replica_hung_in_its_pause_leaves_the_rotation_within_the_pause_bound() -> None:
+    """A pause waited `control_timeout_s` (120 s) for a replica whose `/pause` hung, past
+    the producer's `abort_timeout_s` (30 s) that bounds it: the pause was undone and the run
+    stopped while the other replica served. A pause now waits `pause_timeout_s` per call,
+    and the engine states its bound (`pause_bound_s`) for the caller to compare."""
+    async with scripted(2, control_timeout_s=60.0, pause_timeout_s=0.2) as (engine, stubs):
+        await engine.check_replicas()
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/pause"}
+        assert engine.pause_bound_s == 0.4
+        await asyncio.wait_for(engine.pause_generation(), 30.0)  # not the 60 s control call
+        assert [r.state for r in engine.replicas] == [ReplicaState.UP, ReplicaState.DOWN]
+        await asyncio.wait_for(engine.resume_generation(), 30.0)
+        (sample,) = await asyncio.wait_for(engine.generate(_request("run-0-0")), 30.0)
+        assert sample.tokens.tolist() == [7, 8]
+
+
+async def test_a_restarted_replicas_resync_holds_only_its_own_sessions() -> None:
+    """A replica found serving a label the engine never set (restarted) is synced again, a
+    full reload. Every route waited for every such sync, so the sessions of the replicas
+    that served stalled behind one replica's reload (up to `control_timeout_s`)."""
+    async with scripted(2, control_timeout_s=60.0) as (engine, stubs):
+        await engine.check_replicas()
+        restarted = engine.replicas[1]
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/reset_prefix_cache"}
+        others = [f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is not restarted]
+        restarted.mark_unsynced("served tokens labelled 'default'")
+        for k, session in enumerate(others[:4]):
+            request = msgspec.structs.replace(_request(f"run-{k}-0"), session=session)
+            (sample,) = await asyncio.wait_for(engine.generate(request), 5.0)
+            assert sample.tokens.tolist() == [7, 8]
+        assert "/reset_prefix_cache" in stubs[1].calls  # its re-sync started, and waits
+        assert restarted.state is ReplicaState.UNSYNCED

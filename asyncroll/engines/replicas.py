@@ -49,6 +49,7 @@ class Replica:
         self.state = ReplicaState.UNSYNCED
         self.error: str | None = None  # why it went down
         self.retry_at = 0.0  # loop time of the next health probe while DOWN
+        self.failures = 0  # failures in a row, since it last joined the rotation
         self.streams = 0  # generate requests open on it now
         self.sent = 0  # generate requests sent to it so far
         self.syncing = asyncio.Lock()
@@ -57,6 +58,18 @@ class Replica:
         self.state = ReplicaState.DOWN
         self.error = error
         self.retry_at = retry_at
+
+    def fail(self, error: str, now: float, interval_s: float) -> None:
+        """Out of the rotation: a circuit breaker, open until its next probe, which backs off
+        with every failure in a row (a replica that keeps failing its probes is not paused
+        and reloaded every `interval_s` for ever)."""
+        self.failures += 1
+        self.mark_down(error, now + backoff_s(interval_s, self.failures))
+
+    def mark_up(self) -> None:
+        self.state = ReplicaState.UP
+        self.error = None
+        self.failures = 0
 
     def mark_unsynced(self, error: str) -> None:
         """Out of the rotation until synced again (at once, by the next request's route)."""
@@ -67,11 +80,26 @@ class Replica:
         return f"Replica({self.url!r}, {self.state.value})"
 
 
-def pick(replicas: Sequence[Replica], session: str) -> Replica | None:
-    """The UP replica that `session` maps to (rendezvous hashing), or None when none is up."""
+MAX_BACKOFF_DOUBLINGS = 5
+"""A failing replica is probed at most `2**5` health intervals apart (160 s at 5 s)."""
+
+
+def backoff_s(interval_s: float, failures: int) -> float:
+    """How long a replica that failed `failures` times in a row waits for its next probe."""
+    doublings: int = min(max(failures - 1, 0), MAX_BACKOFF_DOUBLINGS)
+    return interval_s * (1 << doublings)
+
+
+def pick(
+    replicas: Sequence[Replica],
+    session: str,
+    states: frozenset[ReplicaState] = frozenset({ReplicaState.UP}),
+) -> Replica | None:
+    """The replica in one of `states` (UP ones by default) that `session` maps to
+    (rendezvous hashing), or None when there is none."""
     best: tuple[bytes, Replica] | None = None
     for replica in replicas:
-        if replica.state is not ReplicaState.UP:
+        if replica.state not in states:
             continue
         score = hashlib.blake2b(f"{session}\0{replica.url}".encode(), digest_size=8).digest()
         if best is None or score > best[0]:
@@ -79,8 +107,39 @@ def pick(replicas: Sequence[Replica], session: str) -> Replica | None:
     return None if best is None else best[1]
 
 
-TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
-"""What a replica whose process died (or that stopped answering) looks like to aiohttp."""
+ERROR_BODY_BYTES = 500
+"""How much of an error reply is read (and quoted): a replica's 500 page can be any size."""
+
+REPLY_BYTES = 64 << 20
+"""The largest control reply read (a `/collective_rpc` result of every worker); a longer one
+is a replica answering garbage."""
+
+
+class Rejected(ValueError):
+    """The replica refused a request as malformed (HTTP 4xx on a generate): the request is at
+    fault, not the replica, so this is no `ReplicaError`."""
+
+
+def replica_failure(replica: Replica, what: str, exc: Exception) -> ReplicaError:
+    """`exc`, raised while talking to `replica`, as that replica's failure. What counts is
+    where an error came from, not its type: aiohttp alone raises `ClientResponseError` for a
+    port that answers something other than HTTP, `LineTooLong`, payload, connection and
+    timeout errors, and a list of them was once short of one, which took every replica's
+    requests down with it. A `ReplicaError` already names its replica."""
+    if isinstance(exc, ReplicaError):
+        return exc
+    return ReplicaError(replica.url, f"{what}: {type(exc).__name__}: {exc}")
+
+
+async def read_at_most(reply: aiohttp.ClientResponse, limit: int) -> bytes:
+    """Up to `limit` bytes of `reply`'s body (all of it when shorter), never more in memory."""
+    body = bytearray()
+    while len(body) < limit:
+        chunk = await reply.content.read(limit - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return bytes(body)
 
 
 async def control(
@@ -91,37 +150,44 @@ async def control(
     *,
     timeout_s: float,
     json: Any = None,
+    idempotent: bool = True,
 ) -> Any:
     """One control call (`/pause`, `/collective_rpc`, ...) within `timeout_s`; its JSON reply
-    (None for an empty body). Any failure raises `ReplicaError` naming the replica. The
+    (None for an empty body). Any failure raises `ReplicaError` naming the replica (a closed
+    `session` raises aiohttp's own error: the caller closed it, no replica failed). The
     connection is not reused: after a 500 from vLLM's RL routes the next request on the same
-    connection was measured to fail."""
+    connection was measured to fail. An `idempotent` call is tried once more on a fresh
+    connection after a connection error (a pooled one may have been closed by the server's
+    keep-alive timeout just as it was reused); any other (an NCCL step: a second join or
+    receive would wait for a broadcast that never comes) is not."""
     url = f"{replica.url}{path}"
-    for attempt in (1, 2):
+    attempts = 2 if idempotent else 1
+    for attempt in range(1, attempts + 1):
         try:
             async with (
                 asyncio.timeout(timeout_s),
                 session.request(method, url, json=json, headers={"Connection": "close"}) as reply,
             ):
-                body = await reply.read()
                 if reply.status != 200:
-                    text = body[:500].decode(errors="replace")
+                    text = (await read_at_most(reply, ERROR_BODY_BYTES)).decode(errors="replace")
                     message = f"{method} {path} -> HTTP {reply.status}: {text}"
                     raise ReplicaError(replica.url, message)
-        except TRANSPORT_ERRORS as exc:
+                body = await read_at_most(reply, REPLY_BYTES + 1)
+        except Exception as exc:
+            if session.closed:
+                raise
             if _is_deadline(exc):
                 message = f"{method} {path}: no reply within {timeout_s} s"
                 raise ReplicaError(replica.url, message) from None
-            # Once more on a fresh connection: a pooled one may have been closed by the
-            # server's keep-alive timeout just as it was reused. These calls are idempotent.
-            if attempt == 2:
-                message = f"{method} {path}: {type(exc).__name__}: {exc}"
-                raise ReplicaError(replica.url, message) from None
-            continue
+            if isinstance(exc, aiohttp.ClientConnectionError) and attempt < attempts:
+                continue
+            raise replica_failure(replica, f"{method} {path}", exc) from None
+        if len(body) > REPLY_BYTES:
+            raise ReplicaError(replica.url, f"{method} {path} -> a reply over {REPLY_BYTES} B")
         try:
             return msgspec.json.decode(body) if body.strip() else None
         except msgspec.DecodeError:  # garbage (a proxy's error page) fails like any bad reply
-            text = body[:500].decode(errors="replace")
+            text = body[:ERROR_BODY_BYTES].decode(errors="replace")
             raise ReplicaError(replica.url, f"{method} {path} -> not JSON: {text}") from None
     raise AssertionError("unreachable")
 
@@ -140,6 +206,30 @@ async def healthy(session: aiohttp.ClientSession, replica: Replica, timeout_s: f
     except ReplicaError:
         return False
     return True
+
+
+async def liveness(
+    session: aiohttp.ClientSession, replica: Replica, body: dict[str, Any], timeout_s: float
+) -> None:
+    """Send the generate `body` (one token) and read its stream to the end within
+    `timeout_s`; raise `ReplicaError` naming the replica otherwise."""
+    try:
+        async with (
+            asyncio.timeout(timeout_s),
+            session.post(f"{replica.url}/inference/v1/generate", json=body) as reply,
+        ):
+            if reply.status != 200:
+                text = (await read_at_most(reply, ERROR_BODY_BYTES)).decode(errors="replace")
+                raise ReplicaError(replica.url, f"liveness generate -> HTTP {reply.status}: {text}")
+            async for _ in events(reply, replica.url, 1):
+                pass
+    except Exception as exc:
+        if session.closed:
+            raise
+        if _is_deadline(exc):
+            message = f"liveness generate: no token within {timeout_s} s (a hung engine core)"
+            raise ReplicaError(replica.url, message) from None
+        raise replica_failure(replica, "liveness generate", exc) from None
 
 
 class StreamEvent(msgspec.Struct):

@@ -35,14 +35,29 @@ reference notes):
   is STALE, out of the rotation until the next update rebuilds the group with it. A failure
   once weights are moving leaves every member with partial weights: all leave the rotation
   (as STALE ones once they answer) and the update raises, naming the replica and step.
-* **Several replicas.** Control calls go to every replica. A group's requests carry a session
-  key (by default the request id without its last "-attempt" part, which is how the producer
-  names attempts) and go to one replica (rendezvous hashing). A replica that fails leaves the
-  rotation and fails only the requests it had; it is probed again every `health_interval_s`,
-  given the current weights and label, and comes back. With no replica up, `EngineDeadError`.
-* **A bounded client.** One aiohttp session with at most `max_connections` connections, a
-  deadline on every request (`request_timeout_s` for a generate, `control_timeout_s` for the
-  rest), errors that name the replica (`ReplicaError`).
+* **Several replicas, one of which cannot take the others down.** Control calls go to every
+  replica in the rotation. A group's requests carry a session key (by default the request id
+  without its last "-attempt" part, which is how the producer names attempts) and go to one
+  replica (rendezvous hashing). Any error from talking to a replica, whatever aiohttp raised,
+  is that replica's failure and fails only the requests it had; it leaves the rotation unless
+  a one-token generate shows its engine core alive (vLLM's `/health` passes a hung one). Each
+  replica has a supervisor (`server_supervisor`) that alone probes and re-syncs it: paused
+  first, given the current weights and label, resumed, tried with a liveness generate, holding
+  nothing another replica needs; a failing replica's probes back off (a circuit breaker).
+  With no replica up, `EngineDeadError`.
+* **Deadlines that compose.** A pause, resume or abort waits at most `pause_timeout_s` per
+  replica call (`pause_bound_s` in all, to keep under the caller's own: the producer's
+  `abort_timeout_s`); a generate `request_timeout_s`; other control calls
+  `control_timeout_s`. Only idempotent calls are tried twice (never an NCCL step); replies are
+  read up to a bound.
+* **Updates commit, then clean up.** The new folder and label become what the engine serves
+  only once every replica loaded them, and a folder is deleted only when no replica can be
+  reading it (`server_weights`): an update cut off at its final resume keeps its weights.
+
+Files: this one is the `Engine` (admission, routing, generate, pause, resume, updates);
+`server_supervisor` the per-replica control plane; `server_client` HTTP to the replicas;
+`server_samples` what a request carries and brings back, parsed strictly; `server_weights`
+which weights the replicas serve; `replicas` a replica's state and the wire format.
 
 aiohttp rather than httpx: it is already a vLLM dependency, and its connection pool is the
 cheaper of the two per request (`benchmarks/server_throughput.py` has the numbers).
@@ -53,9 +68,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import functools
 import os
-import shutil
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -66,8 +79,10 @@ import numpy as np
 import yarl
 
 from asyncroll._signal import Signal
-from asyncroll.engines import nccl_transfer, vllm_groups, weights_file
+from asyncroll.engines import nccl_transfer, server_weights, vllm_groups, weights_file
 from asyncroll.engines import replicas as rp
+from asyncroll.engines import server_samples as ss
+from asyncroll.engines import server_supervisor as sup
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -76,18 +91,17 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
-from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, UnsyncedReplicaError
+from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState
+from asyncroll.engines.server_client import ReplicaClient
+from asyncroll.engines.server_samples import attempt_session
 
-_FINISH_REASONS = frozenset({"stop", "length", "abort"})
+__all__ = ["VLLMServerEngine", "attempt_session"]
+
+_checkpoint = server_weights.checkpoint
+
+_HOMES = frozenset({ReplicaState.UP, ReplicaState.UNSYNCED})  # where a session may live
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
-_PAUSE = "/pause?mode=keep&clear_cache=false"
 _NOT_CONFIGURED = "Weight transfer not configured"  # vLLM without --weight-transfer-config
-
-
-class Broadcast(enum.Enum):
-    """Weights the replicas received over NCCL: unlike a folder, not there to load again."""
-
-    SENT = "sent"
 
 
 class Admission(enum.Enum):
@@ -95,49 +109,6 @@ class Admission(enum.Enum):
 
     OPEN = "open"
     HELD = "held"  # paused or updating weights: requests wait here, not in a paused vLLM
-
-
-def attempt_session(request_id: str) -> str:
-    """The default session key: the request id without its last "-" part. The producer names
-    attempts `<run>-<group uid>-<attempt>`, so every attempt of a group meets the same replica
-    (and its prefix cache)."""
-    return request_id.rsplit("-", 1)[0]
-
-
-class _Sample:
-    __slots__ = ("finish", "logprobs", "spans", "tokens")
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.finish: str | None = None
-        self.spans: list[rp.Span] | None = None
-
-
-class _Part:
-    """One HTTP request of a group: `n` samples continuing the same prompt + prefix."""
-
-    __slots__ = ("indices", "max_tokens", "prompt", "server_id", "started")
-
-    def __init__(self, server_id: str, prompt: list[int], max_tokens: int, indices: list[int]):
-        self.server_id = server_id  # the request_id sent; vLLM prefixes it (_SERVER_PREFIX)
-        self.prompt = prompt
-        self.max_tokens = max_tokens
-        self.indices = indices  # positions in the group's request.samples
-        self.started = False  # sent to the replica (so an abort has to reach it there)
-
-
-class _Live:
-    """A running group: its replica, its requests and the tasks streaming them."""
-
-    __slots__ = ("aborted", "parts", "replica", "samples", "tasks")
-
-    def __init__(self, parts: list[_Part], replica: Replica, samples: list[_Sample]) -> None:
-        self.parts = parts
-        self.samples = samples
-        self.replica = replica
-        self.aborted = False
-        self.tasks: list[asyncio.Task[None]] = []
 
 
 class VLLMServerEngine:
@@ -156,6 +127,13 @@ class VLLMServerEngine:
     fastest). `weight_transfer`: send `update_weights`' tensors over NCCL instead (an
     `nccl_transfer.NCCLWeightTransfer`, GPUs only; the servers need
     `--weight-transfer-config '{"backend":"nccl"}'`, which the first update checks).
+
+    Deadlines: `request_timeout_s` a generate; `pause_timeout_s` each replica's pause, resume
+    or abort (keep `pause_bound_s`, twice it, under the producer's `abort_timeout_s`);
+    `control_timeout_s` a weight load and other control calls; `health_timeout_s` a
+    `/health`; `liveness_timeout_s` the one-token generate that tells a live engine core
+    from a hung one; `health_interval_s` the first delay before a failed replica's next
+    probe (doubling with each failure in a row, to 32 times it).
     """
 
     def __init__(
@@ -172,6 +150,8 @@ class VLLMServerEngine:
         connect_timeout_s: float = 10.0,
         health_timeout_s: float = 5.0,
         health_interval_s: float = 5.0,
+        liveness_timeout_s: float = 30.0,
+        pause_timeout_s: float = 10.0,
         max_connections: int = 512,
         weight_transfer: nccl_transfer.WeightSender | None = None,
     ) -> None:
@@ -196,6 +176,8 @@ class VLLMServerEngine:
             "connect_timeout_s": connect_timeout_s,
             "health_timeout_s": health_timeout_s,
             "health_interval_s": health_interval_s,
+            "liveness_timeout_s": liveness_timeout_s,
+            "pause_timeout_s": pause_timeout_s,
         }
         for name, value in timeouts.items():
             if not value > 0:
@@ -215,24 +197,39 @@ class VLLMServerEngine:
         self.connect_timeout_s = connect_timeout_s
         self.health_timeout_s = health_timeout_s
         self.health_interval_s = health_interval_s
+        self.liveness_timeout_s = liveness_timeout_s
+        self.pause_timeout_s = pause_timeout_s
         self.max_connections = max_connections
         self.weight_transfer = weight_transfer
         self._group: tuple[Replica, ...] | None = None  # the NCCL group's replicas, rank order
-        self._http: aiohttp.ClientSession | None = None  # made in the loop that first uses it
-        self._version = 0
-        self._weights: Path | Broadcast | None = None  # what every replica serves (None: its own)
-        self._written: Path | None = None  # the last folder this engine wrote (deleted later)
+        self._state = sup.ControlState()
+        self._client = ReplicaClient(
+            max_connections=max_connections,
+            connect_timeout_s=connect_timeout_s,
+            control_timeout_s=control_timeout_s,
+            health_timeout_s=health_timeout_s,
+            liveness_timeout_s=liveness_timeout_s,
+        )
+        self._folders = server_weights.WeightFolders()
+        self._supervisors = {
+            r: sup.Supervisor(
+                r,
+                self._state,
+                self._client,
+                self._folders,
+                self._load_on,
+                self._down,
+                self._leave_group,
+            )
+            for r in self.replicas
+        }
         self._admission = Admission.OPEN
-        self._paused = False
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, ss.Live] = {}
         self._recent = RecentIds()
         self._generated = 0
         self._open_streams = 0
         self._held = 0
         self._progress = Signal()
-        self._control = asyncio.Lock()
-        self._probes: dict[Replica, asyncio.Task[None]] = {}  # of down replicas, by routing
-        self._closed = False
 
     # -- Engine protocol -------------------------------------------------------------------------
 
@@ -250,10 +247,22 @@ class VLLMServerEngine:
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._state.version
+
+    @property
+    def pause_bound_s(self) -> float:
+        """The longest `pause_generation` or `resume_generation` takes while no weight
+        update runs, whatever a replica does: waiting for probes when none is up, then one
+        call to each replica, `pause_timeout_s` each. Deadlines compose only if it is below
+        the caller's own (the producer's `abort_timeout_s`, 30 s by default): a pause that
+        outlives its caller is undone and the run stops."""
+        return 2 * self.pause_timeout_s
 
     def payload_bytes(self, max_new_tokens: int) -> int:
-        return 0
+        """The bytes a sample's tokens hold here while in flight (`server_samples.Sample`),
+        beyond what the producer counts for its encoded tokens: they are in this process,
+        and the buffer's byte bound must cover them."""
+        return ss.IN_FLIGHT_BYTES_PER_TOKEN * max_new_tokens + ss.IN_FLIGHT_SAMPLE_BYTES
 
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
         self._check_open()
@@ -262,15 +271,15 @@ class VLLMServerEngine:
             raise ValueError(f"request id {rid!r} is already running")
         parts = self._split(request)
         aborted_early = self._recent.take_early_abort(rid)
-        samples = [_Sample() for _ in request.samples]
+        samples = [ss.Sample() for _ in request.samples]
         if aborted_early:
             self._recent.ended(rid)
-            return [self._aborted_output() for _ in samples]
+            return [ss.aborted_output() for _ in samples]
         # an episode names its session; a single-turn group's attempts share their id's stem
         replica = await self._route(request.session or self.session_of(rid))
         if rid in self._live:  # started by another call while this one was routed
             raise ValueError(f"request id {rid!r} is already running")
-        live = self._live[rid] = _Live(parts, replica, samples)
+        live = self._live[rid] = ss.Live(parts, replica, samples)
         live.aborted = self._recent.take_early_abort(rid)  # aborted while it was routed
         try:
             async with asyncio.timeout(self.request_timeout_s):
@@ -290,7 +299,7 @@ class VLLMServerEngine:
             self._progress.notify()
         try:
             return [
-                self._output(s, rid, replica, asked.max_new_tokens)
+                ss.output(s, rid, replica.url, asked.max_new_tokens)
                 for s, asked in zip(samples, request.samples, strict=True)
             ]
         except ReplicaError as exc:  # what the replica answered is wrong: as a failed stream
@@ -301,7 +310,7 @@ class VLLMServerEngine:
         """Abort every request of the group on its replica; its `generate` then returns the
         partial samples, finish reason "abort". A request still held for admission is never
         sent; an id not seen yet is remembered; an ended one is left alone."""
-        if self._closed:
+        if self._state.closed:
             return
         live = vllm_groups.claim_abort(self._live, self._recent, request_id)
         if live is None:
@@ -323,15 +332,17 @@ class VLLMServerEngine:
         bounds it by `abort_timeout_s`) is undone, the replicas that paused resumed, before
         the error is raised: a caller that gives up on a pause does not resume, and a held
         engine would hold every later request until its deadline."""
-        async with self._control:
+        self._check_open()
+        await self._revive_due(wait_s=self.pause_timeout_s)
+        async with self._state.controlling():
             self._check_open()
-            paused_before = self._paused
+            paused_before = self._state.paused
             self._admission = Admission.HELD
-            self._paused = True
+            self._state.paused = True
             try:
-                await self._each_replica("POST", _PAUSE)
+                await self._each_replica("POST", sup.PAUSE)
             except BaseException:
-                if not paused_before and not self._closed:
+                if not paused_before and not self._state.closed:
                     with contextlib.suppress(EngineDeadError):
                         await self._reopen()
                 raise
@@ -340,7 +351,9 @@ class VLLMServerEngine:
         """Resume every replica and let held requests go. Even when that fails (no replica
         answers: `EngineDeadError`), the engine is no longer paused: the caller goes on as
         resumed (the producer does), and replicas that come back are synced unpaused."""
-        async with self._control:
+        self._check_open()
+        await self._revive_due(wait_s=self.pause_timeout_s)
+        async with self._state.controlling():
             self._check_open()
             await self._reopen()
 
@@ -349,6 +362,7 @@ class VLLMServerEngine:
         unchanged), and label later tokens `version` there; see `update_weights_from_path`.
         With `weight_transfer`, broadcast them over NCCL instead (see the module docstring)."""
         self._check_open()
+        ss.check_version(version)
         if weights is None:
             await self._update(None, version)
             return
@@ -363,15 +377,13 @@ class VLLMServerEngine:
             )
         folder = self.weights_dir / f"asyncroll-v{version}-{uuid.uuid4().hex[:8]}"
         folder.mkdir()
+        self._folders.add(folder)
         try:
-            await asyncio.to_thread(_write_weights, list(weights), folder)
+            await asyncio.to_thread(server_weights.write, list(weights), folder)
             await self._update(folder, version)
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        previous, self._written = self._written, folder
-        if previous is not None:
-            shutil.rmtree(previous, ignore_errors=True)
+        finally:
+            if self._state.weights == folder:  # committed (even if cut off at its resume after)
+                self._folders.collect(self._state.weights)
 
     async def update_weights_from_path(self, path: str | os.PathLike[str], *, version: int) -> None:
         """Load the safetensors checkpoint folder `path` (written by the trainer, readable by
@@ -379,14 +391,15 @@ class VLLMServerEngine:
         and running ones frozen meanwhile; running ones continue on the new weights (their
         KV cache recomputed), their later tokens labelled `version`."""
         self._check_open()
-        await self._update(_checkpoint(path), version)
+        ss.check_version(version)
+        await self._update(server_weights.checkpoint(path), version)
 
     async def close(self) -> None:
         """Stop serving: running `generate` calls raise `EngineDeadError` (their streams are
         closed, which makes vLLM abort them), later calls too; the replicas keep running."""
-        if self._closed:
+        if self._state.closed:
             return
-        self._closed = True
+        self._state.closed = self._client.closed = True
         self._progress.notify()
         # Abort on the replicas first: a closed connection alone reaches vLLM only when it
         # next writes to the stream, which may be at the request's end.
@@ -396,15 +409,9 @@ class VLLMServerEngine:
         ]
         await asyncio.gather(*(self._abort_on(r, ids) for r, ids in started if ids))
         await vllm_groups.end_streams(self._live.values(), self.control_timeout_s)
-        probes = list(self._probes.values())
-        for probe in probes:
-            probe.cancel()
-        await asyncio.gather(*probes, return_exceptions=True)
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
-        if self._written is not None:
-            shutil.rmtree(self._written, ignore_errors=True)
+        await asyncio.gather(*(s.stop() for s in self._supervisors.values()))
+        await self._client.close()
+        self._folders.remove_all()
         if self.weight_transfer is not None:
             self.weight_transfer.leave()
 
@@ -438,7 +445,9 @@ class VLLMServerEngine:
 
     async def wait_generated(self, tokens: int, timeout: float) -> None:
         """Return once `generated_tokens >= tokens`; `TimeoutError` after `timeout` s."""
-        await self._progress.wait_until(lambda: self._generated >= tokens or self._closed, timeout)
+        await self._progress.wait_until(
+            lambda: self._generated >= tokens or self._state.closed, timeout
+        )
         self._check_open()
 
     async def wait_held(self, requests: int, timeout: float) -> None:
@@ -448,7 +457,7 @@ class VLLMServerEngine:
     async def wait_progress(self, predicate: Callable[[], bool], timeout: float) -> None:
         """Return once `predicate()` holds, checked whenever requests are held, sent, stream
         tokens or end (e.g. on `replicas[i].streams`); `TimeoutError` after `timeout` s."""
-        await self._progress.wait_until(lambda: predicate() or self._closed, timeout)
+        await self._progress.wait_until(lambda: predicate() or self._state.closed, timeout)
         self._check_open()
 
     # -- routing and replica health --------------------------------------------------------------
@@ -458,101 +467,62 @@ class VLLMServerEngine:
         and bring back those that answer, with the current weights and version label."""
         self._check_open()
         await asyncio.gather(
-            *(self._sync(r, now=True) for r in self.replicas if r.state is not ReplicaState.UP)
+            *(
+                s.sync(now=True)
+                for r, s in self._supervisors.items()
+                if r.state is not ReplicaState.UP
+            )
         )
 
     def _session(self) -> aiohttp.ClientSession:
-        if self._http is None:
-            self._check_open()  # never a new session once `close()` closed the last one
-            connector = aiohttp.TCPConnector(
-                limit=self.max_connections, limit_per_host=self.max_connections
-            )
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
-            self._http = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        return self._http
+        self._check_open()  # never a new session once `close()` closed the last one
+        return self._client.session()
 
     async def _route(self, session: str) -> Replica:
-        """The replica for `session`, after syncing replicas due for it."""
+        """The replica for `session`, after starting the syncs due. A session whose own
+        replica is being synced (new, or restarted behind the engine's back) waits for that
+        sync, so that it does not settle elsewhere only because its replica was not synced
+        yet; no other session waits for it (one replica's reload once stalled every route).
+        With no replica up, every sync is waited for."""
         await self._revive_due()
+        home = rp.pick(self.replicas, session, _HOMES)
+        task = None if home is None else self._supervisors[home].task
+        if home is not None and home.state is ReplicaState.UNSYNCED and task is not None:
+            await asyncio.wait([task])  # not cancelled by a caller that gives up
         replica = rp.pick(self.replicas, session)
         if replica is None:
             raise EngineDeadError(f"no replica is up: {self._states()}")
         return replica
 
-    async def _revive_due(self) -> None:
-        """Sync every new replica, and start a probe of every down one due for it. Routing
-        waits for the new ones (a session must not settle elsewhere only because its replica
-        was not synced yet), but for the probes only when no replica is up: a down replica
-        whose probe hangs (its host unreachable) must not stall, once every
-        `health_interval_s`, the requests of the replicas that serve."""
-        new = [r for r in self.replicas if r.state is ReplicaState.UNSYNCED]
-        if new:
-            await asyncio.gather(*(self._sync(r) for r in new))
+    async def _revive_due(self, *, wait_s: float | None = None) -> None:
+        """Start a sync of every new replica and of every down one due for a probe, each in
+        its own task (its supervisor's). Wait for them only when no replica is up (a pause
+        or resume `wait_s` at most, `pause_timeout_s`): a replica whose probe or reload
+        hangs must not stall the requests, pauses and updates of the replicas that serve."""
         now = asyncio.get_running_loop().time()
-        for replica in self.replicas:
-            due = replica.state is ReplicaState.DOWN and replica.retry_at <= now
-            if due and replica not in self._probes:
-                probe = self._probes[replica] = asyncio.ensure_future(self._sync(replica))
-                probe.add_done_callback(functools.partial(self._probed, replica))
-        if self._probes and not any(r.state is ReplicaState.UP for r in self.replicas):
-            await asyncio.gather(*map(asyncio.shield, list(self._probes.values())))
-
-    def _probed(self, replica: Replica, _: asyncio.Task[None]) -> None:
-        """A routing probe of `replica` ended (its outcome is the replica's state): the next
-        one may start when it is due again."""
-        del self._probes[replica]
-
-    async def _sync(self, replica: Replica, *, now: bool = False) -> None:
-        """Bring `replica` into the rotation: healthy, serving the current weights under the
-        current label, paused if the engine is. Any failure leaves it down until the next
-        probe (`now`: probe even before `retry_at`). Concurrent callers wait for the one sync
-        in progress rather than route without it. Under the control lock, so that no update
-        runs half-way through it."""
-        async with replica.syncing:
-            due = now or asyncio.get_running_loop().time() >= replica.retry_at
-            if replica.state is ReplicaState.UP or self._closed:
-                return
-            if replica.state is ReplicaState.DOWN and not due:
-                return  # probed while this caller waited
-            async with self._control:
-                if _up(replica) or self._closed:  # synced by an update that held the lock
-                    return
-                try:
-                    if not await self._healthy(replica):
-                        raise ReplicaError(replica.url, "GET /health failed")
-                    if self._paused:
-                        await self._call(replica, "POST", _PAUSE)
-                    state = await self._catch_up(replica)
-                    if state is ReplicaState.UP and not self._paused:  # a `/pause` that
-                        await self._call(replica, "POST", "/resume")  # answered late: paused
-                except ReplicaError as exc:
-                    self._down(replica, exc)
-                    return
-                replica.state = state
-                replica.error = None
+        syncing = [s.start() for s in self._supervisors.values() if s.due(now) or s.task]
+        if syncing and not any(r.state is ReplicaState.UP for r in self.replicas):
+            await asyncio.wait(syncing, timeout=wait_s)  # not cancelled by a caller giving up
 
     def _down(self, replica: Replica, exc: BaseException) -> None:
         """`replica` leaves the rotation, and the NCCL group: its workers may be new
         processes when it answers again, so the next update rebuilds the group."""
         loop = asyncio.get_running_loop()
-        replica.mark_down(str(exc), loop.time() + self.health_interval_s)
+        replica.fail(str(exc), loop.time(), self.health_interval_s)
         self._leave_group(replica)
+        self._progress.notify()
 
     def _leave_group(self, replica: Replica) -> None:
         if self._group is not None and replica in self._group:
             self._group = tuple(r for r in self._group if r is not replica)
 
     async def _failed(self, replica: Replica, exc: ReplicaError) -> None:
-        """A request to `replica` failed: it leaves the rotation unless it still answers its
-        health probe (then only the request failed). One that served weights this engine
-        never gave it is a new process: it leaves the rotation (and the NCCL group) until the
-        next request's route syncs it again, whatever its health probe says."""
-        if isinstance(exc, UnsyncedReplicaError):
-            if replica.state is ReplicaState.UP:
-                replica.mark_unsynced(str(exc))
-                self._leave_group(replica)
-        elif replica.state is ReplicaState.UP and not await self._healthy(replica):
-            self._down(replica, exc)
+        """A request to `replica` failed: its supervisor checks whether the replica stays
+        (`Supervisor.failed`); the request's caller learns the outcome (a cancelled caller
+        leaves the check running)."""
+        check = self._supervisors[replica].failed(exc)
+        if check is not None:
+            await asyncio.shield(check)
 
     def _states(self) -> str:
         return "; ".join(f"{r.url} {r.state.value} ({r.error})" for r in self.replicas)
@@ -567,35 +537,18 @@ class VLLMServerEngine:
         json: Any = None,
         *,
         timeout_s: float | None = None,
+        idempotent: bool = True,
     ) -> Any:
-        """A control call within `timeout_s` (default `control_timeout_s`)."""
-        timeout = self.control_timeout_s if timeout_s is None else timeout_s
-        with self._dead_if_closed():
-            return await rp.control(
-                self._session(), replica, method, path, timeout_s=timeout, json=json
-            )
+        """A control call (`ReplicaClient.call`)."""
+        return await self._client.call(
+            replica, method, path, json, timeout_s=timeout_s, idempotent=idempotent
+        )
 
-    async def _healthy(self, replica: Replica) -> bool:
-        with self._dead_if_closed():
-            return await rp.healthy(self._session(), replica, self.health_timeout_s)
-
-    @contextlib.contextmanager
-    def _dead_if_closed(self) -> Iterator[None]:
-        """Around an HTTP call: `close()` closes the session under the calls in flight,
-        which aiohttp reports as `RuntimeError("Session is closed")`. That is the engine's
-        death, raised as such, not an error of the call or the replica."""
-        try:
-            yield
-        except RuntimeError as exc:
-            if self._closed and not isinstance(exc, ReplicaError):
-                raise EngineDeadError("VLLMServerEngine is closed") from None
-            raise
-
-    async def _each_replica(self, method: str, path: str, json: Any = None) -> None:
-        """One control call on every UP replica at once; one that fails leaves the rotation.
-        None up afterwards: `EngineDeadError`."""
-        await self._revive_due_locked()
-        await self._on_every_up(lambda r: self._call(r, method, path, json))
+    async def _each_replica(self, method: str, path: str) -> None:
+        """A pause or resume on every UP replica at once, within `pause_timeout_s`; one that
+        fails leaves the rotation. None up afterwards: `EngineDeadError`."""
+        timeout_s = self.pause_timeout_s
+        await self._on_every_up(lambda r: self._call(r, method, path, timeout_s=timeout_s))
 
     async def _on_every_up(self, call: Callable[[Replica], Awaitable[object]]) -> None:
         """`call` on every UP replica at once; one that fails (`ReplicaError`) leaves the
@@ -621,40 +574,40 @@ class VLLMServerEngine:
             if not isinstance(result, BaseException)
         ]
 
-    async def _revive_due_locked(self) -> None:
-        """`_revive_due` for callers that hold the control lock: new (and stale) replicas are
-        synced inline (under the held lock), down ones wait for the next request's probe."""
+    async def _revive_for_broadcast(self) -> None:
+        """Before an NCCL update (under the control lock): new and stale replicas that answer
+        become members (their weights come with the broadcast, paused first like every
+        member); down ones wait for the next request's probe."""
         for replica in self.replicas:
             if replica.state not in (ReplicaState.UNSYNCED, ReplicaState.STALE):
                 continue
-            try:
-                if not await self._healthy(replica):
-                    raise ReplicaError(replica.url, "GET /health failed")
-                replica.state = await self._catch_up(replica)
-            except ReplicaError as exc:
-                self._down(replica, exc)
-
-    async def _catch_up(self, replica: Replica) -> ReplicaState:
-        """Give an answering replica the current weights and label: UP then, or STALE when
-        they came over NCCL (nothing to load: it receives the next broadcast)."""
-        if self._weights is Broadcast.SENT:
-            return ReplicaState.STALE
-        await self._load_on(replica, self._weights, self._version)
-        return ReplicaState.UP
+            if replica.syncing.locked():  # its own sync runs: it takes the next broadcast
+                continue
+            async with replica.syncing:
+                try:
+                    await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
+                    await self._call(replica, "POST", sup.PAUSE, timeout_s=self.pause_timeout_s)
+                    replica.state = await sup.catch_up(
+                        replica, self._state.weights, self._state.version, self._load_on
+                    )
+                except (ReplicaError, ValueError) as exc:
+                    self._down(replica, exc)
 
     @contextlib.asynccontextmanager
     async def _frozen(self) -> AsyncIterator[None]:
         """A weight update's frame: under the control lock, admission held; afterwards (also
         after a failure) every replica resumed and admission released, unless the caller had
         paused."""
-        async with self._control:
+        self._check_open()
+        await self._revive_due(wait_s=self.pause_timeout_s)
+        async with self._state.controlling():
             self._check_open()
-            paused_before = self._paused
+            paused_before = self._state.paused
             self._admission = Admission.HELD
             try:
                 yield
             finally:
-                if not paused_before and not self._closed:
+                if not paused_before and not self._state.closed:
                     with contextlib.suppress(EngineDeadError):
                         await self._reopen()
 
@@ -664,7 +617,7 @@ class VLLMServerEngine:
         try:
             await self._each_replica("POST", "/resume")
         finally:
-            self._paused = False
+            self._state.paused = False
             self._admission = Admission.OPEN
             self._progress.notify()
 
@@ -672,17 +625,17 @@ class VLLMServerEngine:
         """Hold admission, freeze every replica, load `folder` (None: keep the weights),
         recompute running requests' KV cache, label `version`, resume (unless the caller
         paused), release admission."""
-        if folder is None and version == self._version:
+        if folder is None and version == self._state.version:
             return
         async with self._frozen():
-            if not self._paused:
-                await self._each_replica("POST", _PAUSE)
-            weights = folder if folder is not None else self._weights
+            if not self._state.paused:
+                await self._each_replica("POST", sup.PAUSE)
+            weights = folder if folder is not None else self._state.weights
             loading = [r for r in self.replicas if r.state is ReplicaState.UP]
             with self._resync_if_interrupted(loading):
                 await self._on_every_up(lambda r: self._load_on(r, folder, version))
-            self._weights = weights
-            self._version = version
+            self._state.weights = weights
+            self._state.version = version
 
     @contextlib.contextmanager
     def _resync_if_interrupted(self, replicas: list[Replica]) -> Iterator[None]:
@@ -707,9 +660,11 @@ class VLLMServerEngine:
         the STALE ones that answer) are frozen, the group is (re)built when they changed,
         then every member receives while the trainer sends, finishes, and takes the label."""
         async with self._frozen():
-            await self._revive_due_locked()
+            await self._revive_for_broadcast()
             members = [r for r in self.replicas if r.state in (ReplicaState.UP, ReplicaState.STALE)]
-            members = await self._on_every(members, lambda r: self._call(r, "POST", _PAUSE))
+            members = await self._on_every(
+                members, lambda r: self._call(r, "POST", sup.PAUSE, timeout_s=self.pause_timeout_s)
+            )
             members = await self._on_every(members, self._leave_group_if_restarted)
             if not members:
                 raise EngineDeadError(f"no replica is up: {self._states()}")
@@ -722,7 +677,7 @@ class VLLMServerEngine:
                 raise EngineDeadError(f"no replica is up: {self._states()}")
             for replica in members:
                 replica.state = ReplicaState.UP
-            self._version = version
+            self._state.version = version
 
     async def _leave_group_if_restarted(self, replica: Replica) -> None:
         """Take `replica` out of the NCCL group if it does not carry this engine's weight
@@ -730,7 +685,7 @@ class VLLMServerEngine:
         group), so that the group is rebuilt with it instead of broadcasting to ranks that
         are not there (a broadcast that would hang until its timeout)."""
         reply = await self._call(replica, "GET", "/weight_info")
-        if not isinstance(reply, dict) or reply.get("weight_version") != str(self._version):
+        if not isinstance(reply, dict) or reply.get("weight_version") != str(self._state.version):
             self._leave_group(replica)
 
     async def _form_group(
@@ -772,6 +727,7 @@ class VLLMServerEngine:
                 "/init_weight_transfer_engine",
                 body,
                 timeout_s=sender.timeout_s,
+                idempotent=False,  # a second join waits for a rendezvous that never comes
             )
 
         joins = [sender.join(), *map(init, members, offsets[:-1])]
@@ -804,14 +760,18 @@ class VLLMServerEngine:
         body = {"update_info": nccl_transfer.update_info(named)}
 
         def calls(path: str, json: Any = None) -> list[Awaitable[Any]]:
-            return [self._call(r, "POST", path, json, timeout_s=sender.timeout_s) for r in members]
+            # never sent twice: a second receive waits for a broadcast that never comes
+            return [
+                self._call(r, "POST", path, json, timeout_s=sender.timeout_s, idempotent=False)
+                for r in members
+            ]
 
         steps: list[Callable[[], list[Awaitable[Any]]]] = [
             lambda: calls("/start_weight_update"),
             lambda: [sender.send(named), *calls("/update_weights", body)],
             lambda: calls("/finish_weight_update"),
         ]
-        self._weights = Broadcast.SENT  # from here on, the old weights are gone everywhere
+        self._state.weights = server_weights.Broadcast.SENT  # the old weights are gone everywhere
         try:
             for step in steps:
                 error = await vllm_groups.first_error([asyncio.ensure_future(c) for c in step()])
@@ -848,25 +808,33 @@ class VLLMServerEngine:
         """Abort requests on `replica`, through the RL route that returns once vLLM has
         aborted them (`/inference/v1/abort_requests` only starts a task that will). A failure
         fails no request (the stream's own end or deadline still bounds it), but is a failed
-        call to the replica like any other: one that does not answer its health probe either
-        leaves the rotation. Often this abort is the last call a hung replica gets (its caller
-        gave up on the request), and nothing else would take it out."""
+        call to the replica like any other: one whose engine core is not alive either leaves
+        the rotation. Often this abort is the last call a hung replica gets (its caller gave
+        up on the request), and nothing else would take it out. Within `pause_timeout_s`, and
+        not waiting for that check: a caller that gave up (the producer's
+        `generate_timeout_s`) is not held past it by a hung replica."""
         ids = [_SERVER_PREFIX + s for s in server_ids]
         try:
-            await self._call(replica, "POST", "/abort_requests", {"request_ids": ids})
+            await self._call(
+                replica,
+                "POST",
+                "/abort_requests",
+                {"request_ids": ids},
+                timeout_s=self.pause_timeout_s,
+            )
         except ReplicaError as exc:
-            await self._failed(replica, exc)
+            self._supervisors[replica].failed(exc)  # the supervisor owns the check
 
     # -- generation ------------------------------------------------------------------------------
 
-    def _split(self, request: GenerateRequest) -> list[_Part]:
+    def _split(self, request: GenerateRequest) -> list[ss.Part]:
         """Fresh samples of one budget travel together as `n` (not when greedy: vLLM refuses
         n > 1 then), continued samples one request each (see `vllm_groups.split_group`)."""
         together = request.sampling.temperature > 0
-        return vllm_groups.split_group(request, self._vocab_size, together=together, part=_Part)
+        return vllm_groups.split_group(request, self._vocab_size, together=together, part=ss.Part)
 
     async def _run_parts(
-        self, live: _Live, samples: list[_Sample], sampling: SamplingConfig
+        self, live: ss.Live, samples: list[ss.Sample], sampling: SamplingConfig
     ) -> None:
         """Stream every part; on the first error (or a cancellation) end the others, abort
         what was sent, and raise."""
@@ -880,18 +848,18 @@ class VLLMServerEngine:
             unfinished = [
                 p.server_id
                 for p, task in zip(live.parts, tasks, strict=True)
-                if p.started and _unfinished(task)
+                if p.started and ss.unfinished(task)
             ]
-            if unfinished and not self._closed:  # do not rely on the disconnect alone
+            if unfinished and not self._state.closed:  # do not rely on the disconnect alone
                 await asyncio.shield(self._abort_on(live.replica, unfinished))
-        if self._closed:
+        if self._state.closed:
             raise EngineDeadError("VLLMServerEngine is closed")
         if error is not None:
             if isinstance(error, ReplicaError):
                 await self._failed(live.replica, error)
             raise error
 
-    async def _admit(self, live: _Live) -> None:
+    async def _admit(self, live: ss.Live) -> None:
         """Wait while admission is held (a pause or weight update); an abort or close ends
         the wait."""
         if self._admission is Admission.OPEN:
@@ -900,16 +868,16 @@ class VLLMServerEngine:
         self._progress.notify()
         try:
             await self._progress.wait_until(
-                lambda: self._admission is Admission.OPEN or live.aborted or self._closed
+                lambda: self._admission is Admission.OPEN or live.aborted or self._state.closed
             )
         finally:
             self._held -= 1
 
     async def _stream(
-        self, live: _Live, part: _Part, samples: list[_Sample], sampling: SamplingConfig
+        self, live: ss.Live, part: ss.Part, samples: list[ss.Sample], sampling: SamplingConfig
     ) -> None:
         await self._admit(live)
-        if self._closed:
+        if self._state.closed:
             raise EngineDeadError("VLLMServerEngine is closed")
         if live.aborted:
             for i in part.indices:
@@ -925,7 +893,7 @@ class VLLMServerEngine:
             "request_id": part.server_id,
             "token_ids": part.prompt,
             "stream": True,
-            "sampling_params": self._sampling_params(sampling, part),
+            "sampling_params": ss.sampling_params(sampling, part, self.stream_interval),
         }
         part.started = True
         self._open_streams += 1
@@ -937,10 +905,11 @@ class VLLMServerEngine:
                 f"{replica.url}/inference/v1/generate", json=body
             ) as reply:
                 if reply.status != 200:
-                    text = (await reply.read())[:500].decode(errors="replace")
+                    head = await rp.read_at_most(reply, rp.ERROR_BODY_BYTES)
+                    text = head.decode(errors="replace")
                     error = ReplicaError(replica.url, f"generate -> HTTP {reply.status}: {text}")
                     if 400 <= reply.status < 500:
-                        raise ValueError(str(error))
+                        raise rp.Rejected(str(error))
                     raise error
                 first = True
                 tokens = part.max_tokens * len(part.indices)
@@ -952,97 +921,25 @@ class VLLMServerEngine:
                                 f"streamed choice {choice.index} of a request of"
                                 f" {len(part.indices)} samples",
                             )
-                        got = _append(samples[part.indices[choice.index]], choice, replica.url)
+                        sample = samples[part.indices[choice.index]]
+                        got = ss.append(sample, choice, replica.url, self._vocab_size)
                         self._generated += got
                     self._progress.notify()
                     if first and _aborted(live):  # the abort may have beaten the request there
                         await self._abort_on(replica, [part.server_id])
                     first = False
-        except rp.TRANSPORT_ERRORS as exc:
-            raise ReplicaError(replica.url, f"generate: {type(exc).__name__}: {exc}") from None
+        except (rp.Rejected, EngineDeadError):
+            raise
+        except Exception as exc:  # anything else from talking to the replica is its failure
+            self._check_open()  # `close()` closed the session under this stream
+            raise rp.replica_failure(replica, "generate", exc) from None
         finally:
             self._open_streams -= 1
             replica.streams -= 1
             self._progress.notify()
 
-    def _sampling_params(self, sampling: SamplingConfig, part: _Part) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "n": len(part.indices),
-            "max_tokens": part.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "stop_token_ids": list(sampling.stop_token_ids),
-            "ignore_eos": sampling.ignore_eos,
-            "logprobs": 0,  # the sampled token's logprob only
-            "stream_interval": self.stream_interval or part.max_tokens,
-        }
-        if sampling.top_k is not None:
-            params["top_k"] = sampling.top_k
-        if sampling.seed is not None:
-            params["seed"] = vllm_groups.part_seed(sampling.seed, part.server_id)
-        return params
-
-    def _output(
-        self, sample: _Sample, request_id: str, replica: Replica, max_new_tokens: int
-    ) -> SampleOutput:
-        """One sample as the `Engine` contract has it; a replica's answer that breaks the
-        contract (more tokens than asked for, a finish reason, logprobs or version labels that
-        do not fit) fails the request instead of reaching the trainer."""
-        n = len(sample.tokens)
-        if n > max_new_tokens:
-            raise ReplicaError(
-                replica.url,
-                f"returned {n} tokens for a sample of {request_id} that asked for at most"
-                f" {max_new_tokens}",
-            )
-        if sample.finish not in _FINISH_REASONS:
-            raise ReplicaError(
-                replica.url, f"finished a sample of {request_id} with reason {sample.finish!r}"
-            )
-        if len(sample.logprobs) != n:
-            raise ReplicaError(
-                replica.url, f"returned {len(sample.logprobs)} logprobs for {n} tokens"
-            )
-        versions = vllm_groups.token_versions(
-            sample.spans, n, lambda label: self._label(label, replica)
-        )
-        if versions is None:
-            raise ReplicaError(
-                replica.url,
-                f"its version spans do not label each of the {n} tokens of {request_id} once,"
-                " in order",
-            )
-        return SampleOutput(
-            tokens=np.array(sample.tokens, dtype=np.int32),
-            logprobs=np.array(sample.logprobs, dtype=np.float32),
-            versions=versions,
-            finish_reason=sample.finish,
-        )
-
-    def _label(self, label: str, replica: Replica) -> int:
-        """A version label as this engine set it; anything else (vLLM's initial "default":
-        a replica restarted behind the engine's back) fails the request."""
-        try:
-            return int(label)
-        except ValueError:
-            raise UnsyncedReplicaError(
-                replica.url,
-                f"served tokens labelled {label!r}, a version this engine never set "
-                "(did it restart without the current weights?)",
-            ) from None
-
-    @staticmethod
-    def _aborted_output() -> SampleOutput:
-        empty = np.zeros(0, dtype=np.int32)
-        return SampleOutput(
-            tokens=empty,
-            logprobs=np.zeros(0, dtype=np.float32),
-            versions=empty.copy(),
-            finish_reason="abort",
-        )
-
     def _check_open(self) -> None:
-        if self._closed:
+        if self._state.closed:
             raise EngineDeadError("VLLMServerEngine is closed")
 
 
@@ -1059,43 +956,7 @@ def _up(replica: Replica) -> bool:
     return replica.state is ReplicaState.UP
 
 
-def _aborted(live: _Live) -> bool:
+def _aborted(live: ss.Live) -> bool:
     """`live.aborted`, read through a call: it changes across awaits, which mypy's narrowing
     does not know."""
     return live.aborted
-
-
-def _unfinished(task: asyncio.Task[None]) -> bool:
-    """Whether a part's stream ended without finishing (an error or a cancellation), or has
-    not ended yet."""
-    return not task.done() or task.cancelled() or task.exception() is not None
-
-
-def _append(sample: _Sample, choice: rp.StreamChoice, url: str) -> int:
-    """Add one streamed delta of a sample; the number of new tokens."""
-    tokens = choice.token_ids or []
-    entries = choice.logprobs.content if choice.logprobs is not None else []
-    if len(entries) != len(tokens) or any(
-        e.token_id != t for e, t in zip(entries, tokens, strict=True)
-    ):
-        raise ReplicaError(url, "streamed logprobs do not line up with the token ids")
-    sample.tokens.extend(tokens)
-    sample.logprobs.extend(e.logprob for e in entries)
-    if choice.finish_reason is not None:
-        sample.finish = choice.finish_reason
-        sample.spans = choice.weight_versions
-    return len(tokens)
-
-
-def _checkpoint(path: str | os.PathLike[str]) -> Path:
-    """`path` resolved, once checked to be a folder with safetensors files: vLLM treats a
-    missing path as a Hugging Face repo id, fails, and its engine dies on the next request."""
-    folder = Path(path)
-    if not folder.is_dir() or not any(folder.glob("*.safetensors")):
-        raise ValueError(f"{folder}: not a folder with *.safetensors files")
-    return folder.resolve()
-
-
-def _write_weights(weights: Weights, folder: Path) -> None:
-    """One `model.safetensors` in `folder`, the only file vLLM's `reload_weights` needs."""
-    weights_file.write_safetensors(weights_file.detached(weights), folder / "model.safetensors")
