@@ -152,7 +152,7 @@ class Producer:
             )
         self.on_drop = on_drop
         group_bytes = cfg.group_bytes(payload, episodes=episodes)
-        self.buffer = RolloutBuffer(
+        buffer = RolloutBuffer(
             max_groups=cfg.max_buffer_groups,
             max_bytes=cfg.max_buffer_bytes,
             reserve_bytes=group_bytes,
@@ -160,7 +160,7 @@ class Producer:
             order=cfg.order,
         )
         self._core = core = Core(
-            cfg, engine, self.buffer, PromptStream(prompts),
+            cfg, engine, buffer, PromptStream(prompts),
             payload=payload, group_bytes=group_bytes, episodes=episodes,
         )  # fmt: skip
         self._drops = DropCallback(on_drop, timeout_s=cfg.on_drop_timeout_s)
@@ -178,10 +178,20 @@ class Producer:
         self._loaded = False  # from a checkpoint: entering sets the engine to its version
         self._runner: asyncio.Task[None] | None = None
 
-    # Shared state the tests and benchmarks watch.
+    @property
+    def buffer(self) -> RolloutBuffer:
+        """The buffer every part of the producer uses (a benchmark may wrap it before entry)."""
+        return self._core.buffer
+
+    @buffer.setter
+    def buffer(self, buffer: RolloutBuffer) -> None:
+        self._core.buffer = buffer
+
     @property
     def progress(self) -> ProduceProgress:
         return self._core.progress
+
+    # Shared state the tests watch.
 
     @property
     def _changed(self) -> Signal:

@@ -123,8 +123,8 @@ def fit_to_run(
             counters.restarted_groups += 1
             counters.wasted_tokens_restarted += group.num_tokens
             samples = rollout.interrupted(rollout.fresh_samples(group.num_samples))
-        else:
-            n = budget(group)
+        else:  # a prompt that no longer leaves room to generate: responses of 0 tokens
+            n = max(budget(group), 0)
             samples = tuple(
                 rollout.truncated(s, n)
                 if s.status is not Status.COMPLETED and len(s.tokens) >= n

@@ -3,15 +3,23 @@ on load (no producer needed)."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
-from asyncroll.codec import encode
+from asyncroll.codec import decode, encode
 from asyncroll.progress import LatencyHistogram, ProgressCounters
 from asyncroll.prompts import CursorState, PromptStream
-from asyncroll.state import STATE_FORMAT, CheckpointError, ProducerState, dumps, loads
-from asyncroll.types import Prompt
-from tests.factories import make_group
+from asyncroll.state import (
+    STATE_FORMAT,
+    CheckpointError,
+    ProducerState,
+    dumps,
+    fit_to_run,
+    loads,
+)
+from asyncroll.types import Prompt, Status
+from tests.factories import make_group, make_sample
 
 
 def producer_state(cursor: CursorState, ready: list[bytes], resume: list[bytes]) -> ProducerState:
@@ -85,3 +93,24 @@ def test_one_uid_held_twice_under_a_good_checksum_is_a_checkpoint_error(where: s
     groups = {"ready": ([one, one], []), "resume": ([], [one, one]), "both": ([one], [one])}[where]
     with pytest.raises(CheckpointError, match="uid 1"):
         loads(dumps(producer_state(PromptStream([[1]]).state(), *groups)))
+
+
+@pytest.mark.parametrize(("budget", "lengths", "wasted"), [(8, [8, 8, 5], 12), (-3, [0, 0, 0], 33)])
+def test_fit_to_run_truncates_partials_to_the_budget_and_counts_the_rest(
+    budget: int, lengths: list[int], wasted: int
+) -> None:
+    """A budget of -3 (a smaller max_model_len than the prompt now needs) must not slice from
+    the end: the samples keep no token."""
+    group = make_group(1, status=Status.ABORTED, samples=3, tokens=20)
+    short = msgspec.structs.replace(group.samples[2], tokens=group.samples[2].tokens[:5],
+        logprobs=group.samples[2].logprobs[:5], versions=group.samples[2].versions[:5])  # fmt: skip
+    samples = (group.samples[0], make_sample(8, status=Status.ABORTED, seed=1), short)
+    group = msgspec.structs.replace(group, samples=samples)
+    state = producer_state(PromptStream([[1]]).state(), [], [encode(group)])
+    fitted = fit_to_run(state, lambda g: budget, episodes=False)
+    (resumed,) = [decode(data) for data in fitted.resume]
+    assert [len(s.tokens) for s in resumed.samples] == lengths
+    assert fitted.counters.wasted_tokens_truncated == wasted
+    done = [s.status for s in resumed.samples[:2]]
+    assert done == [Status.COMPLETED, Status.COMPLETED]
+    assert resumed.samples[0].finish_reason == "length"
