@@ -911,3 +911,24 @@ async def test_a_generate_answered_with_bytes_that_are_not_http_fails_only_its_r
         assert caught.value.url == odd.url
         assert odd.state is ReplicaState.UP  # alive: a liveness generate answered
         assert stubs[1].calls.count(LIVENESS) == 2  # its sync's, and the check after
+
+
+async def test_a_request_failing_during_an_update_does_not_take_a_paused_replica_down() -> None:
+    """An update pauses the replicas without pausing the engine. A request that failed then
+    had its replica's liveness tried with a generate, which a paused vLLM queues until the
+    resume: past `liveness_timeout_s` (a long reload), a healthy replica left the rotation."""
+    deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
+    async with scripted(1, **deadlines) as (engine, (stub,)):
+        await engine.check_replicas()
+        (replica,) = engine.replicas
+        stub.hang, stub.hanging = asyncio.Event(), {"/reset_prefix_cache", LIVENESS}
+        update = asyncio.ensure_future(engine.update_weights(None, version=1))
+        await asyncio.wait_for(
+            stub.progress.wait_until(lambda: "/reset_prefix_cache" in stub.calls), 5.0
+        )
+        await engine._failed(replica, ReplicaError(replica.url, "a stream broke"))
+        assert replica.state is ReplicaState.UP
+        assert LIVENESS not in stub.calls[-2:]  # `/health` asked instead: it may be paused
+        stub.hang.set()
+        await asyncio.wait_for(update, 5.0)
+        assert engine.version == 1
