@@ -295,6 +295,7 @@ class ScriptedStub:
         self.calls: list[str] = []
         self.progress = Signal()
         self.label = "default"
+        self.not_http = False  # generates (not liveness probes) answer bytes that are not HTTP
 
     @property
     def generates(self) -> int:
@@ -312,9 +313,14 @@ class ScriptedStub:
             return web.json_response({"success": True})
 
         async def generate(request: web.Request) -> web.StreamResponse:
+            live = (await request.json())["request_id"].startswith(LIVENESS)
+            if self.not_http and not live:  # another service's bytes, then hang up
+                assert request.transport is not None
+                request.transport.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+                request.transport.close()
+                return web.Response()
             reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await reply.prepare(request)
-            live = (await request.json())["request_id"].startswith(LIVENESS)
             await reply.write(_stream(_choice([7])) if live else self.stream)
             await reply.write_eof()
             return reply
@@ -887,3 +893,42 @@ async def test_a_restarted_replicas_resync_holds_only_its_own_sessions() -> None
             assert sample.tokens.tolist() == [7, 8]
         assert "/reset_prefix_cache" in stubs[1].calls  # its re-sync started, and waits
         assert restarted.state is ReplicaState.UNSYNCED
+
+
+async def test_a_generate_answered_with_bytes_that_are_not_http_fails_only_its_request() -> None:
+    """The generate path had its own list of errors that count as the replica's
+    (`TRANSPORT_ERRORS`); aiohttp's `ClientResponseError` for a bad status line was not on it
+    and escaped bare, naming no replica. Its engine core answers (the liveness probe), so the
+    replica stays: only the request failed."""
+    async with scripted(2) as (engine, stubs):
+        await engine.check_replicas()
+        odd = engine.replicas[1]
+        stubs[1].not_http = True
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is odd)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        with pytest.raises(ReplicaError, match="Bad status line") as caught:
+            await asyncio.wait_for(engine.generate(request), 10.0)
+        assert caught.value.url == odd.url
+        assert odd.state is ReplicaState.UP  # alive: a liveness generate answered
+        assert stubs[1].calls.count(LIVENESS) == 2  # its sync's, and the check after
+
+
+async def test_a_request_failing_during_an_update_does_not_take_a_paused_replica_down() -> None:
+    """An update pauses the replicas without pausing the engine. A request that failed then
+    had its replica's liveness tried with a generate, which a paused vLLM queues until the
+    resume: past `liveness_timeout_s` (a long reload), a healthy replica left the rotation."""
+    deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
+    async with scripted(1, **deadlines) as (engine, (stub,)):
+        await engine.check_replicas()
+        (replica,) = engine.replicas
+        stub.hang, stub.hanging = asyncio.Event(), {"/reset_prefix_cache", LIVENESS}
+        update = asyncio.ensure_future(engine.update_weights(None, version=1))
+        await asyncio.wait_for(
+            stub.progress.wait_until(lambda: "/reset_prefix_cache" in stub.calls), 5.0
+        )
+        await engine._failed(replica, ReplicaError(replica.url, "a stream broke"))
+        assert replica.state is ReplicaState.UP
+        assert LIVENESS not in stub.calls[-2:]  # `/health` asked instead: it may be paused
+        stub.hang.set()
+        await asyncio.wait_for(update, 5.0)
+        assert engine.version == 1

@@ -67,6 +67,13 @@ class ControlState:
             finally:
                 self.epoch += 1
 
+    @property
+    def may_be_paused(self) -> bool:
+        """Whether the replicas in the rotation may be paused now: the engine is, or a pause,
+        resume or update is under way (an update pauses them without pausing the engine). A
+        liveness generate would wait for the resume then."""
+        return self.paused or self.lock.locked()
+
     def snapshot(self) -> Snapshot:
         return Snapshot(self.epoch, self.weights, self.version, self.paused)
 
@@ -206,7 +213,7 @@ class Supervisor:
     async def _check(self, exc: ReplicaError) -> None:
         replica = self.replica
         try:
-            await self._client.check_alive(replica, paused=self._state.paused)
+            await self._client.check_alive(replica, paused=self._state.may_be_paused)
         except ReplicaError as probe:
             if _up(replica):
                 self._on_down(replica, ReplicaError(replica.url, f"{exc}; then {probe}"))

@@ -57,7 +57,8 @@ reference notes):
 Files: this one is the `Engine` (admission, routing, generate, pause, resume, updates);
 `server_supervisor` the per-replica control plane; `server_client` HTTP to the replicas;
 `server_samples` what a request carries and brings back, parsed strictly; `server_weights`
-which weights the replicas serve; `replicas` a replica's state and the wire format.
+which weights the replicas serve; `server_nccl` the NCCL group and its broadcast steps;
+`replicas` a replica's state and the wire format.
 
 aiohttp rather than httpx: it is already a vLLM dependency, and its connection pool is the
 cheaper of the two per request (`benchmarks/server_throughput.py` has the numbers).
@@ -75,7 +76,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 import yarl
 
 from asyncroll._signal import Signal
@@ -93,6 +93,7 @@ from asyncroll.engines.base import (
 )
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState
 from asyncroll.engines.server_client import ReplicaClient
+from asyncroll.engines.server_nccl import NcclGroup
 from asyncroll.engines.server_samples import attempt_session
 
 __all__ = ["VLLMServerEngine", "attempt_session"]
@@ -101,7 +102,6 @@ _checkpoint = server_weights.checkpoint
 
 _HOMES = frozenset({ReplicaState.UP, ReplicaState.UNSYNCED})  # where a session may live
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
-_NOT_CONFIGURED = "Weight transfer not configured"  # vLLM without --weight-transfer-config
 
 
 class Admission(enum.Enum):
@@ -201,7 +201,6 @@ class VLLMServerEngine:
         self.pause_timeout_s = pause_timeout_s
         self.max_connections = max_connections
         self.weight_transfer = weight_transfer
-        self._group: tuple[Replica, ...] | None = None  # the NCCL group's replicas, rank order
         self._state = sup.ControlState()
         self._client = ReplicaClient(
             max_connections=max_connections,
@@ -211,6 +210,7 @@ class VLLMServerEngine:
             liveness_timeout_s=liveness_timeout_s,
         )
         self._folders = server_weights.WeightFolders()
+        self._group = NcclGroup(self._client, self._on_every, self._down, self._states)
         self._supervisors = {
             r: sup.Supervisor(
                 r,
@@ -513,8 +513,7 @@ class VLLMServerEngine:
         self._progress.notify()
 
     def _leave_group(self, replica: Replica) -> None:
-        if self._group is not None and replica in self._group:
-            self._group = tuple(r for r in self._group if r is not replica)
+        self._group.leave(replica)
 
     async def _failed(self, replica: Replica, exc: ReplicaError) -> None:
         """A request to `replica` failed: its supervisor checks whether the replica stays
@@ -665,12 +664,16 @@ class VLLMServerEngine:
             members = await self._on_every(
                 members, lambda r: self._call(r, "POST", sup.PAUSE, timeout_s=self.pause_timeout_s)
             )
-            members = await self._on_every(members, self._leave_group_if_restarted)
+            version_now = self._state.version
+            members = await self._on_every(
+                members, lambda r: self._group.leave_if_restarted(r, version_now)
+            )
             if not members:
                 raise EngineDeadError(f"no replica is up: {self._states()}")
-            if self._group != tuple(members):
-                members = await self._form_group(sender, members)
-            await self._transfer(sender, members, named, version)
+            if self._group.members != tuple(members):
+                members = await self._group.form(sender, members)
+            self._state.weights = server_weights.Broadcast.SENT  # the old ones go everywhere
+            await self._group.transfer(sender, members, named, version)
             with self._resync_if_interrupted(members):
                 members = await self._on_every(members, lambda r: self._load_on(r, None, version))
             if not members:
@@ -678,115 +681,6 @@ class VLLMServerEngine:
             for replica in members:
                 replica.state = ReplicaState.UP
             self._state.version = version
-
-    async def _leave_group_if_restarted(self, replica: Replica) -> None:
-        """Take `replica` out of the NCCL group if it does not carry this engine's weight
-        label (vLLM's initial one: it restarted between probes, and its new workers are in no
-        group), so that the group is rebuilt with it instead of broadcasting to ranks that
-        are not there (a broadcast that would hang until its timeout)."""
-        reply = await self._call(replica, "GET", "/weight_info")
-        if not isinstance(reply, dict) or reply.get("weight_version") != str(self._state.version):
-            self._leave_group(replica)
-
-    async def _form_group(
-        self, sender: nccl_transfer.WeightSender, members: list[Replica]
-    ) -> list[Replica]:
-        """Leave the old group (members still in it shut their end), and join a new one of
-        `members`: the trainer at rank 0, each replica's workers (`/get_world_size`, data
-        parallel included) after the previous replica's. No weights move here, so a failure
-        leaves every replica serving what it had; a replica started without
-        `--weight-transfer-config` fails the update with a `ValueError` saying so, and one
-        that fails to join leaves the rotation (else every later update would fail on it
-        again). The members that joined."""
-        old, self._group = self._group or (), None
-        staying = [r for r in members if r in old]
-        shut = await self._on_every(
-            staying, lambda r: self._call(r, "POST", "/shutdown_weight_transfer_engine")
-        )
-        members = [r for r in members if r not in staying or r in shut]
-        sizes: dict[Replica, int] = {}
-
-        async def world_size(replica: Replica) -> None:
-            reply = await self._call(replica, "GET", "/get_world_size")
-            size = reply.get("world_size") if isinstance(reply, dict) else None
-            if not isinstance(size, int) or size < 1:
-                raise ReplicaError(replica.url, f"GET /get_world_size -> {reply!r}")
-            sizes[replica] = size
-
-        members = await self._on_every(members, world_size)
-        if not members:
-            raise EngineDeadError(f"no replica is up: {self._states()}")
-        offsets = np.cumsum([1] + [sizes[r] for r in members]).tolist()
-        init_info = sender.new_group(offsets[-1])
-
-        async def init(replica: Replica, offset: int) -> None:
-            body = {"init_info": {**init_info, "rank_offset": offset}}
-            await self._call(
-                replica,
-                "POST",
-                "/init_weight_transfer_engine",
-                body,
-                timeout_s=sender.timeout_s,
-                idempotent=False,  # a second join waits for a rendezvous that never comes
-            )
-
-        joins = [sender.join(), *map(init, members, offsets[:-1])]
-        error = await vllm_groups.first_error([asyncio.ensure_future(j) for j in joins])
-        if error is not None:
-            sender.leave()
-            if _NOT_CONFIGURED in str(error):
-                raise ValueError(
-                    f"{error}: start every replica with"
-                    """ --weight-transfer-config '{"backend":"nccl"}' to use weight_transfer"""
-                ) from None
-            for replica in members:  # it leaves: the next update forms the group without it
-                if isinstance(error, ReplicaError) and error.url == replica.url:
-                    self._down(replica, error)
-            raise error
-        self._group = tuple(members)
-        return members
-
-    async def _transfer(
-        self,
-        sender: nccl_transfer.WeightSender,
-        members: list[Replica],
-        named: list[tuple[str, Any]],
-        version: int,
-    ) -> None:
-        """Start an update on every member, receive on every member while the trainer sends
-        (a broadcast needs every rank), finish. Any failure here leaves every member with
-        partial weights: the group is dropped, every member leaves the rotation, the error is
-        raised (it names the replica and the step)."""
-        body = {"update_info": nccl_transfer.update_info(named)}
-
-        def calls(path: str, json: Any = None) -> list[Awaitable[Any]]:
-            # never sent twice: a second receive waits for a broadcast that never comes
-            return [
-                self._call(r, "POST", path, json, timeout_s=sender.timeout_s, idempotent=False)
-                for r in members
-            ]
-
-        steps: list[Callable[[], list[Awaitable[Any]]]] = [
-            lambda: calls("/start_weight_update"),
-            lambda: [sender.send(named), *calls("/update_weights", body)],
-            lambda: calls("/finish_weight_update"),
-        ]
-        self._state.weights = server_weights.Broadcast.SENT  # the old weights are gone everywhere
-        try:
-            for step in steps:
-                error = await vllm_groups.first_error([asyncio.ensure_future(c) for c in step()])
-                if error is not None:
-                    raise error
-        except BaseException as exc:
-            self._group = None
-            sender.leave()
-            partial = RuntimeError(
-                f"left with partial weights: the update to version {version} failed: {exc}"
-            )
-            for replica in members:
-                mine = isinstance(exc, ReplicaError) and exc.url == replica.url
-                self._down(replica, exc if mine else partial)
-            raise
 
     async def _load_on(self, replica: Replica, folder: Path | None, version: int) -> None:
         """Reload `folder` on one (paused or idle) replica, drop its KV cache (running requests
