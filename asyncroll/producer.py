@@ -134,6 +134,16 @@ class Producer:
                 f"pause_mode='keep' but {type(engine).__name__} cannot pause requests in place: "
                 "use pause_mode='abort'"
             )
+        # An engine that states how long its pause or resume can take (VLLMServerEngine:
+        # per-replica deadlines) must fit inside the producer's own wait for it, or a pause
+        # that is still going stops the run as a timeout and its undo waits behind it.
+        bound = getattr(engine, "pause_bound_s", None)
+        if isinstance(bound, int | float) and bound >= cfg.abort_timeout_s:
+            raise ValueError(
+                f"abort_timeout_s={cfg.abort_timeout_s} does not outlast the engine's pause "
+                f"bound ({type(engine).__name__}.pause_bound_s={bound}): raise abort_timeout_s "
+                "above it, or lower the engine's pause_timeout_s"
+            )
         payload = engine.payload_bytes(cfg.sampling.max_new_tokens)
         cfg.check_fits(payload, episodes=episodes)
         self.engine = engine

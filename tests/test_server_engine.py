@@ -72,6 +72,18 @@ def test_bad_config_fails_at_construction_saying_what_to_change(
         VLLMServerEngine(**args)  # type: ignore[arg-type]
 
 
+def test_a_producer_refuses_an_engine_whose_pause_can_outlast_its_wait() -> None:
+    """Deadlines compose: the producer waits `abort_timeout_s` for a pause; an engine whose
+    pause may take longer (`pause_bound_s`) would stop the run while its pause still ran."""
+    from asyncroll import Producer
+
+    engine = VLLMServerEngine("http://127.0.0.1:1", vocab_size=512, pause_timeout_s=20.0)
+    assert engine.pause_bound_s >= 30.0
+    with pytest.raises(ValueError, match=r"abort_timeout_s=30.0 .*pause_bound_s"):
+        Producer(engine, [[1, 2]], lambda s: 0.0, group_size=2, batch_size=1)
+    Producer(engine, [[1, 2]], lambda s: 0.0, group_size=2, batch_size=1, abort_timeout_s=90.0)
+
+
 def test_sessions_stay_put_and_only_a_down_replicas_sessions_move() -> None:
     replicas = [Replica(f"http://r{i}:1") for i in range(3)]
     for r in replicas:
