@@ -114,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
         "letter the policy must echo on its next turn; default %(default)s)",
     )
     demo.add_argument(
+        "--credit",
+        default=d.credit,
+        help="tool_echo: GRPO advantages per policy turn (turn) or one per episode (episode); "
+        "default %(default)s",
+    )
+    demo.add_argument(
         "--correction",
         default=d.correction,
         help="off-policy correction of stale tokens: none, decoupled, tis, mask, seq-mask "

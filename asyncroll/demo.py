@@ -21,20 +21,23 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 import psutil
 
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.progress import ProduceBatchResult
+from asyncroll.training import TrainBatch
 from asyncroll.types import Prompt, RolloutGroup
 
 LETTERS = "abcdefgh"
 TASKS = ("echo", "tool_echo")
+CREDITS = ("turn", "episode")
 
 
 class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,6 +57,8 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     batch_timeout_s: float = 120.0  # a batch that cannot fill (everything filtered) ends the run
     correction: str = "tis"  # off-policy correction, a key of asyncroll.training.CORRECTIONS
     task: str = "echo"  # "echo" (single turn) or "tool_echo" (multi-turn, asyncroll.demo_tool)
+    # tool_echo: GRPO advantages per policy turn ("turn") or one per episode ("episode")
+    credit: str = "turn"
 
     def __post_init__(self) -> None:
         for name in ("steps", "group_size", "batch_groups", "max_new_tokens"):
@@ -69,6 +74,8 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"--correction must be one of {', '.join(CORRECTIONS)}")
         if self.task not in TASKS:
             raise ValueError(f"--task must be one of {', '.join(TASKS)}")
+        if self.credit not in CREDITS:
+            raise ValueError(f"--credit must be one of {', '.join(CREDITS)}")
 
 
 class StepRecord(msgspec.Struct, kw_only=True):
@@ -124,11 +131,28 @@ def tree_rss_mib() -> float:
     return total / 2**20
 
 
+TurnRewards = Callable[[RolloutGroup], npt.NDArray[np.float64]]
+"""A multi-turn task's reward of each policy turn of each sample: [samples, turns]."""
+
+
 class Trainer:
-    """A plain torch GRPO trainer of the HF model, in this process."""
+    """A plain torch GRPO trainer of the HF model, in this process.
+
+    With `turn_rewards` (multi-turn credit), each policy turn is its own GRPO problem: its
+    tokens get the advantage of that turn's reward within the group, not the episode's. One
+    reward for the whole episode credits every turn with the other turns' luck: in tool_echo
+    (three turns, each echoing its own letter) the per-turn hit rates stalled together near the
+    1/8 of a policy that says letters at random, with masks, turn boundaries and logprobs right
+    (KL at staleness 0 ~1e-13)."""
 
     def __init__(
-        self, model_dir: Path, lr: float, seed: int, sampling: SamplingConfig, correction: str
+        self,
+        model_dir: Path,
+        lr: float,
+        seed: int,
+        sampling: SamplingConfig,
+        correction: str,
+        turn_rewards: TurnRewards | None = None,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -142,6 +166,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.sampling = sampling
         self.correction = CORRECTIONS[correction]
+        self.turn_rewards = turn_rewards
 
     def step(self, groups: list[RolloutGroup], version: int) -> tuple[float, dict[str, float]]:
         """One optimizer step on the batch; `version` is the policy version of the current
@@ -159,12 +184,13 @@ class Trainer:
         # One optimizer step per batch: the weights before it (the proximal policy) are the
         # current ones, so their logprobs are these, detached; no second forward pass.
         proximal = logprobs.detach()
-        loss, _ = policy_loss(
-            logprobs,
-            batch,
-            correction=self.correction,
-            proximal_logprobs=proximal if self.correction is not None else None,
-        )
+        anchor = proximal if self.correction is not None else None
+        if self.turn_rewards is None:
+            loss, _ = policy_loss(
+                logprobs, batch, correction=self.correction, proximal_logprobs=anchor
+            )
+        else:
+            loss = turn_loss(logprobs, batch, groups, self.turn_rewards, self.correction, anchor)
         metrics = mismatch_metrics(proximal, batch, version=version, correction=self.correction)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
@@ -188,6 +214,56 @@ class Trainer:
         return int(state["step"])
 
 
+def turn_loss(
+    logprobs: Any,
+    batch: TrainBatch,
+    groups: list[RolloutGroup],
+    turn_rewards: TurnRewards,
+    correction: Any,
+    anchor: Any,
+) -> Any:
+    """The policy loss with GRPO advantages per policy turn: the token-weighted sum of one
+    loss per turn index, each over that turn's tokens. It is the same mean over all trained
+    tokens as `policy_loss` of the batch, with each token's advantage its own turn's."""
+    import torch
+
+    from asyncroll.training import group_advantages, policy_loss
+
+    rewards = np.stack([turn_rewards(g) for g in groups])  # [groups, samples, turns]
+    turn = torch.from_numpy(turn_index(groups, batch.input_ids.shape[1]))
+    total = batch.loss_mask.sum().clamp(min=1)
+    loss = logprobs.new_zeros(())
+    for k in range(rewards.shape[2]):
+        mask = batch.loss_mask & (turn == k)
+        if not bool(mask.any()):
+            continue
+        advantages = group_advantages(rewards[:, :, k]).astype(np.float32).reshape(-1)
+        part = msgspec.structs.replace(
+            batch, loss_mask=mask, advantages=torch.from_numpy(advantages)
+        )
+        part_loss, _ = policy_loss(logprobs, part, correction=correction, proximal_logprobs=anchor)
+        loss = loss + part_loss * mask.sum() / total
+    return loss
+
+
+def turn_index(groups: list[RolloutGroup], length: int) -> npt.NDArray[np.int64]:
+    """[rows, length] of `to_batch`'s layout: which policy turn (0, 1, ...) each token belongs
+    to, from the samples' `turn_ends` and `loss_mask`; -1 for prompt, environment and padding."""
+    rows = [(g, s) for g in groups for s in g.samples]
+    out = np.full((len(rows), length), -1, dtype=np.int64)
+    for row, (g, s) in enumerate(rows):
+        offset, start, k = len(g.prompt_tokens), 0, 0
+        ends = [len(s.tokens)] if s.turn_ends is None else s.turn_ends.tolist()
+        for end in ends:
+            if end > start and (s.loss_mask is None or s.loss_mask[start]):
+                out[row, offset + start : offset + end] = k
+                k += 1
+            elif end == start:  # an empty turn is still a policy turn
+                k += 1
+            start = end
+    return out
+
+
 async def run_demo(
     cfg: DemoConfig, *, progress: bool = True, console: TextIO | None = None
 ) -> list[StepRecord]:
@@ -208,10 +284,12 @@ async def run_demo(
     model_dir = build_tiny_model(seed=cfg.seed)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens)
-    trainer = Trainer(model_dir, cfg.lr, cfg.seed, sampling, cfg.correction)
     step = 0
+    turn_rewards: TurnRewards | None = None
     if cfg.task == "tool_echo":
         from asyncroll import demo_tool
+
+        turn_rewards = demo_tool.turn_rewards if cfg.credit == "turn" else None
 
         prompts: Iterator[Prompt] = demo_tool.tool_echo_prompts(tokenizer, cfg.seed)
         reward: Any = demo_tool.tool_echo_reward
@@ -222,6 +300,7 @@ async def run_demo(
         }
     else:
         prompts, reward, episodes = echo_prompts(tokenizer, cfg.seed), echo_reward, {}
+    trainer = Trainer(model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards)
     async with VLLMEngine(model_dir, seed=cfg.seed) as engine:
         producer = Producer(
             engine,

@@ -8,6 +8,11 @@ equal to the letter just before that turn. A random policy scores ~1/500; echoin
 recent letter scores 1. Only the policy's tokens are scored and trained (`to_batch` masks the
 tool's), so the reward can only rise if the loss mask, the turn boundaries and token-level
 continuation across turns all work.
+
+The demo's trainer gives each policy turn its own GRPO advantage (`turn_rewards`, from the
+samples' `turn_ends`): with one advantage per episode, every turn was credited with the other
+turns' luck, and the per-turn hit rates stalled together near 1/8 (letters said at random).
+`--credit episode` trains with the episode's reward instead.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from asyncroll.episode import Episode, split_turns
 from asyncroll.types import Prompt, RolloutGroup
@@ -57,6 +63,18 @@ async def tool_echo_agent(episode: Episode) -> None:
         await episode.generate()
         if turn < len(answers):
             episode.append(answers[turn])
+
+
+def turn_rewards(group: RolloutGroup) -> npt.NDArray[np.float64]:
+    """[samples, TURNS]: each policy turn's fraction of tokens equal to its letter (0 for a
+    missing or empty turn). The demo's trainer gives each turn its own GRPO advantage."""
+    targets = group.metadata["targets"]
+    out = np.zeros((group.num_samples, TURNS))
+    for i, sample in enumerate(group.samples):
+        policy_turns = [tokens for policy, tokens in split_turns(sample) if policy]
+        for k, (target, tokens) in enumerate(zip(targets, policy_turns, strict=False)):
+            out[i, k] = float(np.mean(tokens == target)) if len(tokens) else 0.0
+    return out
 
 
 def tool_echo_reward(group: RolloutGroup) -> list[float]:

@@ -34,6 +34,16 @@ def test_help_says_what_each_command_does(capsys: pytest.CaptureFixture[str]) ->
     assert "engine.log" in demo and "--verbose" in demo and "echo" in demo
 
 
+def test_a_demo_flag_out_of_its_choices_is_refused_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for flag, value in (("--credit", "token"), ("--task", "maze")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["demo", flag, value])
+        assert exit_.value.code == 2
+        assert f"{flag} must be one of" in capsys.readouterr().err
+
+
 def test_every_option_has_help() -> None:
     parser = cli._parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

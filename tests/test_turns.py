@@ -9,6 +9,7 @@ import pytest
 
 from asyncroll.codec import decode, encode
 from asyncroll.config import ProducerConfig
+from asyncroll.demo import turn_index, turn_loss
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.training import to_batch
 from asyncroll.types import RolloutGroup, RolloutState, Status
@@ -115,3 +116,55 @@ def test_an_episode_at_its_limits_encodes_within_its_reservation(tokens: int) ->
         samples=(sample,) * 3, status=Status.COMPLETED,
     )  # fmt: skip
     assert len(encode(group)) <= config.group_bytes(0, prompt_tokens=9, episodes=True)
+
+
+def scored_turn_group(samples: int) -> RolloutGroup:
+    """Samples of 3 policy turns (2, 1, 2 tokens) with 2-token environment answers between."""
+    group = make_group(samples=samples, tokens=9)
+    mask, ends = [1, 1, 0, 0, 1, 0, 0, 1, 1], [2, 4, 5, 7, 9]
+    out = tuple(
+        msgspec.structs.replace(turned(s, mask, ends), reward=float(i % 3))
+        for i, s in enumerate(group.samples)
+    )
+    return msgspec.structs.replace(group, samples=out)
+
+
+def test_turn_index_follows_turn_ends_and_skips_the_environment() -> None:
+    group = scored_turn_group(2)
+    index = turn_index([group], 14)
+    p = len(group.prompt_tokens)
+    assert index[0, :p].tolist() == [-1] * p
+    assert index[0, p:].tolist() == [0, 0, -1, -1, 1, -1, -1, 2, 2, -1, -1]
+    single = make_group(samples=1, tokens=4)  # no mask: one policy turn
+    assert turn_index([single], 8)[0].tolist() == [-1] * 3 + [0] * 4 + [-1]
+
+
+def test_turn_loss_with_every_turn_scored_as_the_episode_is_the_episode_loss() -> None:
+    """Per-turn credit reduces to the plain loss when each turn's reward is the sample's:
+    the turn masks partition the trained tokens and the weights add back to one mean."""
+    torch = pytest.importorskip("torch")
+    from asyncroll.training import CORRECTIONS, policy_loss
+
+    groups = [scored_turn_group(4), scored_turn_group(4)]
+    batch = to_batch(groups)
+    logprobs = (batch.old_logprobs + 0.05 * torch.randn(batch.old_logprobs.shape)).requires_grad_()
+
+    def same(group: RolloutGroup) -> np.ndarray:
+        return np.repeat(group.rewards()[:, None], 3, axis=1)
+
+    for correction in (None, CORRECTIONS["tis"]):
+        anchor = logprobs.detach() if correction is not None else None
+        expected, _ = policy_loss(logprobs, batch, correction=correction, proximal_logprobs=anchor)
+        got = turn_loss(logprobs, batch, groups, same, correction, anchor)
+        assert float(got.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+
+    def only_turn_two(group: RolloutGroup) -> np.ndarray:  # turns 0 and 2 tie: no advantage
+        out = np.zeros((group.num_samples, 3))
+        out[:, 1] = np.arange(group.num_samples)
+        return out
+
+    got = turn_loss(logprobs, batch, groups, only_turn_two, None, None)
+    got.backward()
+    index = torch.from_numpy(turn_index(groups, batch.input_ids.shape[1]))
+    assert logprobs.grad is not None
+    assert (logprobs.grad[index == 1] != 0).all() and (logprobs.grad[index != 1] == 0).all()
