@@ -534,6 +534,9 @@ class Scenario:
             "tokens_checked": sum(self.labels.values()),
             "mislabelled_tokens": sum(wrong.values()),
             "updates": dict(self.updates),
+            "failed_updates": sum(
+                n for k, n in self.updates.items() if k not in ("ok", "cut", "cut missed")
+            ),
             "max_update_s": max(self.update_s, default=float("nan")),
             "episodes": len(self.episodes),
             "late_requests": late,
@@ -595,14 +598,14 @@ def report(results: list[tuple[Scenario, dict[str, Any]]], cfg: ChaosConfig, out
                 s["duplicated"],
                 s["mislabelled_tokens"],
                 s["tokens_checked"],
-                f"{ups.get('ok', 0)}/{ups.get('failed', 0)}/{ups.get('cut', 0)}",
+                f"{ups.get('ok', 0)}/{ups.get('cut', 0)}/{s['failed_updates']}",
                 s["late_requests"],
                 "yes" if s["stopped"] else "no",
             )
         )
     headers = [
         "scenario", "verdict", "groups out", "groups failed", "lost", "dup",
-        "mislabelled tokens", "tokens checked", "updates ok/failed/cut", "late groups", "stopped",
+        "mislabelled tokens", "tokens checked", "updates ok/cut/failed", "late groups", "stopped",
     ]  # fmt: skip
     text += print_section("Scenarios", headers, rows)
     rows = []
@@ -633,7 +636,7 @@ def figure(results: list[tuple[Scenario, dict[str, Any]]], info: dict[str, Any])
     series = {
         "prompts lost + duplicated": [(s["lost"] or 0) + s["duplicated"] for _, s in results],
         "mislabelled tokens": [s["mislabelled_tokens"] for _, s in results],
-        "failed updates": [s["updates"].get("failed", 0) for _, s in results],
+        "failed updates (not cut)": [s["failed_updates"] for _, s in results],
         "late groups": [s["late_requests"] for _, s in results],
     }
     for k, (label, values) in enumerate(series.items()):
@@ -646,7 +649,7 @@ def figure(results: list[tuple[Scenario, dict[str, Any]]], info: dict[str, Any])
     ax_bad.set(ylabel="count (0 = holds)", title="Violations per scenario")
     for ax in (ax_groups, ax_bad):
         ax.set_xticks(x, names, fontsize=8)
-        ax.legend(fontsize=8, loc="upper right")
+        ax.legend(fontsize=8, loc="upper left")
         ax.grid(alpha=0.3, axis="y")
     failing = sum(1 for sc, _ in results if sc.failures)
     fig.suptitle(
