@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import enum
 import json
+import logging
 import os
 import random
 import time
@@ -366,6 +367,9 @@ def app(fake: FakeReplica) -> web.Application:
 
 
 async def serve(args: argparse.Namespace, arrivals: TextIO) -> None:
+    # A simulation's own logs are noise in the run's output: aiohttp logs every connection
+    # that the garbage mode closes, and every stream whose client went away.
+    logging.getLogger("aiohttp").setLevel(logging.CRITICAL)
     fake = FakeReplica(args, arrivals)
     if args.stall:
         fake.stalls[args.stall] = asyncio.Event()
