@@ -128,6 +128,8 @@ class ChaosConfig(msgspec.Struct, frozen=True, kw_only=True):
     health_interval_s: float = 0.3
     abort_timeout_s: float = 1.0
     update_timeout_s: float = 5.0
+    pause_timeout_s: float = 0.3  # the engine's pause bound (2x) stays under abort_timeout_s
+    liveness_timeout_s: float = 1.0  # a one-token generate on a fake takes milliseconds
     pause_mode: str = "keep"
     op_bound_s: float = 15.0  # any single call into the producer, the fleet or a fake
 
@@ -473,6 +475,8 @@ class Scenario:
             connect_timeout_s=cfg.health_timeout_s,
             health_timeout_s=cfg.health_timeout_s,
             health_interval_s=cfg.health_interval_s,
+            pause_timeout_s=cfg.pause_timeout_s,
+            liveness_timeout_s=cfg.liveness_timeout_s,
         )
         producer = self.producer(engine)
         try:
