@@ -228,8 +228,8 @@ class _Sampler(msgspec.Struct, frozen=True):
     too), always keeping the last. A value tied across that boundary is thus partly removed and
     partly kept, by sort position: bf16 logits tie in dozens of tokens at a large vocabulary,
     and keeping the whole tie (a threshold on the value) gave a larger normaliser than vLLM's
-    and ratios biased below 1. vLLM's Triton kernel (GPUs) and FlashInfer pick their sets by
-    other algorithms; these are what its `processed_logprobs` describe only on its PyTorch path.
+    and ratios biased below 1. On GPUs vLLM samples with a Triton kernel (or FlashInfer), which
+    picks the set by other algorithms: there a tie at the boundary may be split differently.
     """
 
     temperature: float
@@ -533,7 +533,8 @@ def mismatch_metrics(
       hid everything else, so the two are reported apart;
     - `ratio_p05`, `ratio_p50`, `ratio_p95`: percentiles of rho = pi_prox / mu (0 outside);
     - `tokens`: how many trained tokens;
-    - with a `correction`: `masked_share` and `truncated_share` of the tokens.
+    - with a `correction`: `masked_share` (tokens outside the set included) and
+      `truncated_share` of the tokens.
 
     `version` is the policy version of the weights that computed `proximal_logprobs`.
     """

@@ -82,3 +82,14 @@ def test_episodes_benchmark_quick_runs(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "episodes.json").read_text())
     assert result["ratio"] > 0 and (tmp_path / "episodes.png").exists()
+
+
+def test_logprob_memory_quick_stays_under_a_quarter_of_the_logits(tmp_path: Path) -> None:
+    """Real peak RSS (2 x 256 x 32,000 bf16): its exit status is the verdict, every filter's
+    extra memory under 0.25x the logits; the naive float32 log_softmax must show >= 1x, so a
+    measurement that saw nothing cannot pass."""
+    proc = run_benchmark("logprob_memory.py", tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    results = json.loads((tmp_path / "logprob_memory.json").read_text())["results"]
+    naive = next(r for r in results if r["filter"] == "naive log_softmax")
+    assert naive["forward_share"] >= 1 and (tmp_path / "logprob_memory.png").exists()
