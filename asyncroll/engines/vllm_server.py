@@ -174,6 +174,7 @@ class VLLMServerEngine:
         health_interval_s: float = 5.0,
         max_connections: int = 512,
         weight_transfer: nccl_transfer.WeightSender | None = None,
+        verify_weights: bool = False,
     ) -> None:
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
@@ -217,6 +218,7 @@ class VLLMServerEngine:
         self.health_interval_s = health_interval_s
         self.max_connections = max_connections
         self.weight_transfer = weight_transfer
+        self.verify_weights = verify_weights
         self._group: tuple[Replica, ...] | None = None  # the NCCL group's replicas, rank order
         self._http: aiohttp.ClientSession | None = None  # made in the loop that first uses it
         self._version = 0
@@ -832,12 +834,11 @@ class VLLMServerEngine:
         """Reload `folder` on one (paused or idle) replica, drop its KV cache (running requests
         are recomputed under the new weights), and set its label to `version`."""
         if folder is not None:
+            from asyncroll.engines import server_weights
+
             _checkpoint(folder)  # a reload of a missing path would kill the vLLM engine
-            await self._call(
-                replica,
-                "POST",
-                "/collective_rpc",
-                {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+            await server_weights.load(
+                functools.partial(self._call, replica), replica.url, folder, self.verify_weights
             )
         reply = await self._call(replica, "POST", "/reset_prefix_cache?reset_running_requests=true")
         if not (isinstance(reply, dict) and reply.get("success")):
