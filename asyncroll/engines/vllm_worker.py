@@ -1,9 +1,10 @@
 """vLLM worker extension: loads new weights inside each vLLM worker process.
 
-vLLM mixes this class into its worker class (`worker_extension_cls`), so its methods run in the
-worker processes and are called with `collective_rpc`. It must stay importable without vLLM
-running in this process and must not import anything heavy at module level: every worker
-imports it at start-up.
+vLLM mixes this class into its worker class (`worker_extension_cls`; `vllm serve
+--worker-extension-cls`), so its methods run in the worker processes and are called with
+`collective_rpc` (over HTTP: `/collective_rpc`). Both engines load weights through it. It
+must stay importable without vLLM running in this process and must not import anything heavy
+at module level: every worker imports it at start-up.
 
 Weights are loaded with the worker's `reload_weights(weights_iterator=...)`, not with
 `model.load_weights`: after start-up the CPU backend has repacked its linear weights for its
@@ -15,8 +16,10 @@ reload (and keeps its previous weights). Two such layers are expected on every u
 nothing: layers with buffers but no parameters (RotaryEmbedding's cos/sin cache, computed from
 the config, in no checkpoint) and an output layer tied to the input embedding (it gets no tensor
 of its own; `_asyncroll_refresh_tied_head` repacks it from the reloaded embedding). Those two are
-silenced; any other layer is reported back to the engine, which warns in the trainer's process
-with what it means: the trainer's weights lack that layer or name it differently.
+silenced; any other layer is reported back to the engine, which fails the update naming it
+(the trainer's weights lack that layer or name it differently), as it does for a tensor of the
+served checkpoint the update lacked (a layer loaded in part is no "Failed" layer). What is
+checked, and what `verify` adds, is in `asyncroll.engines.weight_check`.
 """
 
 from __future__ import annotations
