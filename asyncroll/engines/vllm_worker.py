@@ -120,7 +120,10 @@ class WeightLoaderExtension:
             and any(b is not None for b in m._buffers.values())
         }
         expected = computed | ({tied} if tied else set())
-        served = weight_check.checkpoint_names(self.model_config.model)  # type: ignore[attr-defined]
+        served = weight_check.required_names(
+            self.model_runner.get_model(),  # type: ignore[attr-defined]
+            self.model_config.model,  # type: ignore[attr-defined]
+        )
         report: dict[str, Any] = {
             "expected": sorted({n for n in caught.layers if n in expected}),
             "unloaded": sorted({n for n in caught.layers if n not in expected}),
@@ -138,7 +141,10 @@ class WeightLoaderExtension:
 
         source = weight_check.SafetensorsSource(Path(path))
         received = {name: weight_check.digest(t) for name, t in source.items()}
-        served = weight_check.checkpoint_names(self.model_config.model)  # type: ignore[attr-defined]
+        served = weight_check.required_names(
+            self.model_runner.get_model(),  # type: ignore[attr-defined]
+            self.model_config.model,  # type: ignore[attr-defined]
+        )
         return {
             "missing": sorted(served - received.keys()) if served is not None else [],
             "received": received,

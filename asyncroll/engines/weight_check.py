@@ -54,6 +54,17 @@ def digests(named: Iterable[tuple[str, Any]]) -> dict[str, str]:
     return {name: digest(t) for name, t in named}
 
 
+def required_names(model: Any, folder: str) -> set[str] | None:
+    """The tensors an update must carry: those of the served checkpoint's files (`folder`),
+    less an output head tied to the embedding (some checkpoints store it, a trainer's
+    `named_parameters()` lists the shared tensor once) and tensors vLLM computes; None when
+    `folder` is not a local folder (a hub id)."""
+    names = checkpoint_names(folder)
+    if names is not None and _tied_embedding_name(model) is not None:
+        names.discard("lm_head.weight")
+    return names
+
+
 def checkpoint_names(model: str) -> set[str] | None:
     """Names of the tensors in the served checkpoint's safetensors files (headers only), less
     those vLLM computes; None when `model` is not a local folder (a hub id)."""
