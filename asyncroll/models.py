@@ -57,6 +57,8 @@ class TinyModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_position_embeddings: int = 1024
     initializer_range: float = 0.02
     tie_word_embeddings: bool = True
+    attention_bias: bool = False  # q/k/v/o biases (vLLM packs q/k/v's like their weights)
+    mlp_bias: bool = False  # gate/up/down biases
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -80,8 +82,17 @@ class TinyModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
 
     def digest(self) -> str:
-        payload = msgspec.json.encode({"format": _FORMAT, "config": self})
+        """The hash naming the cache folder. Fields added later are left out while they hold
+        their defaults, so models built before they existed keep their folders."""
+        fields = msgspec.to_builtins(self)
+        for name, default in _LATER_FIELDS.items():
+            if fields[name] == default:
+                del fields[name]
+        payload = msgspec.json.encode({"format": _FORMAT, "config": fields})
         return hashlib.sha256(payload).hexdigest()[:12]
+
+
+_LATER_FIELDS = {"attention_bias": False, "mlp_bias": False}
 
 
 def default_cache_dir() -> Path:
@@ -184,6 +195,8 @@ def _build(cfg: TinyModelConfig, out: Path) -> None:
         eos_token_id=1,
         pad_token_id=2,
         tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_bias=cfg.attention_bias,
+        mlp_bias=cfg.mlp_bias,
         torch_dtype="float32",
     )
     with _SEEDED, torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone

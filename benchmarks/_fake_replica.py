@@ -6,8 +6,9 @@ routes `VLLMServerEngine` uses with the shapes vLLM 0.32 gives them (see the tea
 `vllm-serve-cpu.md` §2-3 and vLLM's `entrypoints/rl/online/api_router.py`):
 
 * `GET /health`; `POST /pause?mode=keep|abort`, `/resume`, `GET /is_paused`;
-  `POST /collective_rpc` (`reload_weights` with `kwargs.weights_path`, `asyncroll_load_file`
-  with the path in `args` or `kwargs`, `compute_weight_checksums`; any other method is a 500);
+  `POST /collective_rpc` (`reload_weights` with `kwargs.weights_path`, asyncroll's worker
+  extension `asyncroll_load_path` with the path in `args` or `kwargs`, answered with a clean
+  load report, `compute_weight_checksums`; any other method is a 500);
   `/reset_prefix_cache` (`{"success": true}`), `/update_weight_version` (`{"new_version"}`),
   `GET /weight_info`, `/abort_requests` (ids `generate-tokens-<request_id>`);
 * `POST /inference/v1/generate`, streamed as server-sent events: `choices[].token_ids`,
@@ -161,7 +162,7 @@ class FakeReplica:
         args, kwargs = body.get("args") or [], body.get("kwargs") or {}
         if method == "compute_weight_checksums":
             return web.json_response({"results": [{WEIGHTS_TENSOR: str(self.weights_id)}]})
-        if method not in ("reload_weights", "asyncroll_load_file"):
+        if method not in ("reload_weights", "asyncroll_load_path"):
             return web.json_response({"error": f"unknown method {method!r}"}, status=500)
         path = kwargs.get("weights_path") or kwargs.get("path") or (args[0] if args else None)
         try:
@@ -170,6 +171,9 @@ class FakeReplica:
             # vLLM's engine dies after a failed reload and its server exits: so does this one.
             asyncio.get_running_loop().call_later(0.05, os._exit, 1)
             return web.json_response({"error": f"reload of {path!r}: {exc}"}, status=500)
+        if method == "asyncroll_load_path":  # the extension's report: nothing missed
+            report = {"expected": [], "unloaded": [], "missing": []}
+            return web.json_response({"results": [report]})
         return web.json_response({"results": [None]})
 
     async def reset_prefix_cache(self, _: web.Request) -> web.Response:

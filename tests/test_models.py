@@ -38,6 +38,25 @@ def test_config_names_the_folder(tmp_path: Path) -> None:
     assert other.name != f"tiny-llama-{TinyModelConfig().digest()}"
 
 
+def test_bias_options_add_biases_and_keep_older_folders_named_as_before(tmp_path: Path) -> None:
+    """`attention_bias`/`mlp_bias` came later: at their defaults the digest is the one models
+    built before had (ab5a9c7438cc for the default config), so their caches stay valid."""
+    from safetensors import safe_open
+
+    assert TinyModelConfig().digest() == "ab5a9c7438cc"
+    biased = build_tiny_model(
+        cache_dir=tmp_path, num_layers=1, attention_bias=True, mlp_bias=True,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    with safe_open(str(biased / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    projections = ("q", "k", "v", "o", "gate", "up", "down")
+    assert {n for n in names if n.endswith(".bias")} == {
+        f"model.layers.0.{'self_attn' if p in 'qkvo' else 'mlp'}.{p}_proj.bias" for p in projections
+    }
+    assert "lm_head.weight" in names
+
+
 def test_tokenizer_splits_digits_and_round_trips(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -72,6 +72,18 @@ def test_bad_config_fails_at_construction_saying_what_to_change(
         VLLMServerEngine(**args)  # type: ignore[arg-type]
 
 
+def test_verify_weights_is_refused_with_weights_sent_over_nccl() -> None:
+    """Verification reads the folder a replica loaded; a broadcast leaves none to read, so the
+    pair would promise a check that never runs."""
+    with pytest.raises(ValueError, match=r"verify_weights=True .* NCCL"):
+        VLLMServerEngine(
+            "http://127.0.0.1:1",
+            vocab_size=512,
+            verify_weights=True,
+            weight_transfer=types.SimpleNamespace(),  # type: ignore[arg-type]
+        )
+
+
 def test_a_producer_refuses_an_engine_whose_pause_can_outlast_its_wait() -> None:
     """Deadlines compose: the producer waits `abort_timeout_s` for a pause; an engine whose
     pause may take longer (`pause_bound_s`) would stop the run while its pause still ran."""
@@ -353,16 +365,14 @@ class ScriptedStub:
             finally:
                 self.progress.notify()
 
+        async def load(_: web.Request) -> web.Response:  # the worker extension's clean report
+            return web.json_response({"results": [{"expected": [], "unloaded": [], "missing": []}]})
+
         app = web.Application(middlewares=[script])
         app.router.add_get("/health", health)
-        for path in (
-            "/pause",
-            "/resume",
-            "/reset_prefix_cache",
-            "/abort_requests",
-            "/collective_rpc",
-        ):
+        for path in ("/pause", "/resume", "/reset_prefix_cache", "/abort_requests"):
             app.router.add_post(path, ok)
+        app.router.add_post("/collective_rpc", load)
         app.router.add_post("/update_weight_version", version)
         app.router.add_post(GENERATE, generate)
         return app

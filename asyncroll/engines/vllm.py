@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import os
 import pickle
@@ -48,7 +49,7 @@ from typing import Any, Literal
 import numpy as np
 
 from asyncroll._signal import Signal
-from asyncroll.engines import vllm_groups, weights_file
+from asyncroll.engines import vllm_groups, weight_check, weights_file
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -66,6 +67,13 @@ _INITIAL_LABEL = "default"  # vLLM's weight version label before any update: our
 _WEIGHTS_DIR = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
 
 Transfer = Literal["auto", "file", "cuda_ipc"]
+
+
+class WeightsState(enum.Enum):
+    """Whether the engine serves weights it can vouch for."""
+
+    SERVED = "served"  # the start-up checkpoint, or the last update, loaded and checked
+    MISMATCHED = "mismatched"  # an update failed its check: vLLM holds weights nobody sent
 
 
 class _Sample:
@@ -138,6 +146,14 @@ class VLLMEngine:
     safetensors file to /dev/shm that each worker memory-maps (works for any placement, CPU or
     GPU); "cuda_ipc" shares CUDA tensors with the worker without a copy (needs the tensors on
     the GPU of a single-GPU engine); "auto" picks "cuda_ipc" when that holds, else "file".
+
+    Every update must cover the served checkpoint: a tensor of its files that the update
+    lacks, or a layer that got no tensor, fails it (`weight_check.WeightMismatchError`, naming
+    them). `verify_weights=True` also checks, in each worker, that every tensor arrived with
+    the bytes sent and that the model serves them (see `asyncroll.engines.weight_check`; its
+    cost is in benchmarks/README.md). After a failed check the engine refuses to generate
+    (`WeightMismatchError`; running requests end as aborted) until an update succeeds: no
+    token is labelled with weights that are not the trainer's.
     """
 
     def __init__(
@@ -149,6 +165,7 @@ class VLLMEngine:
         transfer: Transfer = "auto",
         generate_timeout_s: float = 3600.0,
         control_timeout_s: float = 300.0,
+        verify_weights: bool = False,
         **engine_args: Any,
     ) -> None:
         from vllm import __version__ as vllm_version
@@ -190,6 +207,8 @@ class VLLMEngine:
         self.transfer: Transfer = transfer
         self.generate_timeout_s = generate_timeout_s
         self.control_timeout_s = control_timeout_s
+        self.verify_weights = verify_weights
+        self._weights = WeightsState.SERVED
         args = AsyncEngineArgs(model=self.model, **engine_args)
         with _child_environment(on_cpu):
             self._llm: Any = AsyncLLM.from_engine_args(args)
@@ -234,6 +253,7 @@ class VLLMEngine:
 
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
         self._check_alive()
+        self._check_weights()
         rid = request.request_id
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already running")
@@ -295,7 +315,8 @@ class VLLMEngine:
                 await self._call(self._llm.pause_generation(mode="keep", clear_cache=False))
             try:
                 if weights is not None:
-                    await self._load(weights)
+                    await self._load_checked(weights)
+                self._check_weights()
                 if not await self._call(self._llm.reset_prefix_cache(reset_running_requests=True)):
                     raise RuntimeError("vLLM could not reset its prefix cache after the update")
                 await self._call(self._llm.update_weight_version(str(version)))
@@ -444,6 +465,26 @@ class VLLMEngine:
 
     # -- weights ---------------------------------------------------------------------------------
 
+    def _check_weights(self) -> None:
+        if self._weights is WeightsState.MISMATCHED:
+            raise weight_check.WeightMismatchError(
+                f"vLLM engine {self.model}: the last weight update failed its check, so the "
+                "engine holds weights the trainer did not send; update the weights again"
+            )
+
+    async def _load_checked(self, weights: Weights) -> None:
+        """`_load`; on a failed check, end what runs (its tokens so far were sampled by the
+        previous weights and are labelled so) and refuse to generate until a later update
+        succeeds."""
+        try:
+            await self._load(weights)
+        except weight_check.WeightMismatchError:
+            self._weights = WeightsState.MISMATCHED
+            for request_id in list(self._live):
+                await self.abort(request_id)
+            raise
+        self._weights = WeightsState.SERVED
+
     async def _load(self, weights: Weights) -> None:
         named = weights_file.detached(weights)
         if not named:
@@ -461,11 +502,18 @@ class VLLMEngine:
         path = _WEIGHTS_DIR / f"asyncroll-weights-{uuid.uuid4().hex}.safetensors"
         try:
             await asyncio.to_thread(weights_file.write_safetensors, named, path)
-            _report_reload(
-                await self._call(self._llm.collective_rpc("asyncroll_load_file", args=(str(path),)))
-            )
+            args = (str(path), self.verify_weights)
+            reports = await self._call(self._llm.collective_rpc("asyncroll_load_path", args=args))
+            await self._check_reports(reports, named)
         finally:
             path.unlink(missing_ok=True)
+
+    async def _check_reports(self, reports: Any, named: list[tuple[str, Any]]) -> None:
+        """Raise `WeightMismatchError` when a worker's reload report shows a problem; with
+        `verify_weights`, against digests of the tensors as sent (computed here)."""
+        _log_expected(reports)
+        sent = await asyncio.to_thread(weight_check.digests, named) if self.verify_weights else None
+        weight_check.check(list(reports or ()), sent, f"vLLM engine {self.model}")
 
     async def _load_cuda_ipc(self, named: list[tuple[str, Any]]) -> None:
         import torch
@@ -477,9 +525,9 @@ class VLLMEngine:
         keep = [t.contiguous() for _, t in named]  # alive until the workers have copied them
         handles = [reduce_tensor(t)[1] for t in keep]
         payload = pickle.dumps(([name for name, _ in named], handles))
-        _report_reload(
-            await self._call(self._llm.collective_rpc("asyncroll_load_cuda_ipc", args=(payload,)))
-        )
+        args = (payload, self.verify_weights)
+        reports = await self._call(self._llm.collective_rpc("asyncroll_load_cuda_ipc", args=args))
+        await self._check_reports(reports, named)
         del keep
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # free what workers let go
 
@@ -546,18 +594,11 @@ def _experts_row_bytes(config: Any) -> int:
     return per_token * (1 if experts <= 256 else 2)
 
 
-def _report_reload(reports: Any) -> None:
-    """Log what the workers found during a reload: layers vLLM loaded no tensor into that
-    should have had one (WARNING), and those that never get one (DEBUG)."""
-    reports = [r for r in reports or () if isinstance(r, dict)]
-    unloaded = sorted({name for r in reports for name in r.get("unloaded", ())})
-    expected = sorted({name for r in reports for name in r.get("expected", ())})
-    if unloaded:
-        log.warning(
-            "update_weights: vLLM loaded no tensor into layer(s) %s, which keep their previous "
-            "weights: the trainer's weights lack them or name them differently",
-            ", ".join(unloaded),
-        )
+def _log_expected(reports: Any) -> None:
+    """Log (DEBUG) the layers that never get a tensor on a reload, as expected."""
+    expected = sorted(
+        {n for r in reports or () if isinstance(r, dict) for n in r.get("expected", ())}
+    )
     if expected:
         log.debug(
             "update_weights: no tensor for %s, as expected (computed buffers, or an output "

@@ -26,6 +26,9 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+WORKER_EXTENSION = "asyncroll.engines.vllm_worker.WeightLoaderExtension"
+"""Loads weights in every worker (`--worker-extension-cls`): `VLLMServerEngine` calls it."""
+
 RL_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",  # the RL control routes: /pause, /collective_rpc, ...
     "TORCH_COMPILE_DISABLE": "1",  # skips an 8-17 s gcc compile of the logprobs op on CPU
@@ -43,8 +46,9 @@ def serve_args(
 ) -> list[str]:
     """The `vllm serve` arguments `VLLMServerEngine` needs: the token-in/token-out generate
     route (`--enable-scale-out`), logprobs of the distribution that sampled (as `VLLMEngine`),
-    and on CPU float32 eager mode with a small KV cache (vLLM's CPU default reserves a share
-    of the NUMA node that can exceed free memory)."""
+    the worker extension that loads weights (the same code as `VLLMEngine`'s), and on CPU
+    float32 eager mode with a small KV cache (vLLM's CPU default reserves a share of the NUMA
+    node that can exceed free memory)."""
     args = [
         "serve",
         str(model),
@@ -60,6 +64,8 @@ def serve_args(
         "--logprobs-mode",
         "processed_logprobs",
         "--disable-uvicorn-access-log",
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
     ]
     if on_cpu:
         args += ["--dtype", "float32", "--enforce-eager"]

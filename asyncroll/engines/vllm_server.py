@@ -24,8 +24,12 @@ reference notes):
   after the resume.
 * **Weights through a shared path.** `update_weights` writes one safetensors file under
   `weights_dir` (a folder every replica can read: the same machine, or a shared filesystem),
-  and every replica reloads it (`/collective_rpc reload_weights`). A reload of a missing path
-  kills a vLLM engine, so the folder is checked first.
+  and every replica loads it through asyncroll's worker extension (`replica_load`: the same
+  worker code as `VLLMEngine`, which also refreshes a tied output head and reports tensors the
+  load missed; servers start with `--worker-extension-cls`, see `vllm_serve.serve_args`). With
+  `verify_weights=True` each replica also proves it serves the folder's tensors (digests and
+  kernel probes, `weight_check`), or leaves the rotation unlabelled. A reload of a missing
+  path kills a vLLM engine, so the folder is checked first.
 * **Or weights over NCCL** (GPUs; `weight_transfer=NCCLWeightTransfer(...)`, servers started
   with `--weight-transfer-config '{"backend":"nccl"}'`): this process joins one NCCL group
   with every replica's workers (rank 0; replica i's workers after those of replicas before
@@ -56,7 +60,8 @@ reference notes):
 
 Files: this one is the `Engine` (admission, routing, generate, pause, resume, updates);
 `server_supervisor` the per-replica control plane; `server_client` HTTP to the replicas;
-`server_samples` what a request carries and brings back, parsed strictly; `server_weights`
+`server_samples` what a request carries and brings back, parsed strictly; `replica_load` how
+one replica loads a folder; `server_weights`
 which weights the replicas serve; `server_nccl` the NCCL group and its broadcast steps;
 `replicas` a replica's state and the wire format.
 
@@ -69,6 +74,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -79,7 +85,13 @@ import aiohttp
 import yarl
 
 from asyncroll._signal import Signal
-from asyncroll.engines import nccl_transfer, server_weights, vllm_groups, weights_file
+from asyncroll.engines import (
+    nccl_transfer,
+    replica_load,
+    server_weights,
+    vllm_groups,
+    weights_file,
+)
 from asyncroll.engines import replicas as rp
 from asyncroll.engines import server_samples as ss
 from asyncroll.engines import server_supervisor as sup
@@ -154,6 +166,7 @@ class VLLMServerEngine:
         pause_timeout_s: float = 10.0,
         max_connections: int = 512,
         weight_transfer: nccl_transfer.WeightSender | None = None,
+        verify_weights: bool = False,
     ) -> None:
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
@@ -184,6 +197,11 @@ class VLLMServerEngine:
                 raise ValueError(f"{name}={value}: must be > 0")
         if max_connections < 1:
             raise ValueError(f"max_connections={max_connections}: must be >= 1")
+        if verify_weights and weight_transfer is not None:
+            raise ValueError(
+                "verify_weights=True covers weights loaded from a folder, not weights sent over"
+                " NCCL (weight_transfer): drop one of the two"
+            )
         if weights_dir is not None and not Path(weights_dir).is_dir():
             raise ValueError(f"weights_dir={weights_dir}: not a folder (create it first)")
         self.replicas = [Replica(u) for u in cleaned]
@@ -201,6 +219,7 @@ class VLLMServerEngine:
         self.pause_timeout_s = pause_timeout_s
         self.max_connections = max_connections
         self.weight_transfer = weight_transfer
+        self.verify_weights = verify_weights
         self._state = sup.ControlState()
         self._client = ReplicaClient(
             max_connections=max_connections,
@@ -687,11 +706,8 @@ class VLLMServerEngine:
         are recomputed under the new weights), and set its label to `version`."""
         if folder is not None:
             _checkpoint(folder)  # a reload of a missing path would kill the vLLM engine
-            await self._call(
-                replica,
-                "POST",
-                "/collective_rpc",
-                {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+            await replica_load.load(
+                functools.partial(self._call, replica), replica.url, folder, self.verify_weights
             )
         reply = await self._call(replica, "POST", "/reset_prefix_cache?reset_running_requests=true")
         if not (isinstance(reply, dict) and reply.get("success")):

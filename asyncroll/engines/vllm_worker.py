@@ -1,9 +1,10 @@
 """vLLM worker extension: loads new weights inside each vLLM worker process.
 
-vLLM mixes this class into its worker class (`worker_extension_cls`), so its methods run in the
-worker processes and are called with `collective_rpc`. It must stay importable without vLLM
-running in this process and must not import anything heavy at module level: every worker
-imports it at start-up.
+vLLM mixes this class into its worker class (`worker_extension_cls`; `vllm serve
+--worker-extension-cls`), so its methods run in the worker processes and are called with
+`collective_rpc` (over HTTP: `/collective_rpc`). Both engines load weights through it. It
+must stay importable without vLLM running in this process and must not import anything heavy
+at module level: every worker imports it at start-up.
 
 Weights are loaded with the worker's `reload_weights(weights_iterator=...)`, not with
 `model.load_weights`: after start-up the CPU backend has repacked its linear weights for its
@@ -15,14 +16,17 @@ reload (and keeps its previous weights). Two such layers are expected on every u
 nothing: layers with buffers but no parameters (RotaryEmbedding's cos/sin cache, computed from
 the config, in no checkpoint) and an output layer tied to the input embedding (it gets no tensor
 of its own; `_asyncroll_refresh_tied_head` repacks it from the reloaded embedding). Those two are
-silenced; any other layer is reported back to the engine, which warns in the trainer's process
-with what it means: the trainer's weights lack that layer or name it differently.
+silenced; any other layer is reported back to the engine, which fails the update naming it
+(the trainer's weights lack that layer or name it differently), as it does for a tensor of the
+served checkpoint the update lacked (a layer loaded in part is no "Failed" layer). What is
+checked, and what `verify` adds, is in `asyncroll.engines.weight_check`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -48,16 +52,17 @@ class WeightLoaderExtension:
     """Methods vLLM adds to its worker. Names carry an `asyncroll_` prefix because vLLM refuses
     an extension attribute that the worker class already has."""
 
-    def asyncroll_load_file(self, path: str) -> dict[str, Any]:
-        """Load every tensor of a safetensors file (written by the trainer's process to
-        /dev/shm: reading it is a memory copy, not disk I/O). Returns `_asyncroll_reload`'s
-        report."""
-        from safetensors.torch import load_file
+    def asyncroll_load_path(self, path: str, verify: bool = False) -> dict[str, Any]:
+        """Load every tensor of a safetensors file, or of every *.safetensors file in a
+        folder: `VLLMEngine` writes one file to /dev/shm (reading it is a memory copy, not
+        disk I/O), `VLLMServerEngine` a folder every replica reads (`/collective_rpc`, whose
+        JSON kwargs arrive here as they were sent). Returns `_asyncroll_reload`'s report."""
+        from asyncroll.engines.weight_check import SafetensorsSource
 
-        tensors = load_file(path)
-        return self._asyncroll_reload(iter(tensors.items()))
+        source = SafetensorsSource(Path(path))
+        return self._asyncroll_reload(source.items(), source.get if verify else None)
 
-    def asyncroll_load_cuda_ipc(self, payload: bytes) -> dict[str, Any]:
+    def asyncroll_load_cuda_ipc(self, payload: bytes, verify: bool = False) -> dict[str, Any]:
         """Load tensors the trainer's process shared with CUDA IPC: `payload` pickles the
         names and `reduce_tensor` arguments of each (pickled by us, in the trainer's process,
         because vLLM's RPC encoding does not carry classes and dtypes). The device index in
@@ -72,24 +77,38 @@ class WeightLoaderExtension:
         names, handles = pickle.loads(payload)
         device = torch.cuda.current_device()
 
-        def tensors() -> Iterator[tuple[str, Any]]:
-            for name, args in zip(names, handles, strict=True):
-                fixed = list(args)
-                fixed[6] = device  # position of the device index in reduce_tensor's args
-                yield name, rebuild_cuda_tensor(*fixed)
-
-        report = self._asyncroll_reload(tensors())
+        tensors = {}
+        for name, args in zip(names, handles, strict=True):
+            fixed = list(args)
+            fixed[6] = device  # position of the device index in reduce_tensor's args
+            tensors[name] = rebuild_cuda_tensor(*fixed)  # a view of the sender's memory
+        report = self._asyncroll_reload(iter(tensors.items()), tensors.get if verify else None)
         torch.cuda.synchronize()
         return report
 
-    def _asyncroll_reload(self, weights: Iterator[tuple[str, Any]]) -> dict[str, Any]:
-        """Reload, refresh a tied head; report the layers vLLM loaded nothing into, split
-        into `expected` (see the module docstring) and `unloaded` (a problem)."""
+    def _asyncroll_reload(
+        self, weights: Iterator[tuple[str, Any]], fetch: Callable[[str], Any] | None
+    ) -> dict[str, Any]:
+        """Reload, refresh a tied head, and report (see `asyncroll.engines.weight_check`):
+        the layers vLLM loaded nothing into, split into `expected` (see the module docstring)
+        and `unloaded` (a problem); the served checkpoint's tensors the update lacked
+        (`missing`); with `fetch` (verification on: it reads a received tensor again by
+        name), the digest of each tensor as received and the tensors the model does not serve
+        as received (`mismatched`)."""
+        from asyncroll.engines import weight_check
+
+        received: dict[str, str] = {}
+
+        def recorded() -> Iterator[tuple[str, Any]]:
+            for name, tensor in weights:
+                received[name] = weight_check.digest(tensor) if fetch is not None else ""
+                yield name, tensor
+
         caught = _UnloadedLayers()
         logger = logging.getLogger(_LAYERWISE_LOGGER)
         logger.addFilter(caught)
         try:
-            self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+            self.reload_weights(weights_iterator=recorded())  # type: ignore[attr-defined]
         finally:
             logger.removeFilter(caught)
         tied = self._asyncroll_refresh_tied_head()
@@ -101,10 +120,48 @@ class WeightLoaderExtension:
             and any(b is not None for b in m._buffers.values())
         }
         expected = computed | ({tied} if tied else set())
-        return {
+        served = weight_check.required_names(
+            self.model_runner.get_model(),  # type: ignore[attr-defined]
+            self.model_config.model,  # type: ignore[attr-defined]
+        )
+        report: dict[str, Any] = {
             "expected": sorted({n for n in caught.layers if n in expected}),
             "unloaded": sorted({n for n in caught.layers if n not in expected}),
+            "missing": sorted(served - received.keys()) if served is not None else [],
         }
+        if fetch is not None:
+            report.update(received=received, **self._asyncroll_served(set(received), fetch))
+        return report
+
+    def asyncroll_verify_path(self, path: str) -> dict[str, Any]:
+        """Check, without loading anything, that the model serves the tensors of a
+        safetensors file or folder: the served-value check of a verified reload, for weights
+        that came some other way (vLLM's own `reload_weights`, a restart)."""
+        from asyncroll.engines import weight_check
+
+        source = weight_check.SafetensorsSource(Path(path))
+        received = {name: weight_check.digest(t) for name, t in source.items()}
+        served = weight_check.required_names(
+            self.model_runner.get_model(),  # type: ignore[attr-defined]
+            self.model_config.model,  # type: ignore[attr-defined]
+        )
+        return {
+            "missing": sorted(served - received.keys()) if served is not None else [],
+            "received": received,
+            **self._asyncroll_served(set(received), source.get),
+        }
+
+    def _asyncroll_served(self, names: set[str], fetch: Callable[[str], Any]) -> dict[str, Any]:
+        from asyncroll.engines import weight_check
+
+        mismatched, unchecked = weight_check.served_mismatches(
+            self.model_runner.get_model(),  # type: ignore[attr-defined]
+            fetch,
+            names,
+            getattr(self.model_runner.get_model(), "packed_modules_mapping", {}),  # type: ignore[attr-defined]
+            int(self.parallel_config.tensor_parallel_size),  # type: ignore[attr-defined]
+        )
+        return {"mismatched": mismatched, "unchecked": unchecked}
 
     def _asyncroll_refresh_tied_head(self) -> str | None:
         """Re-run the output layer's weight processing when it shares the input embedding.

@@ -1,17 +1,21 @@
 """What vLLM says while it reloads weights. Its "<Layer>: Failed to load weights" warning came
 on every update for two layers that never get a tensor (the rotary cache, computed; the output
-layer tied to the embedding, refreshed by the worker extension): those are silenced. A layer the
-trainer's weights really lack is reported as a WARNING in the trainer's process."""
+layer tied to the embedding, refreshed by the worker extension): those are silenced. A tensor
+the trainer's weights really lack fails the update, naming it (both engines load through the
+same worker code; `VLLMServerEngine`'s side is in test_verify_weights.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
 import pytest
 
 from asyncroll.engines.vllm import VLLMEngine
-from tests.vllm.conftest import original_weights
+from asyncroll.engines.weight_check import WeightMismatchError
+from tests.vllm.conftest import DEADLINE_S, original_weights
+from tests.vllm.helpers import ids, request
 
 
 def messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
@@ -32,11 +36,21 @@ async def test_a_full_update_warns_about_nothing(
     assert "RotaryEmbedding" in expected and "ParallelLMHead" in expected
 
 
-async def test_a_layer_missing_from_the_weights_is_a_warning(
-    engine: VLLMEngine, tiny_model: Path, caplog: pytest.LogCaptureFixture
+async def test_a_tensor_missing_from_the_weights_fails_the_update(
+    engine: VLLMEngine, tiny_model: Path
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="asyncroll")
+    """Before, a warning: the layer kept its old weights and the tokens carried the new label.
+    Now the update fails naming the tensor and the layer, and the engine generates nothing
+    until an update succeeds."""
     weights = [(n, t) for n, t in original_weights(tiny_model) if "layers.1.mlp.down_proj" not in n]
-    await engine.update_weights(weights, version=1)
-    (warning,) = messages(caplog, logging.WARNING)
-    assert "RowParallelLinear" in warning and "lack them or name them differently" in warning
+    with pytest.raises(WeightMismatchError) as caught:
+        await engine.update_weights(weights, version=1)
+    assert "model.layers.1.mlp.down_proj.weight" in str(caught.value)
+    assert "RowParallelLinear" in str(caught.value)
+    assert engine.version == 0
+    with pytest.raises(WeightMismatchError, match="update the weights again"):
+        await engine.generate(request("refused", ids(0, 5, 6), max_new_tokens=2))
+    await engine.update_weights(original_weights(tiny_model), version=1)
+    async with asyncio.timeout(DEADLINE_S):
+        (out,) = await engine.generate(request("served", ids(0, 5, 6), max_new_tokens=2))
+    assert out.versions.tolist() == [1, 1]

@@ -1,0 +1,73 @@
+"""How one `vllm serve` replica loads a checkpoint folder: through the same worker code as the
+in-process engine (`asyncroll.engines.vllm_worker.WeightLoaderExtension`, which the server
+loads with `--worker-extension-cls`), called over `/collective_rpc`.
+
+vLLM's own `/collective_rpc reload_weights` reloads the tensors it is given and nothing else:
+an output head tied to the embedding gets no tensor, and on CPU its repacked copy kept serving
+the old embedding (issue #24: greedy output matched a fresh engine on 0 of 8 prompts, every
+token labelled with the new version). The extension also refreshes a tied head and reports
+what the reload missed; a report with a problem fails the load for this replica
+(`ReplicaWeightsError`, a `ReplicaError`: the replica leaves the rotation unlabelled).
+
+With `verify`, the reference for the replica's digests is the folder itself, read once per
+folder in this process (every replica is told to load it): that proves each replica serves
+the folder's tensors. `VLLMServerEngine.update_weights` writes that folder from the trainer's
+tensors with safetensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from asyncroll.engines import weight_check
+from asyncroll.engines.replicas import ReplicaError
+from asyncroll.engines.vllm_serve import WORKER_EXTENSION
+
+Call = Callable[[str, str, Any], Awaitable[Any]]  # (method, path, json) -> the reply's JSON
+_METHOD = "asyncroll_load_path"
+
+
+class ReplicaWeightsError(ReplicaError, weight_check.WeightMismatchError):
+    """A replica's reload missed tensors or layers, or (verified) does not serve what the
+    folder holds; the message names the replica and the tensors."""
+
+
+async def load(call: Call, url: str, folder: Path, verify: bool) -> None:
+    """Load `folder` on the replica at `url` (`call` makes one control call to it) and check
+    the workers' reports (see the module docstring)."""
+    body = {"method": _METHOD, "kwargs": {"path": str(folder), "verify": verify}}
+    try:
+        reply = await call("POST", "/collective_rpc", body)
+    except ReplicaError as exc:
+        if _METHOD in str(exc):  # vLLM's AttributeError: the worker has no such method
+            raise ValueError(
+                f"{exc}: start every replica with --worker-extension-cls {WORKER_EXTENSION}"
+                " (asyncroll.engines.vllm_serve.serve_args does)"
+            ) from None
+        raise
+    results = reply.get("results") if isinstance(reply, dict) else None
+    if not isinstance(results, list):
+        raise ReplicaError(url, f"POST /collective_rpc {_METHOD} -> {reply!r:.300}")
+    sent = await asyncio.to_thread(folder_digests, folder) if verify else None
+    try:
+        weight_check.check(results, sent, "weights")
+    except weight_check.WeightMismatchError as exc:
+        raise ReplicaWeightsError(url, str(exc)) from None
+
+
+def folder_digests(folder: Path) -> dict[str, str]:
+    """Digests of every tensor in `folder`'s safetensors files, computed once per folder as
+    it is now (its files' names, sizes and times key the cache)."""
+    files = sorted(folder.glob("*.safetensors"))
+    key = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return dict(_digests(str(folder), key))
+
+
+@functools.lru_cache(maxsize=2)
+def _digests(folder: str, key: tuple[tuple[str, int, int], ...]) -> tuple[tuple[str, str], ...]:
+    source = weight_check.SafetensorsSource(Path(folder))
+    return tuple((name, weight_check.digest(t)) for name, t in source.items())

@@ -1,0 +1,234 @@
+"""Whether an engine serves what the trainer sent: checked in each vLLM worker after a reload,
+judged in the trainer's process.
+
+What a checksum of vLLM's parameters can prove is limited, so the worker checks three things:
+
+* **Coverage** (every update, cheap): every tensor of the served checkpoint's own files (their
+  names, read from the safetensors headers) was received, and every layer with weights got a
+  tensor. A partial update (a layer's q without its k, a renamed tensor) leaves vLLM's
+  parameters half old without any error of vLLM's.
+* **Arrival** (`verify`): the sha256 of each tensor the worker read equals the sha256 of the
+  tensor the trainer sent (computed in the trainer's process), so no file or transfer lost,
+  truncated or swapped a tensor.
+* **Served values** (`verify`): vLLM's parameters are not the checkpoint's. q/k/v and gate/up
+  are packed into one parameter, the CPU backend repacks linear weights for its kernels into
+  opaque buffers (the parameter left behind has shape 0), and a tied output head keeps a
+  packed copy of the embedding that no parameter shows. vLLM's own `compute_weight_checksums`
+  hashes those parameters, so it proves nothing about them (an empty tensor always hashes the
+  same; the stale tied head of issue #24 passes it). Here, a parameter that still holds the
+  checkpoint's tensor under its name (embeddings, norms) is hashed and compared bit for bit;
+  every linear layer, packed, repacked or tied, is *run*: its own kernel on a seeded probe
+  input must give what the received tensors give (`F.linear`), within the kernel's float
+  error. A stale or wrong weight of the size of a training step is found in float32 (relative
+  tolerance 1e-4); in 16-bit types only changes above 2% of the output are.
+
+Tensor-parallel workers hold shards: their linear layers are not probed (reported as
+unchecked), arrival and coverage still hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+# Tensors some checkpoints carry that vLLM computes itself and never loads.
+_COMPUTED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_PROBE_ROWS = 2
+_SHOWN = 8  # names listed per problem in an error
+
+
+class WeightMismatchError(RuntimeError):
+    """What an engine (or a replica) serves is not what the trainer sent; the message names
+    the replica and the tensors."""
+
+
+def digest(tensor: Any) -> str:
+    """sha256 of a tensor's bytes (its dtype and shape as they are)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(-1).numpy().view("uint8")).hexdigest()
+
+
+def digests(named: Iterable[tuple[str, Any]]) -> dict[str, str]:
+    return {name: digest(t) for name, t in named}
+
+
+def required_names(model: Any, folder: str) -> set[str] | None:
+    """The tensors an update must carry: those of the served checkpoint's files (`folder`),
+    less an output head tied to the embedding (some checkpoints store it, a trainer's
+    `named_parameters()` lists the shared tensor once) and tensors vLLM computes; None when
+    `folder` is not a local folder (a hub id)."""
+    names = checkpoint_names(folder)
+    if names is not None and _tied_embedding_name(model) is not None:
+        names.discard("lm_head.weight")
+    return names
+
+
+def checkpoint_names(model: str) -> set[str] | None:
+    """Names of the tensors in the served checkpoint's safetensors files (headers only), less
+    those vLLM computes; None when `model` is not a local folder (a hub id)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else []
+    if not files:
+        return None
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            names.update(f.keys())
+    return {n for n in names if not n.endswith(_COMPUTED)}
+
+
+def served_mismatches(
+    model: Any,
+    received: Callable[[str], Any],
+    names: set[str],
+    packed: dict[str, list[str]],
+    tensor_parallel: int,
+) -> tuple[list[str], list[str]]:
+    """Tensors of `names` (fetched with `received`) that `model` does not serve: (mismatched,
+    unchecked), each entry a checkpoint name with why. See the module docstring."""
+    import torch
+
+    mismatched: list[str] = []
+    checked: set[str] = set()
+    for name, param in model.named_parameters():
+        if (
+            name in names
+            and param.numel() > 0
+            and tuple(param.shape) == tuple(received(name).shape)
+        ):
+            checked.add(name)
+            if digest(param) != digest(received(name).to(param.dtype)):
+                mismatched.append(f"{name} (parameter differs)")
+    if tensor_parallel > 1:
+        return mismatched, sorted(names - checked)
+    embedding = _tied_embedding_name(model)
+    generator = torch.Generator().manual_seed(0)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())  # as served
+    for path, module in model.named_modules():
+        parts = _linear_sources(path, module, packed, embedding)
+        if parts is None or not all(n in names for n in parts[0] + parts[1]):
+            continue
+        checked.update(parts[0] + parts[1])
+        weights, biases = ([received(n) for n in names_] for names_ in parts)
+        error = _probe(module, weights, biases, dtype, generator)
+        if error is not None:
+            mismatched.append(f"{' + '.join(parts[0])} ({error})")
+    return mismatched, sorted(names - checked)
+
+
+def _tied_embedding_name(model: Any) -> str | None:
+    """The name of the embedding an output head shares, if it does."""
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if weight is None:
+        return None
+    for name, param in model.named_parameters():  # shared parameters are listed once
+        if param is weight:
+            return name if not name.startswith("lm_head.") else None
+    return None
+
+
+def _linear_sources(
+    path: str, module: Any, packed: dict[str, list[str]], embedding: str | None
+) -> tuple[list[str], list[str]] | None:
+    """Checkpoint names of a linear layer's weight shards and bias shards (in packing order),
+    or None for a module that is not a linear layer."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    if isinstance(module, ParallelLMHead):
+        return ([embedding] if embedding else [f"{path}.weight"]), []
+    if not isinstance(module, LinearBase):
+        return None
+    prefix, _, last = path.rpartition(".")
+    stems = [f"{prefix}.{s}" for s in packed[last]] if last in packed else [path]
+    biases = [f"{s}.bias" for s in stems] if getattr(module, "bias", None) is not None else []
+    return [f"{s}.weight" for s in stems], biases
+
+
+def _probe(
+    module: Any, weights: Sequence[Any], biases: Sequence[Any], dtype: Any, generator: Any
+) -> str | None:
+    """Run the layer's own kernel on a seeded input of the served `dtype`; None when it
+    computes what the received tensors compute, else how far off it is."""
+    import torch
+
+    weight = torch.cat([w.float() for w in weights]).to(_device(module))
+    bias = torch.cat([b.float() for b in biases]).to(weight.device) if biases else None
+    x = torch.randn(_PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, dtype)
+    with torch.no_grad():
+        served = module.quant_method.apply(module, x, getattr(module, "bias", None)).float()
+        expected = torch.nn.functional.linear(x.float(), weight, bias)
+    if served.shape != expected.shape:
+        return f"serves shape {tuple(served.shape)}, sent {tuple(expected.shape)}"
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    error = float((served - expected).abs().max())
+    scale = float(expected.abs().max()) or 1.0
+    return None if error <= tolerance * scale else f"output off by {error / scale:.2e} of its scale"
+
+
+def _device(module: Any) -> Any:
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return "cpu"
+
+
+def check(reports: Sequence[Any], sent: dict[str, str] | None, where: str) -> None:
+    """Raise `WeightMismatchError` naming `where` and the tensors when any worker's report of a
+    reload shows a problem (see the module docstring); `sent`: the trainer's digests (None: no
+    arrival check)."""
+    problems: list[str] = []
+    if not reports:
+        problems.append("no worker reported on the reload")
+    for rank, report in enumerate(reports):
+        if not isinstance(report, dict):
+            problems.append(f"worker {rank} answered {report!r:.200}, not a reload report")
+            continue
+        worker = f"worker {rank}: " if len(reports) > 1 else ""
+        _add(problems, worker + "no tensor reached layer(s)", report.get("unloaded"))
+        _add(problems, worker + "tensor(s) missing from the update", report.get("missing"))
+        if sent is not None:
+            got = report.get("received")
+            if not isinstance(got, dict):
+                problems.append(worker + "no digests reported (is verify on in the worker?)")
+                continue
+            _add(problems, worker + "tensor(s) not received", sorted(sent.keys() - got.keys()))
+            changed = sorted(n for n in sent.keys() & got.keys() if sent[n] != got[n])
+            _add(problems, worker + "tensor(s) received with other bytes", changed)
+            _add(problems, worker + "tensor(s) not served as sent", report.get("mismatched"))
+    if problems:
+        raise WeightMismatchError(f"{where}: " + "; ".join(problems))
+
+
+def _add(problems: list[str], what: str, names: Any) -> None:
+    if names:
+        shown = ", ".join(map(str, list(names)[:_SHOWN]))
+        more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+        problems.append(f"{what}: {shown}{more}")
+
+
+class SafetensorsSource:
+    """The tensors of a safetensors file, or of each *.safetensors file in a folder: read one
+    at a time (a checkpoint is never held whole), and again by name for the served-value
+    check."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self._file_of: dict[str, str] = {}
+        for file in sorted(path.glob("*.safetensors")) if path.is_dir() else [path]:
+            with safe_open(str(file), "pt") as f:
+                self._file_of.update(dict.fromkeys(f.keys(), str(file)))
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        for name in self._file_of:
+            yield name, self.get(name)
+
+    def get(self, name: str) -> Any:
+        from safetensors import safe_open
+
+        with safe_open(self._file_of[name], "pt") as f:
+            return f.get_tensor(name)
