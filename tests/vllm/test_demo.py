@@ -56,14 +56,15 @@ def test_offpolicy_benchmark_quick_runs(tmp_path: Path) -> None:
 
 async def test_demo_learns_the_multi_turn_tool_echo_task(tmp_path: Path) -> None:
     """Multi-turn: a tool answers each policy turn with a letter to echo on the next turn.
-    The reward counts only policy tokens and `to_batch` trains only them, so it rises only if
-    episodes, loss masks and turn boundaries work end to end with real vLLM."""
+    The reward counts only policy tokens and `to_batch` trains only them, and the trainer
+    gives each turn its own advantage from `turn_ends`, so it rises only if episodes, loss
+    masks and turn boundaries work end to end with real vLLM (seed 1: 0.42 over steps 26-30)."""
     config = DemoConfig(
         task="tool_echo", steps=30, max_new_tokens=4, out=str(tmp_path), solved_reward=0.0,
         batch_timeout_s=60.0,
     )  # fmt: skip
     _, first, last = await run_from_random(config)
-    assert last > 0.08 and last > 4 * first, (first, last)
+    assert last > 0.2 and last > 4 * first, (first, last)
     summary = (tmp_path / "summary.txt").read_text()
     assert "policy / environment tokens, turns per episode" in summary
     assert ", 5.0" in summary  # 3 policy turns and 2 tool answers per episode
