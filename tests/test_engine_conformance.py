@@ -40,7 +40,7 @@ from asyncroll.types import Int32Array
 from tests.conftest import VLLM_MAX_MODEL_LEN
 
 DEADLINE_S = 60.0  # for any single wait; every operation here takes well under a second
-RUN_TO_END_S = 300.0  # for a request of `long_budget` tokens run to its end (16k over HTTP)
+RUN_TO_END_S = 600.0  # for a request of `long_budget` tokens run to its end (16k over HTTP)
 SIM_TOKEN_S = 0.02  # SimEngine's per-token latency: a long request runs for hours
 PROMPT = np.array([0, 5, 6, 7], dtype=np.int32)
 

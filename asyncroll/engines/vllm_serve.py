@@ -6,9 +6,13 @@
 plus "+cpu" (vLLM's platform detection looks for "cpu" in it). The CUDA wheel needs no shim, but
 it does no harm there either.
 
-`ServerProcess.start` runs one replica in a session of its own (so that `stop` can signal the
-API server, its engine core and its workers together by process group), waits for `/health`
-within a deadline, and fails early with the log's tail when the process exits first.
+`ServerProcess.start` runs one replica in a process group of its own (so that `stop` can signal
+the API server, its engine core and its workers together), waits for `/health` within a
+deadline, and fails early with the log's tail when the process exits first. The replica stays in
+the caller's session: in a session of its own it would get a scheduling group of its own (Linux
+`sched_autogroup`), and while it generates, its engine core and worker busy-poll each other; on
+a loaded machine that group took both cores from every other session for up to 20-30 s at a
+time, the caller's event loop included (measured: tests/vllm/test_server_process.py).
 """
 
 from __future__ import annotations
@@ -149,7 +153,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=child_env,
-                start_new_session=True,
+                process_group=0,  # not a session of its own: see the module docstring
             )
         server = cls(process, f"http://127.0.0.1:{port}", Path(log_name))
         try:
