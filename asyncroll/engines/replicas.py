@@ -199,15 +199,6 @@ def _is_deadline(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ClientError)
 
 
-async def healthy(session: aiohttp.ClientSession, replica: Replica, timeout_s: float) -> bool:
-    """Whether `GET /health` answers 200 within `timeout_s`."""
-    try:
-        await control(session, replica, "GET", "/health", timeout_s=timeout_s)
-    except ReplicaError:
-        return False
-    return True
-
-
 async def liveness(
     session: aiohttp.ClientSession, replica: Replica, body: dict[str, Any], timeout_s: float
 ) -> None:
