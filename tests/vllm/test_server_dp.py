@@ -41,19 +41,15 @@ RUN_TO_END_S = 600.0
 
 
 def perturbed_weights(model: Path) -> list[tuple[str, object]]:
-    """Every tensor scaled by its own noise (1 + N(0, 0.5^2)) except the tied embedding: a
-    tied head gets no tensor of its own from vLLM's `reload_weights` on CPU, which is the
-    server path's own defect (issue #24, item 1), not a matter of data parallelism."""
+    """Every tensor scaled by its own noise (1 + N(0, 0.5^2)), the tied embedding included:
+    its head has no tensor of its own, so a stale head would show here (issue #24, item 1)."""
     import torch
 
     gen = torch.Generator().manual_seed(1)
     out: list[tuple[str, object]] = []
     for name, tensor in original_weights(model):
-        if "embed_tokens" in name:
-            out.append((name, tensor))
-        else:
-            noise = torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype)
-            out.append((name, tensor * (1 + 0.5 * noise)))
+        noise = torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype)
+        out.append((name, tensor * (1 + 0.5 * noise)))
     return out
 
 
