@@ -81,7 +81,8 @@ class StalledError(RuntimeError):
 
 
 class UpdateWeightsError(RuntimeError):
-    """`update_weights` failed; the producer was rolled back to its previous version and runs."""
+    """`update_weights` failed before the engine committed the new weights; the producer stays
+    at its previous version and runs."""
 
 
 _UNSET: Any = object()
@@ -225,8 +226,8 @@ class Producer:
         core = self._core
         if core.phase is not Phase.NEW:
             raise RuntimeError("a Producer runs once: build a new one and load() its checkpoint")
-        label = getattr(self.engine, "version", None)  # what engines that report it serve
-        if not self._loaded and isinstance(label, int) and label != core.version:
+        label = self.engine.version
+        if not self._loaded and label != core.version:
             raise ValueError(
                 f"the engine serves version {label} (set by another producer) and this producer "
                 f"starts at version {core.version}: entering would relabel it, and every token "
@@ -384,10 +385,14 @@ class Producer:
         """Pause, load `weights` into the engine (None: loaded out of band), bump the version,
         expire what became too stale, resume. Returns the new version.
 
-        All or nothing: if the engine fails or passes `update_timeout_s`, its version label is
-        set back, the producer resumes at the old version and `UpdateWeightsError` says so (the
-        engine may hold partly loaded weights until the next successful update). If the label
-        cannot be set back, the producer stops (`ProducerError`)."""
+        All or nothing, as the engine committed it (`Engine.version`: it labels only weights
+        that serve). If the engine fails, passes `update_timeout_s` or is cancelled before it
+        committed, its label is still the old version: the producer stays there, runs on, and
+        `UpdateWeightsError` says so (the engine may hold partly loaded weights until the next
+        successful update). Cut once it had committed (at its final resume, say), the update
+        was made: the producer moves to the new version as after any update and, unless it was
+        cancelled, returns it (a caller must not repeat it). An engine reporting any other
+        label after a cut stops the producer (`ProducerError`)."""
         self._require_running()
         core = self._core
         async with self._update_lock, self._control.holding(Hold.UPDATE):
@@ -401,30 +406,43 @@ class Producer:
             except ProducerError:
                 raise
             except BaseException as exc:
-                with anyio.CancelScope(shield=True):  # see `Control.holding`
-                    await self._roll_back_label(old, new)
+                if self._committed(exc, old, new):
+                    self._flights.set_version(new)
                 if not isinstance(exc, Exception):
-                    raise
-                raise UpdateWeightsError(
-                    f"update_weights to version {new} failed ({type(exc).__name__}: {exc}); the "
-                    f"producer stays at version {old} and runs on: call update_weights again"
-                ) from None
+                    raise  # a cancellation goes on, to the scope that ends it
+                if core.error is not None:
+                    raise ProducerError(core.error) from None
+                if core.version == old:
+                    raise UpdateWeightsError(
+                        f"update_weights to version {new} failed ({type(exc).__name__}: {exc}); "
+                        f"the producer stays at version {old} and runs on: call update_weights "
+                        "again"
+                    ) from None
+                return new
             self._flights.set_version(new)
         return core.version
 
-    async def _roll_back_label(self, old: int, new: int) -> None:
-        try:
-            await self._core.control_call(
-                self.engine.update_weights(None, version=old),
-                self.config.abort_timeout_s,
-                "update_weights",
-            )
-        except Exception as exc:
+    def _committed(self, exc: BaseException, old: int, new: int) -> bool:
+        """Whether the engine committed the update that `exc` cut off: its label says (see
+        `Engine.version`). The old label needs nothing undone, the new one is adopted, and any
+        other stops the producer: it stands for weights neither the producer nor the trainer
+        can name, and every later token would carry it."""
+        cut = f"{type(exc).__name__}: {exc}"
+        label = self.engine.version
+        if label == new:
+            log.warning(
+                "update_weights to version %d was cut off (%s) after the engine had committed "
+                "it: the producer moves to version %d",
+                new, cut, new,
+            )  # fmt: skip
+            return True
+        if label != old:
             self._core.fail(
-                f"update_weights to version {new} failed and the engine's version label could "
-                f"not be set back to {old} ({type(exc).__name__}: {exc}): tokens could be "
-                "stamped with a version the producer never reached"
+                f"update_weights to version {new} was cut off ({cut}) and the engine then "
+                f"reported version {label}, neither {old} (not committed) nor {new} (committed): "
+                "its weights cannot be named, so no later token could be trusted"
             )
+        return False
 
     async def pause(self) -> None:
         """Stop starting groups. In "abort" mode abort in-flight requests and wait until they
