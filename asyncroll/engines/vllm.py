@@ -319,11 +319,29 @@ class VLLMEngine:
                 self._check_weights()
                 if not await self._call(self._llm.reset_prefix_cache(reset_running_requests=True)):
                     raise RuntimeError("vLLM could not reset its prefix cache after the update")
-                await self._call(self._llm.update_weight_version(str(version)))
-                self._version = version
+                await self._label(version)
             finally:
                 if pause_here and not self._dead():
                     await self._call(self._llm.resume_generation())
+
+    async def _label(self, version: int) -> None:
+        """Have vLLM label later tokens `version`, then report it as `version`, as one step
+        (`Engine.version`): once sent, vLLM applies a label whether its answer is awaited or
+        not, so a caller cancelled meanwhile waits for the answer (within the call's own
+        `control_timeout_s`) before the cancellation goes on. Otherwise `version` would keep
+        the old label while vLLM stamps every new token with the new one."""
+        call = asyncio.ensure_future(self._call(self._llm.update_weight_version(str(version))))
+        cancelled: asyncio.CancelledError | None = None
+        while not call.done():
+            try:
+                await asyncio.wait({call})  # cancelling this wait leaves `call` running
+            except asyncio.CancelledError as exc:  # anyio scopes cancel again at each await
+                cancelled = cancelled or exc
+        if not call.cancelled() and call.exception() is None:
+            self._version = version
+        if cancelled is not None:
+            raise cancelled
+        call.result()  # vLLM's error, if it failed: the old label stays
 
     async def close(self) -> None:
         """End what runs, shut vLLM's processes down. Running and later calls raise

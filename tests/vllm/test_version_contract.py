@@ -1,0 +1,46 @@
+"""`VLLMEngine` keeps the `Engine.version` contract when an update is cut off: its `version` is
+the label vLLM stamps on every new token, whatever await the caller's cancellation hit."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from asyncroll.engines.vllm import VLLMEngine
+from tests.vllm.conftest import DEADLINE_S
+from tests.vllm.helpers import ids, request
+
+
+async def test_an_update_cancelled_while_vllm_takes_the_label_reports_that_label(
+    engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM applies a label once it was sent, whether anyone awaits its answer or not: an
+    update cancelled between the two (its caller's deadline) left `version` at the old value
+    while vLLM stamped every new token with the new one, so the producer stayed at a version
+    the engine no longer served. The answer is made late here, so the cancellation lands in
+    that window every time."""
+    llm: Any = engine._llm
+    label = llm.update_weight_version
+    taken = asyncio.Event()
+
+    async def late_answer(new_version: str) -> None:
+        await label(new_version)  # vLLM's engine core has it now
+        taken.set()
+        await asyncio.sleep(0.2)  # its answer still on the way
+
+    monkeypatch.setattr(llm, "update_weight_version", late_answer)
+    update = asyncio.create_task(engine.update_weights(None, version=4))
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            await taken.wait()
+        update.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(update, DEADLINE_S)
+        async with asyncio.timeout(DEADLINE_S):
+            (out,) = await engine.generate(request("after-cut-label", ids(0, 5, 6, 7), 1, 4))
+        assert engine.version == 4 and out.versions.tolist() == [4] * 4
+    finally:
+        monkeypatch.undo()
+        await engine.update_weights(None, version=5)  # vLLM and `version` agree; reset after
