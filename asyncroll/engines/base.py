@@ -171,14 +171,17 @@ class Engine(Protocol):
       deadline never leaks work that a later pause or close would wait on.
     * **Versions:** every returned token carries the version of the weights that sampled it;
       tokens sampled after `update_weights(..., version=k)` returned carry `k`.
-    * **`version` is what the engine committed:** the label of the weights every new token
-      is sampled with. An update changes it only once the new weights serve (load first, then
-      label), in one step nothing cuts in two, and never after its call ended. So however
-      `update_weights` ends (returned, raised, or cancelled by its caller's deadline at any
-      await), `version` is the old label (nothing committed: the caller need not undo
-      anything, though weights may be partly loaded until the next update succeeds) or the new
-      one (committed: only what came after, a resume say, was cut off), never a label on
-      other weights. The producer reads it after a cut update to know which one happened.
+    * **`version` is what the engine committed:** the label every new token is stamped with,
+      that of the weights it is sampled with. An update moves it only once the new weights
+      serve (load first, then label), in one step that no cancellation cuts in two, and never
+      after its call ended. So however `update_weights` ends (returned, raised, or cancelled
+      by its caller's deadline at any await), `version` is the old label (not committed) or
+      the new one (committed: only what came after, a resume say, was cut off), never one put
+      on other weights. The producer reads it after a cut update to know which happened, and
+      never relabels: setting the old label back on committed weights would mislabel every
+      later token. (A load cut part way is the one thing a label cannot undo: an engine keeps
+      the old label, and must not let partly loaded weights serve under it where it can tell;
+      `VLLMServerEngine` takes such replicas out of its rotation until re-synced.)
     * **Closed is dead:** after `close` (or the engine's death) `generate`,
       `pause_generation`, `resume_generation` and `update_weights` raise `EngineDeadError`,
       and so does a `generate` that was running when the engine closed. `abort` and `close`
