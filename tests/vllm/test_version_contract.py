@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import anyio
 import pytest
 
 from asyncroll.engines.vllm import VLLMEngine
@@ -44,3 +45,33 @@ async def test_an_update_cancelled_while_vllm_takes_the_label_reports_that_label
     finally:
         monkeypatch.undo()
         await engine.update_weights(None, version=5)  # vLLM and `version` agree; reset after
+
+
+async def test_an_update_cut_by_an_anyio_scope_leaves_vllm_serving_the_old_label(
+    engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An anyio scope (the producer's `update_timeout_s`) cancels every await in it, the
+    update's own resume too. Cut before it labelled, the update leaves the old label, and vLLM
+    must not stay paused (every later request would wait for its deadline): it takes a control
+    call once sent, so the resume reaches it even though its answer is not awaited."""
+    llm: Any = engine._llm
+    reset = llm.reset_prefix_cache
+    scope = anyio.CancelScope()
+
+    async def reset_then_cut(*args: Any, **kwargs: Any) -> bool:
+        done: bool = await reset(*args, **kwargs)
+        scope.cancel()
+        await asyncio.Event().wait()  # never answers: the scope's cancellation ends it
+        return done
+
+    monkeypatch.setattr(llm, "reset_prefix_cache", reset_then_cut)
+    try:
+        with scope:
+            await engine.update_weights(None, version=3)
+        assert scope.cancelled_caught and engine.version == 0
+        monkeypatch.undo()
+        async with asyncio.timeout(DEADLINE_S):
+            (out,) = await engine.generate(request("after-cut-update", ids(0, 5, 6, 7), 1, 4))
+        assert out.versions.tolist() == [0] * 4
+    finally:
+        monkeypatch.undo()
