@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import inspect
 import logging
 import os
@@ -83,6 +84,15 @@ class StalledError(RuntimeError):
 class UpdateWeightsError(RuntimeError):
     """`update_weights` failed before the engine committed the new weights; the producer stays
     at its previous version and runs."""
+
+
+class CutUpdate(enum.Enum):
+    """What an update cut off (an error, `update_timeout_s`, a cancellation) left in the
+    engine, as its `version` tells (see `Engine.version`)."""
+
+    NOT_COMMITTED = "not committed"  # the old label: nothing to undo
+    COMMITTED = "committed"  # the new label: the update was made
+    UNNAMED = "unnamed"  # any other label: weights nobody can name
 
 
 _UNSET: Any = object()
@@ -406,43 +416,46 @@ class Producer:
             except ProducerError:
                 raise
             except BaseException as exc:
-                if self._committed(exc, old, new):
+                cut = self._cut(exc, old, new)
+                if cut is CutUpdate.COMMITTED:
                     self._flights.set_version(new)
                 if not isinstance(exc, Exception):
                     raise  # a cancellation goes on, to the scope that ends it
-                if core.error is not None:
-                    raise ProducerError(core.error) from None
-                if core.version == old:
-                    raise UpdateWeightsError(
-                        f"update_weights to version {new} failed ({type(exc).__name__}: {exc}); "
-                        f"the producer stays at version {old} and runs on: call update_weights "
-                        "again"
-                    ) from None
-                return new
+                match cut:
+                    case CutUpdate.COMMITTED:
+                        return new
+                    case CutUpdate.NOT_COMMITTED:
+                        raise UpdateWeightsError(
+                            f"update_weights to version {new} failed ({type(exc).__name__}: "
+                            f"{exc}); the producer stays at version {old} and runs on: call "
+                            "update_weights again"
+                        ) from None
+                    case CutUpdate.UNNAMED:
+                        raise ProducerError(core.error) from None
             self._flights.set_version(new)
         return core.version
 
-    def _committed(self, exc: BaseException, old: int, new: int) -> bool:
-        """Whether the engine committed the update that `exc` cut off: its label says (see
-        `Engine.version`). The old label needs nothing undone, the new one is adopted, and any
-        other stops the producer: it stands for weights neither the producer nor the trainer
-        can name, and every later token would carry it."""
-        cut = f"{type(exc).__name__}: {exc}"
+    def _cut(self, exc: BaseException, old: int, new: int) -> CutUpdate:
+        """What the update to `new` that `exc` cut off left in the engine. Committed, it is
+        logged (the producer adopts it); a label that is neither `old` nor `new` stops the
+        producer: every later token would carry it, on weights nobody can name."""
+        why = f"{type(exc).__name__}: {exc}"
         label = self.engine.version
+        if label == old:
+            return CutUpdate.NOT_COMMITTED
         if label == new:
             log.warning(
                 "update_weights to version %d was cut off (%s) after the engine had committed "
                 "it: the producer moves to version %d",
-                new, cut, new,
+                new, why, new,
             )  # fmt: skip
-            return True
-        if label != old:
-            self._core.fail(
-                f"update_weights to version {new} was cut off ({cut}) and the engine then "
-                f"reported version {label}, neither {old} (not committed) nor {new} (committed): "
-                "its weights cannot be named, so no later token could be trusted"
-            )
-        return False
+            return CutUpdate.COMMITTED
+        self._core.fail(
+            f"update_weights to version {new} was cut off ({why}) and the engine then "
+            f"reported version {label}, neither {old} (not committed) nor {new} (committed): "
+            "its weights cannot be named, so no later token could be trusted"
+        )
+        return CutUpdate.UNNAMED
 
     async def pause(self) -> None:
         """Stop starting groups. In "abort" mode abort in-flight requests and wait until they
