@@ -547,7 +547,8 @@ async def test_a_run_ended_while_paused_in_keep_mode_leaves_the_engine_running()
 
 async def test_an_update_cut_before_the_engine_committed_leaves_both_at_the_old_version() -> None:
     """Cut while the engine still loads (at `update_timeout_s`), the engine keeps its old label
-    (load, then label), so there is nothing to set back: the producer relabelled it anyway."""
+    (load, then label), so there is nothing to set back; the producer used to relabel it all
+    the same, a call that on an engine which had committed mislabelled every later token."""
     engine = FailingControlEngine(vocab_size=VOCAB)
     drops: list[DropRecord] = []
     producer = Producer(
