@@ -4,13 +4,15 @@ the label vLLM stamps on every new token, whatever await the caller's cancellati
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
 from asyncroll.engines.vllm import VLLMEngine
-from tests.vllm.conftest import DEADLINE_S
+from asyncroll.engines.weight_check import WeightMismatchError
+from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.helpers import ids, request
 
 
@@ -75,3 +77,60 @@ async def test_an_update_cut_by_an_anyio_scope_leaves_vllm_serving_the_old_label
         assert out.versions.tolist() == [0] * 4
     finally:
         monkeypatch.undo()
+
+
+async def test_an_update_cut_while_the_workers_load_serves_nothing_until_one_succeeds(
+    engine: VLLMEngine, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's workers go on loading when the caller stops waiting: an update cut there left
+    its weights (all of them, or part) serving under the old label, to new requests and to
+    the rest of those running. Until an update succeeds the engine serves nothing: running
+    requests end as aborted (their tokens so far sampled by the old weights, labelled so),
+    new ones are refused."""
+    llm: Any = engine._llm
+    rpc = llm.collective_rpc
+    loaded = asyncio.Event()
+
+    async def late_answer(method: str, *args: Any, **kwargs: Any) -> Any:
+        reports = await rpc(method, *args, **kwargs)
+        if method.startswith("asyncroll_load"):
+            loaded.set()  # every worker has the weights now
+            await asyncio.sleep(0.2)  # its answer still on the way
+        return reports
+
+    prompt = ids(0, 5, 6, 7)
+    running = asyncio.create_task(
+        engine.generate(request("frozen-through-cut", prompt, 1, MAX_MODEL_LEN - 12))
+    )
+    update: asyncio.Task[None] | None = None
+    try:
+        await engine.wait_progress(
+            lambda: engine.samples_started("frozen-through-cut") >= 1, DEADLINE_S
+        )
+        await engine.pause_generation()  # frozen: it cannot end before the update
+        monkeypatch.setattr(llm, "collective_rpc", late_answer)
+        update = asyncio.create_task(engine.update_weights(original_weights(tiny_model), version=1))
+        async with asyncio.timeout(DEADLINE_S):
+            await loaded.wait()
+        update.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(update, DEADLINE_S)
+        monkeypatch.undo()
+        await engine.resume_generation()
+        assert engine.version == 0
+        (out,) = await asyncio.wait_for(running, DEADLINE_S)
+        assert out.finish_reason == "abort" and set(out.versions.tolist()) == {0}
+        with pytest.raises(WeightMismatchError, match="cut off"):
+            await asyncio.wait_for(engine.generate(request("after-cut-load", prompt)), DEADLINE_S)
+        await asyncio.wait_for(
+            engine.update_weights(original_weights(tiny_model), version=1), DEADLINE_S
+        )
+        async with asyncio.timeout(DEADLINE_S):
+            (out,) = await engine.generate(request("after-good-load", prompt, 1, 4))
+        assert out.versions.tolist() == [1] * 4
+    finally:
+        monkeypatch.undo()
+        for task in (running, update):
+            if task is not None and not task.done():
+                task.cancel()
+        await engine.resume_generation()
