@@ -398,11 +398,11 @@ class Producer:
         All or nothing, as the engine committed it (`Engine.version`: it labels only weights
         that serve). If the engine fails, passes `update_timeout_s` or is cancelled before it
         committed, its label is still the old version: the producer stays there, runs on, and
-        `UpdateWeightsError` says so (the engine may hold partly loaded weights until the next
-        successful update). Cut once it had committed (at its final resume, say), the update
-        was made: the producer moves to the new version as after any update and, unless it was
-        cancelled, returns it (a caller must not repeat it). An engine reporting any other
-        label after a cut stops the producer (`ProducerError`)."""
+        `UpdateWeightsError` says so (an engine whose load was cut part way serves nothing
+        until an update succeeds: call this again). Cut once it had committed (at its final
+        resume, say), the update was made: the producer moves to the new version as after any
+        update and, unless it was cancelled, returns it (a caller must not repeat it). An
+        engine reporting any other label after a cut stops the producer (`ProducerError`)."""
         self._require_running()
         core = self._core
         async with self._update_lock, self._control.holding(Hold.UPDATE):

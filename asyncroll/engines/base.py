@@ -179,10 +179,10 @@ class Engine(Protocol):
       the new one (committed: only what came after, a resume say, was cut off), never one put
       on other weights. The producer reads it after a cut update to know which happened, and
       never relabels: setting the old label back on committed weights would mislabel every
-      later token. (A load cut part way is what a label cannot undo: the old label stays on
-      weights that may be partly new until an update succeeds. `VLLMServerEngine` takes such
-      replicas out of its rotation until re-synced with what it serves; `VLLMEngine` does not
-      yet refuse to serve them.)
+      later token. A load cut part way is what a label cannot undo: the old label would stay
+      on weights that may be partly new, so those must serve nothing until an update succeeds
+      (`VLLMEngine` refuses to generate; `VLLMServerEngine` takes such replicas out of its
+      rotation until re-synced with what it serves).
     * **Closed is dead:** after `close` (or the engine's death) `generate`,
       `pause_generation`, `resume_generation` and `update_weights` raise `EngineDeadError`,
       and so does a `generate` that was running when the engine closed. `abort` and `close`
