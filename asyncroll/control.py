@@ -51,10 +51,9 @@ class Control:
 
     @contextlib.asynccontextmanager
     async def holding(self, hold: Hold) -> AsyncIterator[None]:
-        """Hold the gate for the block. What undoes the block (releasing the gate, and a
-        failed update's rollback) is shielded from the caller's anyio scopes: a cancelled one
-        cancels every await in it, and the engine would keep a paused state or a version
-        label the producer left behind. Each such call has a deadline of its own."""
+        """Hold the gate for the block. What undoes the block (releasing the gate) is shielded
+        from the caller's anyio scopes: a cancelled one cancels every await in it, and the
+        engine would keep a paused state. Each such call has a deadline of its own."""
         await self.acquire(hold)
         try:
             yield

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import inspect
 import logging
 import os
@@ -81,7 +82,17 @@ class StalledError(RuntimeError):
 
 
 class UpdateWeightsError(RuntimeError):
-    """`update_weights` failed; the producer was rolled back to its previous version and runs."""
+    """`update_weights` failed before the engine committed the new weights; the producer stays
+    at its previous version and runs."""
+
+
+class CutUpdate(enum.Enum):
+    """What an update cut off (an error, `update_timeout_s`, a cancellation) left in the
+    engine, as its `version` tells (see `Engine.version`)."""
+
+    NOT_COMMITTED = "not committed"  # the old label: nothing to undo
+    COMMITTED = "committed"  # the new label: the update was made
+    UNNAMED = "unnamed"  # any other label: weights nobody can name
 
 
 _UNSET: Any = object()
@@ -225,8 +236,8 @@ class Producer:
         core = self._core
         if core.phase is not Phase.NEW:
             raise RuntimeError("a Producer runs once: build a new one and load() its checkpoint")
-        label = getattr(self.engine, "version", None)  # what engines that report it serve
-        if not self._loaded and isinstance(label, int) and label != core.version:
+        label = self.engine.version
+        if not self._loaded and label != core.version:
             raise ValueError(
                 f"the engine serves version {label} (set by another producer) and this producer "
                 f"starts at version {core.version}: entering would relabel it, and every token "
@@ -384,10 +395,14 @@ class Producer:
         """Pause, load `weights` into the engine (None: loaded out of band), bump the version,
         expire what became too stale, resume. Returns the new version.
 
-        All or nothing: if the engine fails or passes `update_timeout_s`, its version label is
-        set back, the producer resumes at the old version and `UpdateWeightsError` says so (the
-        engine may hold partly loaded weights until the next successful update). If the label
-        cannot be set back, the producer stops (`ProducerError`)."""
+        All or nothing, as the engine committed it (`Engine.version`: it labels only weights
+        that serve). If the engine fails, passes `update_timeout_s` or is cancelled before it
+        committed, its label is still the old version: the producer stays there, runs on, and
+        `UpdateWeightsError` says so (an engine whose load was cut part way serves nothing
+        until an update succeeds: call this again). Cut once it had committed (at its final
+        resume, say), the update was made: the producer moves to the new version as after any
+        update and, unless it was cancelled, returns it (a caller must not repeat it). An
+        engine reporting any other label after a cut stops the producer (`ProducerError`)."""
         self._require_running()
         core = self._core
         async with self._update_lock, self._control.holding(Hold.UPDATE):
@@ -401,30 +416,46 @@ class Producer:
             except ProducerError:
                 raise
             except BaseException as exc:
-                with anyio.CancelScope(shield=True):  # see `Control.holding`
-                    await self._roll_back_label(old, new)
+                cut = self._cut(exc, old, new)
+                if cut is CutUpdate.COMMITTED:
+                    self._flights.set_version(new)
                 if not isinstance(exc, Exception):
-                    raise
-                raise UpdateWeightsError(
-                    f"update_weights to version {new} failed ({type(exc).__name__}: {exc}); the "
-                    f"producer stays at version {old} and runs on: call update_weights again"
-                ) from None
+                    raise  # a cancellation goes on, to the scope that ends it
+                match cut:
+                    case CutUpdate.COMMITTED:
+                        return new
+                    case CutUpdate.NOT_COMMITTED:
+                        raise UpdateWeightsError(
+                            f"update_weights to version {new} failed ({type(exc).__name__}: "
+                            f"{exc}); the producer stays at version {old} and runs on: call "
+                            "update_weights again"
+                        ) from None
+                    case CutUpdate.UNNAMED:
+                        raise ProducerError(core.error) from None
             self._flights.set_version(new)
         return core.version
 
-    async def _roll_back_label(self, old: int, new: int) -> None:
-        try:
-            await self._core.control_call(
-                self.engine.update_weights(None, version=old),
-                self.config.abort_timeout_s,
-                "update_weights",
-            )
-        except Exception as exc:
-            self._core.fail(
-                f"update_weights to version {new} failed and the engine's version label could "
-                f"not be set back to {old} ({type(exc).__name__}: {exc}): tokens could be "
-                "stamped with a version the producer never reached"
-            )
+    def _cut(self, exc: BaseException, old: int, new: int) -> CutUpdate:
+        """What the update to `new` that `exc` cut off left in the engine. Committed, it is
+        logged (the producer adopts it); a label that is neither `old` nor `new` stops the
+        producer: every later token would carry it, on weights nobody can name."""
+        why = f"{type(exc).__name__}: {exc}"
+        label = self.engine.version
+        if label == old:
+            return CutUpdate.NOT_COMMITTED
+        if label == new:
+            log.warning(
+                "update_weights to version %d was cut off (%s) after the engine had committed "
+                "it: the producer moves to version %d",
+                new, why, new,
+            )  # fmt: skip
+            return CutUpdate.COMMITTED
+        self._core.fail(
+            f"update_weights to version {new} was cut off ({why}) and the engine then "
+            f"reported version {label}, neither {old} (not committed) nor {new} (committed): "
+            "its weights cannot be named, so no later token could be trusted"
+        )
+        return CutUpdate.UNNAMED
 
     async def pause(self) -> None:
         """Stop starting groups. In "abort" mode abort in-flight requests and wait until they

@@ -113,6 +113,10 @@ class ChaosEngine:
     def supports_keep_pause(self) -> bool:
         return self.sim.supports_keep_pause
 
+    @property
+    def version(self) -> int:
+        return self.sim.version
+
     def payload_bytes(self, max_new_tokens: int) -> int:
         return self.sim.payload_bytes(max_new_tokens)
 

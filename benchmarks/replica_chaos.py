@@ -344,7 +344,7 @@ class Scenario:
         weights = [(WEIGHTS_TENSOR, np.array([w], np.int64))]
         if cut is not None:
             await self.fleet.admin(cut[0], "/_chaos/stall", {"route": cut[1]})
-        start = time.monotonic()
+        start, before = time.monotonic(), producer.version
         task = asyncio.ensure_future(producer.update_weights(weights))
         entered = cut is not None and await self.stalled_there(cut, task)
         if entered:
@@ -360,6 +360,8 @@ class Scenario:
             self.updates["hung"] += 1
         elif task.cancelled():
             self.updates["cut" if entered else "cancelled by itself"] += 1
+            if producer.version != before:  # the engine had committed it: the producer adopted it
+                self.weights_of[producer.version] = w
             if not entered:
                 self.fail("updates", "update_weights raised CancelledError; nobody cancelled it")
         elif isinstance(exc := task.exception(), ProducerError):

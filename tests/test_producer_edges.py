@@ -26,6 +26,7 @@ from asyncroll import (
     Producer,
     ProducerError,
     ProducerExhausted,
+    PutOutcome,
     RolloutGroup,
     SamplingConfig,
     SimEngine,
@@ -443,7 +444,13 @@ async def test_a_fresh_producer_is_not_poisoned_by_an_earlier_runs_aborts() -> N
 
 
 class FailingControlEngine(SimEngine):
-    """`pause_generation` raises; `update_weights` sets the new label, then hangs."""
+    """`pause_generation` raises; `update_weights` with weights hangs while it loads, before
+    it labels (as the `Engine.version` contract has it: load, then label). `asked` records
+    the version of every update it was asked for."""
+
+    def __init__(self, **overrides: Any) -> None:
+        super().__init__(**overrides)
+        self.asked: list[int] = []
 
     @property
     def supports_keep_pause(self) -> bool:
@@ -453,9 +460,10 @@ class FailingControlEngine(SimEngine):
         raise RuntimeError("pause refused")
 
     async def update_weights(self, weights: Weights | None, *, version: int) -> None:
-        await super().update_weights(None, version=version)
+        self.asked.append(version)
         if weights is not None:
-            await asyncio.Event().wait()  # hangs after changing its label
+            await asyncio.Event().wait()  # still loading: the label never changes
+        await super().update_weights(None, version=version)
 
 
 async def test_a_failed_pause_leaves_the_producer_running() -> None:
@@ -537,7 +545,10 @@ async def test_a_run_ended_while_paused_in_keep_mode_leaves_the_engine_running()
         assert len(await consume_all(second, 2)) == 4
 
 
-async def test_an_update_that_times_out_rolls_the_version_label_back() -> None:
+async def test_an_update_cut_before_the_engine_committed_leaves_both_at_the_old_version() -> None:
+    """Cut while the engine still loads (at `update_timeout_s`), the engine keeps its old label
+    (load, then label), so there is nothing to set back; the producer used to relabel it all
+    the same, a call that on an engine which had committed mislabelled every later token."""
     engine = FailingControlEngine(vocab_size=VOCAB)
     drops: list[DropRecord] = []
     producer = Producer(
@@ -548,24 +559,30 @@ async def test_an_update_that_times_out_rolls_the_version_label_back() -> None:
         with pytest.raises(UpdateWeightsError, match="stays at version 0"):
             await producer.update_weights([("w", np.zeros(2))])
         assert producer.version == 0 and engine.version == 0 and not producer.paused
+        assert engine.asked == [0, 1]  # entry, the update: no call relabels the engine
         consumed = await consume_all(producer, 2)
     assert len(consumed) == 6 and not drops  # no group fails a version check
     assert all(int(s.versions.max()) == 0 for g in consumed for s in g.samples)
 
 
 class CancellingUpdateEngine(SimEngine):
-    """`update_weights` with weights sets the new label, then its caller's anyio scope is
-    cancelled (a trainer's deadline passing) while it still loads. Its control calls await,
-    as a real engine's do."""
+    """`update_weights` with weights has its caller's anyio scope cancelled (a trainer's
+    deadline passing) while it still loads, before it labels. Its control calls await, as a
+    real engine's do. `asked` records the version of every update it was asked for."""
 
     scope: anyio.CancelScope | None = None
     pause_scope: anyio.CancelScope | None = None
 
+    def __init__(self, **overrides: Any) -> None:
+        super().__init__(**overrides)
+        self.asked: list[int] = []
+
     async def update_weights(self, weights: Weights | None, *, version: int) -> None:
-        await super().update_weights(None, version=version)
+        self.asked.append(version)
         if weights is not None and self.scope is not None:
             self.scope.cancel()
             await asyncio.Event().wait()
+        await super().update_weights(None, version=version)
 
     async def pause_generation(self) -> None:
         await super().pause_generation()
@@ -579,11 +596,13 @@ class CancellingUpdateEngine(SimEngine):
 
 
 @pytest.mark.parametrize("pause_mode", ["abort", "keep"])
-async def test_an_update_cancelled_by_an_anyio_scope_is_rolled_back(pause_mode: str) -> None:
-    """A cancelled anyio scope cancels every await in it, the rollback's too: the engine kept
-    the new label while the producer stayed at the old version (tokens stamped with a version
-    the producer never reached, and nothing said so), and in "keep" mode stayed paused, after
-    the update as after a pause cancelled once the engine had paused."""
+async def test_an_update_cancelled_by_an_anyio_scope_before_it_committed_changes_nothing(
+    pause_mode: str,
+) -> None:
+    """A cancelled anyio scope cancels every await in it, those after the update's too: in
+    "keep" mode the engine stayed paused, after the update as after a pause cancelled once the
+    engine had paused. Cancelled before the engine labelled, both stay at the old version and
+    nothing relabels the engine."""
     engine = CancellingUpdateEngine(vocab_size=VOCAB, update_latency_s=0.001)
     producer = Producer(
         engine, prompts(6), ones, group_size=2, pause_mode=pause_mode,
@@ -594,7 +613,7 @@ async def test_an_update_cancelled_by_an_anyio_scope_is_rolled_back(pause_mode: 
             await producer.update_weights([("w", np.zeros(2))])
         assert engine.scope.cancelled_caught
         assert producer.version == 0 and engine.version == 0 and not producer.paused
-        assert engine._running.is_set()
+        assert engine.asked == [0, 1] and engine._running.is_set()
         if pause_mode == "keep":  # a pause cancelled once the engine had paused
             with anyio.CancelScope() as engine.pause_scope:
                 await producer.pause()
@@ -603,6 +622,90 @@ async def test_an_update_cancelled_by_an_anyio_scope_is_rolled_back(pause_mode: 
         consumed = await consume_all(producer, 2)
     assert len(consumed) == 6
     assert all(int(s.versions.max()) == 0 for g in consumed for s in g.samples)
+
+
+class CommitThenCutEngine(SimEngine):
+    """Commits an update (loads, then labels), then is cut before `update_weights` returns,
+    as `VLLMServerEngine` cut at its final `/resume`: by an error (`how="error"`), by hanging
+    past `update_timeout_s` ("hang") or by its caller's anyio scope ("cancel"). With `third`,
+    it reports that version after the cut instead: a label on neither the old nor the new
+    weights, which breaks the `Engine.version` contract."""
+
+    scope: anyio.CancelScope | None = None
+
+    def __init__(self, how: str, third: int | None = None, **overrides: Any) -> None:
+        super().__init__(**overrides)
+        self.how, self.third = how, third
+        self.asked: list[int] = []
+
+    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+        self.asked.append(version)
+        await super().update_weights(weights, version=version)
+        if weights is None:  # the producer's entry
+            return
+        if self.third is not None:
+            self._version = self.third
+        match self.how:
+            case "error":
+                raise RuntimeError("resume answered too late")
+            case "hang":
+                await asyncio.Event().wait()
+            case "cancel":
+                assert self.scope is not None
+                self.scope.cancel()
+                await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "keep"])
+@pytest.mark.parametrize("how", ["error", "hang", "cancel"])
+async def test_an_update_cut_after_the_engine_committed_it_is_adopted(
+    how: str, pause_mode: str
+) -> None:
+    """Issue 24 (`cut_resume`): an update cut once the engine had committed it (weights loaded
+    and labelled) was "rolled back" by relabelling the new weights with the old version, so
+    every later token was mislabelled. The producer adopts what the engine committed: it moves
+    to the new version and expires what became too stale, as after any update; an error or a
+    timeout after the commit is no failed update (a caller would repeat it), a cancellation
+    still reaches its scope."""
+    engine = CommitThenCutEngine(how, vocab_size=VOCAB, per_token_latency_s=0.001)
+    drops: list[DropRecord] = []
+    producer = Producer(
+        engine, prompts(8), ones, group_size=2, batch_size=2, pause_mode=pause_mode,
+        max_staleness=0, update_timeout_s=0.2, on_drop=drops.append,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        await wait_for(producer, lambda: producer.buffer.num_ready >= 1)
+        if how == "cancel":
+            with anyio.CancelScope() as engine.scope:
+                await producer.update_weights([("w", np.zeros(2))])
+            assert engine.scope.cancelled_caught
+        else:
+            assert await producer.update_weights([("w", np.zeros(2))]) == 1
+        assert producer.version == 1 and engine.version == 1 and not producer.paused
+        assert engine.asked == [0, 1] and engine._running.is_set()
+        assert any(d.outcome is PutOutcome.DROPPED_EXPIRED for d in drops)  # too stale now
+        batch = await producer.produce_batch(2, timeout=GUARD_S)  # max_staleness=0: all new
+    assert [int(s.versions.min()) for g in batch.groups for s in g.samples] == [1] * 4
+
+
+@pytest.mark.parametrize("how", ["error", "cancel"])
+async def test_an_engine_that_reports_a_third_label_after_a_cut_update_stops_the_run(
+    how: str,
+) -> None:
+    """After a cut update the engine's label must be the old version or the new one; any other
+    is on weights nobody can name, and every later token would carry it."""
+    engine = CommitThenCutEngine(how, third=7, vocab_size=VOCAB)
+    producer = Producer(
+        engine, prompts(6), ones, group_size=2, update_timeout_s=0.2,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    with pytest.raises(ProducerError, match=r"version 7.*neither 0 .*nor 1"):
+        async with producer:
+            with anyio.CancelScope() as engine.scope:
+                await producer.update_weights([("w", np.zeros(2))])
+            await producer.produce_batch(1, timeout=GUARD_S)
+    assert producer.version == 0 and engine.asked == [0, 1] and not producer.running
 
 
 async def test_a_pausing_block_cancelled_by_an_anyio_scope_resumes_the_engine() -> None:

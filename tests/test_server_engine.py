@@ -552,11 +552,12 @@ async def test_a_held_request_is_not_sent_to_a_replica_that_left_the_rotation_me
 
 
 async def test_an_update_cancelled_part_way_leaves_no_replica_serving_its_label() -> None:
-    """The producer bounds `update_weights` by `update_timeout_s` and, when it passes, sets
-    the label back with `update_weights(None, version=old)`. A replica relabelled before the
-    cancellation kept the new label: the engine's own version had not moved, so the roll
-    back was a no-op, and that replica stamped tokens with a version the producer never
-    reached. Every replica the update touched must serve the engine's label again."""
+    """The producer bounds `update_weights` by `update_timeout_s`, and when it passes before
+    the engine committed (`engine.version` still old) it calls nothing more. A replica
+    relabelled before the cancellation kept the new label (a roll back to the old version,
+    which the producer then made, was a no-op: the engine's own version had not moved), and
+    stamped tokens with a version the producer never reached. Every replica the update
+    touched must serve the engine's label again, with no further call."""
     async with scripted(2) as (engine, stubs):
         await engine.check_replicas()
         assert [s.label for s in stubs] == ["0", "0"]
@@ -570,7 +571,6 @@ async def test_an_update_cancelled_part_way_leaves_no_replica_serving_its_label(
         update.cancel()
         with pytest.raises(asyncio.CancelledError):
             await update
-        await engine.update_weights(None, version=0)  # the producer's roll back
         (sample,) = await engine.generate(_request("run-0-0"))
         assert sample.versions.tolist() == [0, 0]
         assert engine.version == 0

@@ -171,6 +171,18 @@ class Engine(Protocol):
       deadline never leaks work that a later pause or close would wait on.
     * **Versions:** every returned token carries the version of the weights that sampled it;
       tokens sampled after `update_weights(..., version=k)` returned carry `k`.
+    * **`version` is what the engine committed:** the label every new token is stamped with,
+      that of the weights it is sampled with. An update moves it only once the new weights
+      serve (load first, then label), in one step that no cancellation cuts in two, and never
+      after its call ended. So however `update_weights` ends (returned, raised, or cancelled
+      by its caller's deadline at any await), `version` is the old label (not committed) or
+      the new one (committed: only what came after, a resume say, was cut off), never one put
+      on other weights. The producer reads it after a cut update to know which happened, and
+      never relabels: setting the old label back on committed weights would mislabel every
+      later token. A load cut part way is what a label cannot undo: the old label would stay
+      on weights that may be partly new, so those must serve nothing until an update succeeds
+      (`VLLMEngine` refuses to generate; `VLLMServerEngine` takes such replicas out of its
+      rotation until re-synced with what it serves).
     * **Closed is dead:** after `close` (or the engine's death) `generate`,
       `pause_generation`, `resume_generation` and `update_weights` raise `EngineDeadError`,
       and so does a `generate` that was running when the engine closed. `abort` and `close`
@@ -195,6 +207,12 @@ class Engine(Protocol):
         """Whether `pause_generation` can freeze requests in place (instead of aborting them)."""
         ...
 
+    @property
+    def version(self) -> int:
+        """The version label of the weights the engine committed (see the class docstring):
+        0 until the first `update_weights`."""
+        ...
+
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
         """Generate the samples of `request` (see the class docstring for the contract)."""
         ...
@@ -214,9 +232,10 @@ class Engine(Protocol):
         ...
 
     async def update_weights(self, weights: Weights | None, *, version: int) -> None:
-        """Load `weights` (None: they were loaded out of band) and stamp later tokens `version`.
-        Returns once the new weights serve every new token. Across a keep-in-place pause,
-        tokens sampled before the pause keep the old version, tokens after it the new one."""
+        """Load `weights` (None: they were loaded out of band), then stamp later tokens
+        `version` (and report it as `self.version`). Returns once the new weights serve every
+        new token. Across a keep-in-place pause, tokens sampled before the pause keep the old
+        version, tokens after it the new one."""
         ...
 
     async def close(self) -> None:

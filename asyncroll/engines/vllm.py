@@ -74,6 +74,7 @@ class WeightsState(enum.Enum):
 
     SERVED = "served"  # the start-up checkpoint, or the last update, loaded and checked
     MISMATCHED = "mismatched"  # an update failed its check: vLLM holds weights nobody sent
+    PARTIAL = "partial"  # an update was cut off (or failed) once sent: part of it may be loaded
 
 
 class _Sample:
@@ -151,9 +152,10 @@ class VLLMEngine:
     lacks, or a layer that got no tensor, fails it (`weight_check.WeightMismatchError`, naming
     them). `verify_weights=True` also checks, in each worker, that every tensor arrived with
     the bytes sent and that the model serves them (see `asyncroll.engines.weight_check`; its
-    cost is in benchmarks/README.md). After a failed check the engine refuses to generate
-    (`WeightMismatchError`; running requests end as aborted) until an update succeeds: no
-    token is labelled with weights that are not the trainer's.
+    cost is in benchmarks/README.md). After a failed check, or an update cut off (or failed)
+    once the workers had it, the engine refuses to generate (`WeightMismatchError`; running
+    requests end as aborted) until an update succeeds: no token is labelled with weights that
+    are not the trainer's.
     """
 
     def __init__(
@@ -319,11 +321,29 @@ class VLLMEngine:
                 self._check_weights()
                 if not await self._call(self._llm.reset_prefix_cache(reset_running_requests=True)):
                     raise RuntimeError("vLLM could not reset its prefix cache after the update")
-                await self._call(self._llm.update_weight_version(str(version)))
-                self._version = version
+                await self._label(version)
             finally:
                 if pause_here and not self._dead():
                     await self._call(self._llm.resume_generation())
+
+    async def _label(self, version: int) -> None:
+        """Have vLLM label later tokens `version`, then report it as `version`, as one step
+        (`Engine.version`): once sent, vLLM applies a label whether its answer is awaited or
+        not, so a caller cancelled meanwhile waits for the answer (within the call's own
+        `control_timeout_s`) before the cancellation goes on. Otherwise `version` would keep
+        the old label while vLLM stamps every new token with the new one."""
+        call = asyncio.ensure_future(self._call(self._llm.update_weight_version(str(version))))
+        cancelled: asyncio.CancelledError | None = None
+        while not call.done():
+            try:
+                await asyncio.wait({call})  # cancelling this wait leaves `call` running
+            except asyncio.CancelledError as exc:  # anyio scopes cancel again at each await
+                cancelled = cancelled or exc
+        if not call.cancelled() and call.exception() is None:
+            self._version = version
+        if cancelled is not None:
+            raise cancelled
+        call.result()  # vLLM's error, if it failed: the old label stays
 
     async def close(self) -> None:
         """End what runs, shut vLLM's processes down. Running and later calls raise
@@ -466,24 +486,58 @@ class VLLMEngine:
     # -- weights ---------------------------------------------------------------------------------
 
     def _check_weights(self) -> None:
-        if self._weights is WeightsState.MISMATCHED:
-            raise weight_check.WeightMismatchError(
-                f"vLLM engine {self.model}: the last weight update failed its check, so the "
-                "engine holds weights the trainer did not send; update the weights again"
-            )
+        if self._weights is WeightsState.SERVED:
+            return
+        why = (
+            "failed its check, so the engine holds weights the trainer did not send"
+            if self._weights is WeightsState.MISMATCHED
+            else "was cut off or failed while the workers loaded it, so the engine may hold "
+            "part of its weights"
+        )
+        raise weight_check.WeightMismatchError(
+            f"vLLM engine {self.model}: the last weight update {why}; update the weights again"
+        )
 
     async def _load_checked(self, weights: Weights) -> None:
-        """`_load`; on a failed check, end what runs (its tokens so far were sampled by the
-        previous weights and are labelled so) and refuse to generate until a later update
-        succeeds."""
+        """`_load`; when it fails its check, or is cut off or fails once the workers have it,
+        end what runs (its tokens so far were sampled by the previous weights and are labelled
+        so) and refuse to generate until a later update succeeds: the label on the old weights
+        must not go on to weights that may be partly new."""
         try:
             await self._load(weights)
-        except weight_check.WeightMismatchError:
-            self._weights = WeightsState.MISMATCHED
-            for request_id in list(self._live):
-                await self.abort(request_id)
+        except BaseException as exc:
+            if isinstance(exc, weight_check.WeightMismatchError):
+                self._weights = WeightsState.MISMATCHED
+            if self._weights is not WeightsState.SERVED:
+                await self._end_live()
             raise
         self._weights = WeightsState.SERVED
+
+    async def _end_live(self) -> None:
+        """Abort every running request in one vLLM call: vLLM sends it before its first await,
+        so it gets there even while the caller is being cancelled (an anyio scope cancels
+        again at every await)."""
+        groups = [vllm_groups.claim_abort(self._live, self._recent, r) for r in list(self._live)]
+        vllm_ids = [part.vllm_id for group in groups if group is not None for part in group.parts]
+        if vllm_ids:
+            await self._call(self._llm.abort(vllm_ids))
+
+    async def _load_in_workers(
+        self, method: str, source: str | bytes, named: list[tuple[str, Any]]
+    ) -> None:
+        """Have every worker load the update from `source` (`method` of the worker extension)
+        and check what each reports. Once the call is sent the workers change weights, and go
+        on when the caller stops waiting: cut off or failed from then on (other than by its
+        check), the engine holds weights nobody can name (`WeightsState.PARTIAL`)."""
+        try:
+            args = (source, self.verify_weights)
+            reports = await self._call(self._llm.collective_rpc(method, args=args))
+            await self._check_reports(reports, named)
+        except weight_check.WeightMismatchError:
+            raise
+        except BaseException:
+            self._weights = WeightsState.PARTIAL
+            raise
 
     async def _load(self, weights: Weights) -> None:
         named = weights_file.detached(weights)
@@ -502,9 +556,7 @@ class VLLMEngine:
         path = _WEIGHTS_DIR / f"asyncroll-weights-{uuid.uuid4().hex}.safetensors"
         try:
             await asyncio.to_thread(weights_file.write_safetensors, named, path)
-            args = (str(path), self.verify_weights)
-            reports = await self._call(self._llm.collective_rpc("asyncroll_load_path", args=args))
-            await self._check_reports(reports, named)
+            await self._load_in_workers("asyncroll_load_path", str(path), named)
         finally:
             path.unlink(missing_ok=True)
 
@@ -525,9 +577,7 @@ class VLLMEngine:
         keep = [t.contiguous() for _, t in named]  # alive until the workers have copied them
         handles = [reduce_tensor(t)[1] for t in keep]
         payload = pickle.dumps(([name for name, _ in named], handles))
-        args = (payload, self.verify_weights)
-        reports = await self._call(self._llm.collective_rpc("asyncroll_load_cuda_ipc", args=args))
-        await self._check_reports(reports, named)
+        await self._load_in_workers("asyncroll_load_cuda_ipc", payload, named)
         del keep
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # free what workers let go
 
