@@ -61,6 +61,9 @@ CUT = (
         pytest.param("slow", (), CONFIG, id="slow"),
         pytest.param("sigkill", (), CONFIG, id="sigkill"),
         pytest.param("cut_pause", (), CONFIG, id="cut_pause"),
+        pytest.param("cut_load", (), CONFIG, id="cut_load"),
+        pytest.param("cut_reset", (), CONFIG, id="cut_reset"),
+        pytest.param("cut_label", (), CONFIG, id="cut_label"),
         pytest.param("garbage", (), CONFIG, id="garbage"),
         # wedged is not here: a wedged replica still gets groups after it was seen failing
         # while updates run every few hundred ms (16-24 per run in abort mode, 0-23 in keep

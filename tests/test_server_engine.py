@@ -320,6 +320,8 @@ class ScriptedStub:
         self.progress = Signal()
         self.label = "default"
         self.not_http = False  # generates (not liveness probes) answer bytes that are not HTTP
+        self.model = "/nonexistent/model"  # the model it was started from (`/v1/models` root)
+        self.loaded: list[str] = []  # the folders its worker extension was told to load
 
     @property
     def generates(self) -> int:
@@ -365,14 +367,20 @@ class ScriptedStub:
             finally:
                 self.progress.notify()
 
-        async def load(_: web.Request) -> web.Response:  # the worker extension's clean report
+        async def load(request: web.Request) -> web.Response:  # the extension's clean report
+            self.loaded.append((await request.json())["kwargs"]["path"])
             return web.json_response({"results": [{"expected": [], "unloaded": [], "missing": []}]})
+
+        async def models(_: web.Request) -> web.Response:  # vLLM's, trimmed to what is read
+            card = {"id": "served", "object": "model", "root": self.model, "parent": None}
+            return web.json_response({"object": "list", "data": [card]})
 
         app = web.Application(middlewares=[script])
         app.router.add_get("/health", health)
         for path in ("/pause", "/resume", "/reset_prefix_cache", "/abort_requests"):
             app.router.add_post(path, ok)
         app.router.add_post("/collective_rpc", load)
+        app.router.add_get("/v1/models", models)
         app.router.add_post("/update_weight_version", version)
         app.router.add_post(GENERATE, generate)
         return app
@@ -795,6 +803,81 @@ async def test_an_update_cancelled_at_its_resume_keeps_the_weights_it_committed(
         await asyncio.wait_for(engine.check_replicas(), 5.0)
         assert [r.state for r in engine.replicas] == [ReplicaState.UP] * 2
         assert [s.label for s in stubs] == [str(engine.version)] * 2
+
+
+async def _cut_first_update_after_one_load(
+    engine: VLLMServerEngine, stubs: list[ScriptedStub]
+) -> None:
+    """The engine's first update with new weights, cut off by its caller while replica 1
+    loads them (replica 0 has), then the producer's roll back to version 0."""
+    import torch
+
+    stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/collective_rpc"}
+    update = asyncio.ensure_future(engine.update_weights([("w", torch.ones(2))], version=1))
+    await asyncio.wait_for(stubs[1].progress.wait_until(lambda: bool(stubs[0].loaded)), 5)
+    await asyncio.wait_for(
+        stubs[1].progress.wait_until(lambda: "/collective_rpc" in stubs[1].calls), 5
+    )
+    stubs[1].hanging = set()  # only that load hangs, to the end: it never lands
+    update.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await update
+    await engine.update_weights(None, version=0)  # the producer's roll back
+    assert engine.version == 0
+
+
+def _model_folder(path: Path) -> Path:
+    """A checkpoint folder standing for the model a replica was started from."""
+    import torch
+
+    from asyncroll.engines import server_weights
+
+    path.mkdir()
+    server_weights.write([("w", torch.zeros(2))], path)
+    return path.resolve()
+
+
+async def test_a_first_update_cut_after_a_replica_loaded_leaves_it_serving_its_own_weights(
+    tmp_path: Path,
+) -> None:
+    """Before any update commits, the engine serves "each replica's own" weights. A first
+    update cut off after one replica loaded its folder left that replica (re-synced with
+    nothing to reload) serving the cut update's weights under label 0: the chaos run's
+    cut_load, cut_reset and cut_label (55-82 mislabelled tokens). It must reload the model
+    it was started from (`/v1/models` names it)."""
+    model = _model_folder(tmp_path / "model")
+    weights_dir = tmp_path / "weights"
+    weights_dir.mkdir()
+    async with scripted(2, weights_dir=weights_dir) as (engine, stubs):
+        for stub in stubs:
+            stub.model = str(model)
+        await engine.check_replicas()
+        assert [s.loaded for s in stubs] == [[], []]  # nothing to reload at the first sync
+        await _cut_first_update_after_one_load(engine, stubs)
+        await asyncio.wait_for(engine.check_replicas(), 5.0)
+        assert [r.state for r in engine.replicas] == [ReplicaState.UP] * 2
+        assert stubs[0].loaded[-1] == str(model)  # its own weights again
+        assert stubs[1].loaded[-1] == str(model)  # whatever its cut load did
+        assert [s.label for s in stubs] == ["0", "0"]
+
+
+async def test_a_first_update_cut_on_a_replica_whose_model_is_no_folder_keeps_it_out(
+    tmp_path: Path,
+) -> None:
+    """A replica started from a Hugging Face repo id names no folder to reload its own
+    weights from: after a cut first update reached it, it stays out of the rotation, its
+    error naming the model and what to change, rather than serve the cut update's weights
+    under label 0 (a repo id sent as a path would kill its vLLM engine)."""
+    async with scripted(2, weights_dir=tmp_path) as (engine, stubs):
+        for stub in stubs:
+            stub.model = "org/some-model"
+        await engine.check_replicas()
+        await _cut_first_update_after_one_load(engine, stubs)
+        await asyncio.wait_for(engine.check_replicas(), 5.0)
+        assert [r.state for r in engine.replicas] == [ReplicaState.DOWN] * 2
+        assert not any("org/some-model" in path for s in stubs for path in s.loaded)
+        with pytest.raises(EngineDeadError, match=r"org/some-model.*local model folder"):
+            await engine.generate(_request("run-0-0"))
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import asyncio
 import enum
 import hashlib
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -52,6 +53,9 @@ class Replica:
         self.failures = 0  # failures in a row, since it last joined the rotation
         self.streams = 0  # generate requests open on it now
         self.sent = 0  # generate requests sent to it so far
+        # the folder it was last told to load (None: none since the model it started from);
+        # one an update reached before any committed may serve that update's weights
+        self.loaded: Path | None = None
         self.syncing = asyncio.Lock()
 
     def mark_down(self, error: str, retry_at: float) -> None:

@@ -36,6 +36,8 @@ PAUSE = "/pause?mode=keep&clear_cache=false"
 
 Load = Callable[[Replica, Path | None, int], Awaitable[None]]
 """Load a folder (None: keep the weights) on one paused replica, reset its cache, label it."""
+OwnModel = Callable[[Replica], Awaitable[Path]]
+"""The model folder one replica was started from (`replica_load.own_model`)."""
 
 
 class Snapshot(typing.NamedTuple):
@@ -82,12 +84,21 @@ class ControlState:
         return self.epoch != snapshot.epoch or self.lock.locked()
 
 
-async def catch_up(replica: Replica, weights: Served, version: int, load: Load) -> ReplicaState:
+async def catch_up(
+    replica: Replica, weights: Served, version: int, load: Load, own: OwnModel
+) -> ReplicaState:
     """Give a paused, answering replica `weights` and label `version`: UP then, or STALE
-    when they came over NCCL (nothing to load: it receives the next broadcast)."""
+    when they came over NCCL (nothing to load: it receives the next broadcast). Before any
+    update committed (`weights` None: each replica serves its own), one that an update
+    reached may hold that update's weights, loaded or half-loaded, which its label 0 would
+    not name: it reloads the model it was started from (`own`)."""
     if weights is Broadcast.SENT:
         return ReplicaState.STALE
-    await load(replica, weights, version)
+    if weights is None and replica.loaded is not None:
+        await load(replica, await own(replica), version)
+        replica.loaded = None  # its own weights again
+    else:
+        await load(replica, weights, version)
     return ReplicaState.UP
 
 
@@ -103,6 +114,7 @@ class Supervisor:
         client: ReplicaClient,
         folders: WeightFolders,
         load: Load,
+        own: OwnModel,
         on_down: Callable[[Replica, BaseException], None],
         on_unsynced: Callable[[Replica], None],
     ) -> None:
@@ -111,6 +123,7 @@ class Supervisor:
         self._client = client
         self._folders = folders
         self._load = load
+        self._own = own
         self._on_down = on_down
         self._on_unsynced = on_unsynced
         self.task: asyncio.Task[None] | None = None  # the sync in progress, if any
@@ -171,7 +184,9 @@ class Supervisor:
         replica, snapshot = self.replica, self._state.snapshot()
         await self._client.call(replica, "POST", PAUSE)
         with self._folders.pin(snapshot.weights):
-            state = await catch_up(replica, snapshot.weights, snapshot.version, self._load)
+            state = await catch_up(
+                replica, snapshot.weights, snapshot.version, self._load, self._own
+            )
         if state is ReplicaState.UP and not snapshot.paused:
             await self._client.call(replica, "POST", "/resume")
         if state is ReplicaState.UP:

@@ -237,6 +237,7 @@ class VLLMServerEngine:
                 self._client,
                 self._folders,
                 self._load_on,
+                self._own_model,
                 self._down,
                 self._leave_group,
             )
@@ -606,7 +607,11 @@ class VLLMServerEngine:
                     await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
                     await self._call(replica, "POST", sup.PAUSE, timeout_s=self.pause_timeout_s)
                     replica.state = await sup.catch_up(
-                        replica, self._state.weights, self._state.version, self._load_on
+                        replica,
+                        self._state.weights,
+                        self._state.version,
+                        self._load_on,
+                        self._own_model,
                     )
                 except (ReplicaError, ValueError) as exc:
                     self._down(replica, exc)
@@ -706,6 +711,7 @@ class VLLMServerEngine:
         are recomputed under the new weights), and set its label to `version`."""
         if folder is not None:
             _checkpoint(folder)  # a reload of a missing path would kill the vLLM engine
+            replica.loaded = folder  # before it is sent: a cut-off call may still land
             await replica_load.load(
                 functools.partial(self._call, replica), replica.url, folder, self.verify_weights
             )
@@ -713,6 +719,10 @@ class VLLMServerEngine:
         if not (isinstance(reply, dict) and reply.get("success")):
             raise ReplicaError(replica.url, f"could not reset its prefix cache: {reply}")
         await self._call(replica, "POST", "/update_weight_version", {"new_version": str(version)})
+
+    async def _own_model(self, replica: Replica) -> Path:
+        """The model folder `replica` was started from (`replica_load.own_model`)."""
+        return await replica_load.own_model(functools.partial(self._call, replica), replica.url)
 
     async def _abort_on(self, replica: Replica, server_ids: list[str]) -> None:
         """Abort requests on `replica`, through the RL route that returns once vLLM has
