@@ -1018,22 +1018,109 @@ async def test_a_generate_answered_with_bytes_that_are_not_http_fails_only_its_r
         assert stubs[1].calls.count(LIVENESS) == 2  # its sync's, and the check after
 
 
-async def test_a_request_failing_during_an_update_does_not_take_a_paused_replica_down() -> None:
+async def test_a_request_failing_during_an_update_is_checked_by_a_generate_after_it() -> None:
     """An update pauses the replicas without pausing the engine. A request that failed then
     had its replica's liveness tried with a generate, which a paused vLLM queues until the
-    resume: past `liveness_timeout_s` (a long reload), a healthy replica left the rotation."""
+    resume: past `liveness_timeout_s` (a long reload), a healthy replica left the rotation.
+    Asking `/health` instead let a hung engine core pass. The check now waits for the
+    update's end and tries a generate; the replica stays meanwhile (the update needs it)."""
     deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
     async with scripted(1, **deadlines) as (engine, (stub,)):
         await engine.check_replicas()
         (replica,) = engine.replicas
-        stub.hang, stub.hanging = asyncio.Event(), {"/reset_prefix_cache", LIVENESS}
+        stub.hang, stub.hanging = asyncio.Event(), {"/reset_prefix_cache"}
         update = asyncio.ensure_future(engine.update_weights(None, version=1))
         await asyncio.wait_for(
             stub.progress.wait_until(lambda: "/reset_prefix_cache" in stub.calls), 5.0
         )
-        await engine._failed(replica, ReplicaError(replica.url, "a stream broke"))
-        assert replica.state is ReplicaState.UP
-        assert LIVENESS not in stub.calls[-2:]  # `/health` asked instead: it may be paused
+        stub.calls.clear()
+        failed = asyncio.ensure_future(
+            engine._failed(replica, ReplicaError(replica.url, "a stream broke"))
+        )
         stub.hang.set()
         await asyncio.wait_for(update, 5.0)
+        await asyncio.wait_for(failed, 5.0)
+        assert replica.state is ReplicaState.UP
         assert engine.version == 1
+        assert "/health" not in stub.calls
+        assert stub.calls.index(LIVENESS) > stub.calls.index("/resume")
+
+
+def _wedge(stub: ScriptedStub) -> None:
+    """Its generates hang (the liveness probe's too) while `/health`, `/abort_requests` and
+    the other control routes answer: an engine core that never schedules."""
+    stub.hang, stub.hanging = asyncio.Event(), {GENERATE, LIVENESS}
+
+
+async def test_a_wedged_replica_leaves_the_rotation_when_callers_give_up_on_its_requests() -> None:
+    """A wedged replica whose `/abort_requests` answers failed nothing the engine saw: the
+    producer cancels each group at its `generate_timeout_s` (before the engine's own
+    `request_timeout_s`), the abort answered, and a cancellation was no failure. It stayed
+    in the rotation and got every group of its sessions (the chaos run's 140 late groups).
+    A request its caller gives up on unfinished now has its replica checked."""
+    deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
+    async with scripted(2, **deadlines) as (engine, stubs):
+        await engine.check_replicas()
+        wedged = engine.replicas[1]
+        _wedge(stubs[1])
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is wedged)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        call = asyncio.ensure_future(engine.generate(request))
+        await engine.wait_progress(lambda: wedged.streams == 1, 5.0)
+        call.cancel()  # the producer's `generate_timeout_s`
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert "/abort_requests" in stubs[1].calls  # it answered: no failure there
+        await engine.wait_progress(lambda: wedged.state is ReplicaState.DOWN, 10.0)
+        assert "liveness generate" in str(wedged.error)
+        (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
+        assert sample.tokens.tolist() == [7, 8]  # served by the other replica
+        assert stubs[1].generates == 1
+
+
+async def test_a_wedged_replica_failing_during_an_update_is_not_kept_on_its_health() -> None:
+    """A failure check made while an update ran asked `/health` (a generate would wait for
+    the resume), which a hung engine core passes: the wedged replica stayed. The check now
+    waits for the update's end, then generates."""
+    deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
+    async with scripted(2, **deadlines) as (engine, stubs):
+        await engine.check_replicas()
+        wedged = engine.replicas[1]
+        stubs[0].hang, stubs[0].hanging = asyncio.Event(), {"/reset_prefix_cache"}
+        update = asyncio.ensure_future(engine.update_weights(None, version=1))
+        await asyncio.wait_for(
+            stubs[0].progress.wait_until(lambda: "/reset_prefix_cache" in stubs[0].calls), 5.0
+        )
+        _wedge(stubs[1])
+        failed = asyncio.ensure_future(
+            engine._failed(wedged, ReplicaError(wedged.url, "a stream broke"))
+        )
+        stubs[0].hang.set()
+        await asyncio.wait_for(update, 5.0)
+        await asyncio.wait_for(failed, 5.0)
+        assert wedged.state is ReplicaState.DOWN
+        assert stubs[1].calls[-1] == LIVENESS
+
+
+async def test_a_replica_seen_hung_does_not_come_back_on_its_health_while_paused() -> None:
+    """A paused engine's replicas cannot generate, so a re-sync while paused tried only
+    `/health`: a replica whose liveness generate had failed (a wedged engine core) came back
+    at every pause. It now stays out until the resume lets a generate try it."""
+    deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
+    async with scripted(2, **deadlines) as (engine, stubs):
+        await engine.check_replicas()
+        wedged = engine.replicas[1]
+        _wedge(stubs[1])
+        await engine._failed(wedged, ReplicaError(wedged.url, "a stream broke"))
+        assert wedged.state is ReplicaState.DOWN
+        await engine.pause_generation()
+        wedged.retry_at = 0.0
+        await engine.check_replicas()
+        assert wedged.state is ReplicaState.DOWN  # `/health` answers; that is not enough
+        assert stubs[1].hang is not None
+        stubs[1].hang.set()  # its engine core serves again
+        await engine.resume_generation()
+        wedged.retry_at = 0.0
+        await engine.check_replicas()
+        assert wedged.state is ReplicaState.UP
+        assert stubs[1].calls[-1] == LIVENESS  # back in on a generate

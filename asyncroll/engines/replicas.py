@@ -29,6 +29,14 @@ class ReplicaState(enum.Enum):
     STALE = "stale"  # answers, but missed an NCCL broadcast: out until the next weight update
 
 
+class Core(enum.Enum):
+    """What the last one-token generate told of a replica's engine core. vLLM's `/health`
+    passes a hung one, so only another generate brings a HUNG one back."""
+
+    ANSWERED = "answered"  # its last liveness generate answered (or none was tried yet)
+    HUNG = "hung"  # its last liveness generate failed
+
+
 class ReplicaError(RuntimeError):
     """A call to one replica failed; the message starts with the replica's URL."""
 
@@ -56,6 +64,7 @@ class Replica:
         # the folder it was last told to load (None: none since the model it started from);
         # one an update reached before any committed may serve that update's weights
         self.loaded: Path | None = None
+        self.core = Core.ANSWERED
         self.syncing = asyncio.Lock()
 
     def mark_down(self, error: str, retry_at: float) -> None:

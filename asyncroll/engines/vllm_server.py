@@ -44,7 +44,9 @@ reference notes):
   without its last "-attempt" part, which is how the producer names attempts) and go to one
   replica (rendezvous hashing). Any error from talking to a replica, whatever aiohttp raised,
   is that replica's failure and fails only the requests it had; it leaves the rotation unless
-  a one-token generate shows its engine core alive (vLLM's `/health` passes a hung one). Each
+  a one-token generate shows its engine core alive (vLLM's `/health` passes a hung one). A
+  request its caller gives up on unfinished has its replica checked too: a wedged engine
+  core whose aborts answer fails nothing else. Each
   replica has a supervisor (`server_supervisor`) that alone probes and re-syncs it: paused
   first, given the current weights and label, resumed, tried with a liveness generate, holding
   nothing another replica needs; a failing replica's probes back off (a circuit breaker).
@@ -764,6 +766,9 @@ class VLLMServerEngine:
         ]
         try:
             error = await vllm_groups.first_error(tasks)
+        except asyncio.CancelledError:
+            self._caller_gave_up(live)
+            raise
         finally:
             unfinished = [
                 p.server_id
@@ -778,6 +783,26 @@ class VLLMServerEngine:
             if isinstance(error, ReplicaError):
                 await self._failed(live.replica, error)
             raise error
+
+    def _caller_gave_up(self, live: ss.Live) -> None:
+        """The caller cancelled `generate` (the producer's `generate_timeout_s`) while
+        requests it sent were unfinished: the replica is checked as after a failed request.
+        A wedged engine core whose `/health` and `/abort_requests` answer fails nothing
+        else: every group sent there ran into its caller's deadline, and the replica stayed
+        in the rotation (the chaos run's 140 late groups)."""
+        if self._state.closed:
+            return
+        unfinished = [
+            p.server_id
+            for p, t in zip(live.parts, live.tasks, strict=True)
+            if p.started and ss.unfinished(t)
+        ]
+        if unfinished:
+            error = ReplicaError(
+                live.replica.url,
+                f"{len(unfinished)} requests unfinished when their caller gave up on them",
+            )
+            self._supervisors[live.replica].failed(error)  # not awaited: the caller is gone
 
     async def _admit(self, live: ss.Live) -> None:
         """Wait while admission is held (a pause or weight update); an abort or close ends
@@ -796,14 +821,17 @@ class VLLMServerEngine:
     async def _stream(
         self, live: ss.Live, part: ss.Part, samples: list[ss.Sample], sampling: SamplingConfig
     ) -> None:
+        replica = live.replica
         await self._admit(live)
+        while (check := self._supervisors[replica].check) is not None and not live.aborted:
+            await asyncio.wait([check])  # its liveness is in question: nothing is sent there
+            await self._admit(live)  # and the wait may have outlasted the admission
         if self._state.closed:
             raise EngineDeadError("VLLMServerEngine is closed")
         if live.aborted:
             for i in part.indices:
                 samples[i].finish = "abort"
             return
-        replica = live.replica
         if not _up(replica):  # a pause, update or resume failed there while this was held
             raise ReplicaError(
                 replica.url,
