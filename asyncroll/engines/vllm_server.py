@@ -423,6 +423,7 @@ class VLLMServerEngine:
             return
         self._state.closed = self._client.closed = True
         self._progress.notify()
+        self._state.changed.notify()  # a check waiting for a resume ends
         # Abort on the replicas first: a closed connection alone reaches vLLM only when it
         # next writes to the stream, which may be at the request's end.
         started = [
@@ -486,7 +487,9 @@ class VLLMServerEngine:
 
     async def check_replicas(self) -> None:
         """Probe every replica that is not up now (routing does it every `health_interval_s`),
-        and bring back those that answer, with the current weights and version label."""
+        and bring back those that answer, with the current weights and version label (not,
+        while the engine is paused, one whose engine core was seen hung: only a generate,
+        after the resume, can show it alive)."""
         self._check_open()
         await asyncio.gather(
             *(
@@ -823,7 +826,8 @@ class VLLMServerEngine:
     ) -> None:
         replica = live.replica
         await self._admit(live)
-        while (check := self._supervisors[replica].check) is not None and not live.aborted:
+        supervisor = self._supervisors[replica]
+        while (check := supervisor.check) is not None and not check.done() and not live.aborted:
             await asyncio.wait([check])  # its liveness is in question: nothing is sent there
             await self._admit(live)  # and the wait may have outlasted the admission
         if self._state.closed:
