@@ -788,11 +788,12 @@ class VLLMServerEngine:
             raise error
 
     def _caller_gave_up(self, live: ss.Live) -> None:
-        """The caller cancelled `generate` (the producer's `generate_timeout_s`) while
-        requests it sent were unfinished: the replica is checked as after a failed request.
-        A wedged engine core whose `/health` and `/abort_requests` answer fails nothing
-        else: every group sent there ran into its caller's deadline, and the replica stayed
-        in the rotation (the chaos run's 140 late groups)."""
+        """`generate` was cancelled (the producer's `generate_timeout_s`, or this engine's
+        `request_timeout_s`) while requests it sent were unfinished: the replica is checked
+        as after a failed request. A wedged engine core whose `/health` and
+        `/abort_requests` answer fails nothing else: every group sent there ran into its
+        caller's deadline, and the replica stayed in the rotation (the chaos run's 140 late
+        groups)."""
         if self._state.closed:
             return
         unfinished = [
