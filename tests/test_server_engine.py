@@ -641,6 +641,34 @@ async def test_a_resume_that_fails_still_lets_requests_go() -> None:
         assert stub.calls[-3:] == ["/resume", LIVENESS, GENERATE]
 
 
+async def test_a_resume_while_every_replica_is_resynced_is_no_dead_engine() -> None:
+    """An update cut off part-way leaves every replica it reached out of the rotation until
+    re-synced; the producer then resumes. The resume waits `pause_timeout_s` for the syncs
+    (its bound), and one longer than that (a reload on a loaded machine) made the resume
+    raise `EngineDeadError`: the producer stopped (the chaos run's cut_reset, once). No
+    replica up while one is being synced is no dead engine: requests wait for the sync."""
+    async with scripted(1, pause_timeout_s=0.2) as (engine, (stub,)):
+        await engine.check_replicas()
+        await engine.pause_generation()  # the producer's keep-mode pause around an update
+        stub.hang, stub.hanging = asyncio.Event(), {"/update_weight_version"}
+        update = asyncio.ensure_future(engine.update_weights(None, version=1))
+        await asyncio.wait_for(
+            stub.progress.wait_until(lambda: "/update_weight_version" in stub.calls), 5.0
+        )
+        update.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        (replica,) = engine.replicas
+        assert replica.state is ReplicaState.UNSYNCED
+        await asyncio.wait_for(engine.resume_generation(), 5.0)  # its sync hangs at the label
+        assert replica.state is ReplicaState.UNSYNCED
+        request = asyncio.ensure_future(engine.generate(_request("run-0-0")))
+        stub.hang.set()
+        (sample,) = await asyncio.wait_for(request, 5.0)
+        assert sample.tokens.tolist() == [7, 8]
+        assert replica.state is ReplicaState.UP
+
+
 def test_a_server_start_on_a_port_in_use_fails_instead_of_trusting_its_health(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -372,12 +372,19 @@ class VLLMServerEngine:
     async def resume_generation(self) -> None:
         """Resume every replica and let held requests go. Even when that fails (no replica
         answers: `EngineDeadError`), the engine is no longer paused: the caller goes on as
-        resumed (the producer does), and replicas that come back are synced unpaused."""
+        resumed (the producer does), and replicas that come back are synced unpaused. No
+        replica up while one is being synced (after an update cut off part-way, a reload
+        longer than the resume's wait) is no dead engine: requests wait for that sync."""
         self._check_open()
         await self._revive_due(wait_s=self.pause_timeout_s)
         async with self._state.controlling():
             self._check_open()
-            await self._reopen()
+            try:
+                await self._reopen()
+            except EngineDeadError:
+                syncing = any(s.task is not None for s in self._supervisors.values())
+                if self._state.closed or not syncing:
+                    raise
 
     async def update_weights(self, weights: Weights | None, *, version: int) -> None:
         """Write `weights` under `weights_dir` and load them on every replica (None: weights
