@@ -10,7 +10,8 @@ routes `VLLMServerEngine` uses with the shapes vLLM 0.32 gives them (see the tea
   extension `asyncroll_load_path` with the path in `args` or `kwargs`, answered with a clean
   load report, `compute_weight_checksums`; any other method is a 500);
   `/reset_prefix_cache` (`{"success": true}`), `/update_weight_version` (`{"new_version"}`),
-  `GET /weight_info`, `/abort_requests` (ids `generate-tokens-<request_id>`);
+  `GET /weight_info`, `/abort_requests` (ids `generate-tokens-<request_id>`), `GET /v1/models`
+  (its `root`: the `--model` folder it was started from);
 * `POST /inference/v1/generate`, streamed as server-sent events: `choices[].token_ids`,
   `logprobs.content[]`, `finish_reason`, and `weight_versions` spans on a choice's final
   chunk; `n` samples; a paused server freezes running streams and queues new requests.
@@ -21,9 +22,10 @@ are one integer, `chaos.weights_id`, in the safetensors file a reload reads; eac
 and labelled with the version label set at that moment (as vLLM labels tokens). The harness
 decodes every token it is handed and checks its label against the weights that sampled it.
 
-A fresh process serves `weights_id` 0 under vLLM's initial label "default", as a restarted
-vLLM comes back with its original weights. A reload of a path that is not a checkpoint answers
-500 and the process exits (vLLM's engine dies on the next request, and the server exits).
+A fresh process serves the `--model` folder's `weights_id` (0 in the harness) under vLLM's
+initial label "default", as a restarted vLLM comes back with its original weights. A reload
+of a path that is not a checkpoint answers 500 and the process exits (vLLM's engine dies on
+the next request, and the server exits).
 
 Chaos, set by the harness through routes under `/_chaos/` (not vLLM's): `wedged` (generate
 never progresses while `/health` and the control routes answer), `slow` (a longer latency per
@@ -79,7 +81,8 @@ class FakeReplica:
     """The state of one fake replica: its weights, label, pause, mode and running requests."""
 
     def __init__(self, args: argparse.Namespace, arrivals: TextIO) -> None:
-        self.weights_id = 0
+        self.model: Path = args.model.resolve()
+        self.weights_id = read_weights(str(self.model))
         self.label = INITIAL_LABEL
         self.unpaused = asyncio.Event()
         self.unpaused.set()
@@ -183,6 +186,10 @@ class FakeReplica:
         new = (await request.json())["new_version"]
         self.label = str(new)
         return web.json_response({"success": True, "new_version": new})
+
+    async def models(self, _: web.Request) -> web.Response:
+        card = {"id": "fake", "object": "model", "root": str(self.model), "parent": None}
+        return web.json_response({"object": "list", "data": [card]})
 
     async def weight_info(self, _: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.label})
@@ -341,6 +348,7 @@ def app(fake: FakeReplica) -> web.Application:
     r.add_post("/reset_prefix_cache", fake.reset_prefix_cache)
     r.add_post("/update_weight_version", fake.update_weight_version)
     r.add_get("/weight_info", fake.weight_info)
+    r.add_get("/v1/models", fake.models)
     r.add_post("/abort_requests", fake.abort_requests)
     r.add_post("/inference/v1/generate", fake.generate)
 
@@ -387,6 +395,7 @@ async def serve(args: argparse.Namespace, arrivals: TextIO) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description="A fake vllm serve replica (a simulation).")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model", type=Path, required=True, help="a checkpoint folder it serves")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--token-latency-s", type=float, default=0.002)
     p.add_argument("--slow-latency-s", type=float, default=0.05)

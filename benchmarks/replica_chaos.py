@@ -62,6 +62,7 @@ from _chaos import ChaosPrompts
 from _common import DEFAULT_OUT, info_line, new_figure, print_section, run_info
 from _common import save_outputs as save_report
 from _fake_replica import TOKEN_STRIDE, WEIGHTS_TENSOR
+from safetensors.numpy import save_file
 
 from asyncroll import (
     DropRecord,
@@ -161,6 +162,9 @@ class Fleet:
         self.http = http
         self.ports = [free_port() for _ in range(cfg.replicas)]
         self.logs = [workdir / f"arrivals-{p}.log" for p in self.ports]
+        self.model = workdir / "model"  # what every replica starts from: weights id 0
+        self.model.mkdir()
+        save_file({WEIGHTS_TENSOR: np.zeros(1, np.int64)}, str(self.model / "model.safetensors"))
         self.procs: list[asyncio.subprocess.Process | None] = [None] * cfg.replicas
         self.starts = 0
 
@@ -170,7 +174,7 @@ class Fleet:
     async def start(self, i: int, *, stall: str | None = None) -> None:
         """A fresh process on replica `i`'s port (its previous one must be gone); `stall`: a
         route whose first call it holds until released."""
-        args = [sys.executable, str(FAKE), "--port", str(self.ports[i])]
+        args = [sys.executable, str(FAKE), "--port", str(self.ports[i]), "--model", str(self.model)]
         args += ["--seed", f"{self.cfg.seed * 100 + self.starts}", "--arrivals", str(self.logs[i])]
         args += ["--token-latency-s", str(self.cfg.token_latency_s)]
         args += ["--slow-latency-s", str(self.cfg.slow_latency_s)]

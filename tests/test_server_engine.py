@@ -320,6 +320,8 @@ class ScriptedStub:
         self.progress = Signal()
         self.label = "default"
         self.not_http = False  # generates (not liveness probes) answer bytes that are not HTTP
+        self.model = "/nonexistent/model"  # the model it was started from (`/v1/models` root)
+        self.loaded: list[str] = []  # the folders its worker extension was told to load
 
     @property
     def generates(self) -> int:
@@ -365,14 +367,20 @@ class ScriptedStub:
             finally:
                 self.progress.notify()
 
-        async def load(_: web.Request) -> web.Response:  # the worker extension's clean report
+        async def load(request: web.Request) -> web.Response:  # the extension's clean report
+            self.loaded.append((await request.json())["kwargs"]["path"])
             return web.json_response({"results": [{"expected": [], "unloaded": [], "missing": []}]})
+
+        async def models(_: web.Request) -> web.Response:  # vLLM's, trimmed to what is read
+            card = {"id": "served", "object": "model", "root": self.model, "parent": None}
+            return web.json_response({"object": "list", "data": [card]})
 
         app = web.Application(middlewares=[script])
         app.router.add_get("/health", health)
         for path in ("/pause", "/resume", "/reset_prefix_cache", "/abort_requests"):
             app.router.add_post(path, ok)
         app.router.add_post("/collective_rpc", load)
+        app.router.add_get("/v1/models", models)
         app.router.add_post("/update_weight_version", version)
         app.router.add_post(GENERATE, generate)
         return app
@@ -633,6 +641,34 @@ async def test_a_resume_that_fails_still_lets_requests_go() -> None:
         assert stub.calls[-3:] == ["/resume", LIVENESS, GENERATE]
 
 
+async def test_a_resume_while_every_replica_is_resynced_is_no_dead_engine() -> None:
+    """An update cut off part-way leaves every replica it reached out of the rotation until
+    re-synced; the producer then resumes. The resume waits `pause_timeout_s` for the syncs
+    (its bound), and one longer than that (a reload on a loaded machine) made the resume
+    raise `EngineDeadError`: the producer stopped (the chaos run's cut_reset, once). No
+    replica up while one is being synced is no dead engine: requests wait for the sync."""
+    async with scripted(1, pause_timeout_s=0.2) as (engine, (stub,)):
+        await engine.check_replicas()
+        await engine.pause_generation()  # the producer's keep-mode pause around an update
+        stub.hang, stub.hanging = asyncio.Event(), {"/update_weight_version"}
+        update = asyncio.ensure_future(engine.update_weights(None, version=1))
+        await asyncio.wait_for(
+            stub.progress.wait_until(lambda: "/update_weight_version" in stub.calls), 5.0
+        )
+        update.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        (replica,) = engine.replicas
+        assert replica.state is ReplicaState.UNSYNCED
+        await asyncio.wait_for(engine.resume_generation(), 5.0)  # its sync hangs at the label
+        assert replica.state is ReplicaState.UNSYNCED
+        request = asyncio.ensure_future(engine.generate(_request("run-0-0")))
+        stub.hang.set()
+        (sample,) = await asyncio.wait_for(request, 5.0)
+        assert sample.tokens.tolist() == [7, 8]
+        assert replica.state is ReplicaState.UP
+
+
 def test_a_server_start_on_a_port_in_use_fails_instead_of_trusting_its_health(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -797,6 +833,81 @@ async def test_an_update_cancelled_at_its_resume_keeps_the_weights_it_committed(
         assert [s.label for s in stubs] == [str(engine.version)] * 2
 
 
+async def _cut_first_update_after_one_load(
+    engine: VLLMServerEngine, stubs: list[ScriptedStub]
+) -> None:
+    """The engine's first update with new weights, cut off by its caller while replica 1
+    loads them (replica 0 has), then the producer's roll back to version 0."""
+    import torch
+
+    stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/collective_rpc"}
+    update = asyncio.ensure_future(engine.update_weights([("w", torch.ones(2))], version=1))
+    await asyncio.wait_for(stubs[1].progress.wait_until(lambda: bool(stubs[0].loaded)), 5)
+    await asyncio.wait_for(
+        stubs[1].progress.wait_until(lambda: "/collective_rpc" in stubs[1].calls), 5
+    )
+    stubs[1].hanging = set()  # only that load hangs, to the end: it never lands
+    update.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await update
+    await engine.update_weights(None, version=0)  # the producer's roll back
+    assert engine.version == 0
+
+
+def _model_folder(path: Path) -> Path:
+    """A checkpoint folder standing for the model a replica was started from."""
+    import torch
+
+    from asyncroll.engines import server_weights
+
+    path.mkdir()
+    server_weights.write([("w", torch.zeros(2))], path)
+    return path.resolve()
+
+
+async def test_a_first_update_cut_after_a_replica_loaded_leaves_it_serving_its_own_weights(
+    tmp_path: Path,
+) -> None:
+    """Before any update commits, the engine serves "each replica's own" weights. A first
+    update cut off after one replica loaded its folder left that replica (re-synced with
+    nothing to reload) serving the cut update's weights under label 0: the chaos run's
+    cut_load, cut_reset and cut_label (55-82 mislabelled tokens). It must reload the model
+    it was started from (`/v1/models` names it)."""
+    model = _model_folder(tmp_path / "model")
+    weights_dir = tmp_path / "weights"
+    weights_dir.mkdir()
+    async with scripted(2, weights_dir=weights_dir) as (engine, stubs):
+        for stub in stubs:
+            stub.model = str(model)
+        await engine.check_replicas()
+        assert [s.loaded for s in stubs] == [[], []]  # nothing to reload at the first sync
+        await _cut_first_update_after_one_load(engine, stubs)
+        await asyncio.wait_for(engine.check_replicas(), 5.0)
+        assert [r.state for r in engine.replicas] == [ReplicaState.UP] * 2
+        assert stubs[0].loaded[-1] == str(model)  # its own weights again
+        assert stubs[1].loaded[-1] == str(model)  # whatever its cut load did
+        assert [s.label for s in stubs] == ["0", "0"]
+
+
+async def test_a_first_update_cut_on_a_replica_whose_model_is_no_folder_keeps_it_out(
+    tmp_path: Path,
+) -> None:
+    """A replica started from a Hugging Face repo id names no folder to reload its own
+    weights from: after a cut first update reached it, it stays out of the rotation, its
+    error naming the model and what to change, rather than serve the cut update's weights
+    under label 0 (a repo id sent as a path would kill its vLLM engine)."""
+    async with scripted(2, weights_dir=tmp_path) as (engine, stubs):
+        for stub in stubs:
+            stub.model = "org/some-model"
+        await engine.check_replicas()
+        await _cut_first_update_after_one_load(engine, stubs)
+        await asyncio.wait_for(engine.check_replicas(), 5.0)
+        assert [r.state for r in engine.replicas] == [ReplicaState.DOWN] * 2
+        assert not any("org/some-model" in path for s in stubs for path in s.loaded)
+        with pytest.raises(EngineDeadError, match=r"org/some-model.*local model folder"):
+            await engine.generate(_request("run-0-0"))
+
+
 @pytest.mark.parametrize(
     ("tokens", "label", "message"),
     [
@@ -935,22 +1046,109 @@ async def test_a_generate_answered_with_bytes_that_are_not_http_fails_only_its_r
         assert stubs[1].calls.count(LIVENESS) == 2  # its sync's, and the check after
 
 
-async def test_a_request_failing_during_an_update_does_not_take_a_paused_replica_down() -> None:
+async def test_a_request_failing_during_an_update_is_checked_by_a_generate_after_it() -> None:
     """An update pauses the replicas without pausing the engine. A request that failed then
     had its replica's liveness tried with a generate, which a paused vLLM queues until the
-    resume: past `liveness_timeout_s` (a long reload), a healthy replica left the rotation."""
+    resume: past `liveness_timeout_s` (a long reload), a healthy replica left the rotation.
+    Asking `/health` instead let a hung engine core pass. The check now waits for the
+    update's end and tries a generate; the replica stays meanwhile (the update needs it)."""
     deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
     async with scripted(1, **deadlines) as (engine, (stub,)):
         await engine.check_replicas()
         (replica,) = engine.replicas
-        stub.hang, stub.hanging = asyncio.Event(), {"/reset_prefix_cache", LIVENESS}
+        stub.hang, stub.hanging = asyncio.Event(), {"/reset_prefix_cache"}
         update = asyncio.ensure_future(engine.update_weights(None, version=1))
         await asyncio.wait_for(
             stub.progress.wait_until(lambda: "/reset_prefix_cache" in stub.calls), 5.0
         )
-        await engine._failed(replica, ReplicaError(replica.url, "a stream broke"))
-        assert replica.state is ReplicaState.UP
-        assert LIVENESS not in stub.calls[-2:]  # `/health` asked instead: it may be paused
+        stub.calls.clear()
+        failed = asyncio.ensure_future(
+            engine._failed(replica, ReplicaError(replica.url, "a stream broke"))
+        )
         stub.hang.set()
         await asyncio.wait_for(update, 5.0)
+        await asyncio.wait_for(failed, 5.0)
+        assert replica.state is ReplicaState.UP
         assert engine.version == 1
+        assert "/health" not in stub.calls
+        assert stub.calls.index(LIVENESS) > stub.calls.index("/resume")
+
+
+def _wedge(stub: ScriptedStub) -> None:
+    """Its generates hang (the liveness probe's too) while `/health`, `/abort_requests` and
+    the other control routes answer: an engine core that never schedules."""
+    stub.hang, stub.hanging = asyncio.Event(), {GENERATE, LIVENESS}
+
+
+async def test_a_wedged_replica_leaves_the_rotation_when_callers_give_up_on_its_requests() -> None:
+    """A wedged replica whose `/abort_requests` answers failed nothing the engine saw: the
+    producer cancels each group at its `generate_timeout_s` (before the engine's own
+    `request_timeout_s`), the abort answered, and a cancellation was no failure. It stayed
+    in the rotation and got every group of its sessions (the chaos run's 140 late groups).
+    A request its caller gives up on unfinished now has its replica checked."""
+    deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
+    async with scripted(2, **deadlines) as (engine, stubs):
+        await engine.check_replicas()
+        wedged = engine.replicas[1]
+        _wedge(stubs[1])
+        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is wedged)
+        request = msgspec.structs.replace(_request("run-0-0"), session=session)
+        call = asyncio.ensure_future(engine.generate(request))
+        await engine.wait_progress(lambda: wedged.streams == 1, 5.0)
+        call.cancel()  # the producer's `generate_timeout_s`
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert "/abort_requests" in stubs[1].calls  # it answered: no failure there
+        await engine.wait_progress(lambda: wedged.state is ReplicaState.DOWN, 10.0)
+        assert "liveness generate" in str(wedged.error)
+        (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
+        assert sample.tokens.tolist() == [7, 8]  # served by the other replica
+        assert stubs[1].generates == 1
+
+
+async def test_a_wedged_replica_failing_during_an_update_is_not_kept_on_its_health() -> None:
+    """A failure check made while an update ran asked `/health` (a generate would wait for
+    the resume), which a hung engine core passes: the wedged replica stayed. The check now
+    waits for the update's end, then generates."""
+    deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
+    async with scripted(2, **deadlines) as (engine, stubs):
+        await engine.check_replicas()
+        wedged = engine.replicas[1]
+        stubs[0].hang, stubs[0].hanging = asyncio.Event(), {"/reset_prefix_cache"}
+        update = asyncio.ensure_future(engine.update_weights(None, version=1))
+        await asyncio.wait_for(
+            stubs[0].progress.wait_until(lambda: "/reset_prefix_cache" in stubs[0].calls), 5.0
+        )
+        _wedge(stubs[1])
+        failed = asyncio.ensure_future(
+            engine._failed(wedged, ReplicaError(wedged.url, "a stream broke"))
+        )
+        stubs[0].hang.set()
+        await asyncio.wait_for(update, 5.0)
+        await asyncio.wait_for(failed, 5.0)
+        assert wedged.state is ReplicaState.DOWN
+        assert stubs[1].calls[-1] == LIVENESS
+
+
+async def test_a_replica_seen_hung_does_not_come_back_on_its_health_while_paused() -> None:
+    """A paused engine's replicas cannot generate, so a re-sync while paused tried only
+    `/health`: a replica whose liveness generate had failed (a wedged engine core) came back
+    at every pause. It now stays out until the resume lets a generate try it."""
+    deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
+    async with scripted(2, **deadlines) as (engine, stubs):
+        await engine.check_replicas()
+        wedged = engine.replicas[1]
+        _wedge(stubs[1])
+        await engine._failed(wedged, ReplicaError(wedged.url, "a stream broke"))
+        assert wedged.state is ReplicaState.DOWN
+        await engine.pause_generation()
+        wedged.retry_at = 0.0
+        await engine.check_replicas()
+        assert wedged.state is ReplicaState.DOWN  # `/health` answers; that is not enough
+        assert stubs[1].hang is not None
+        stubs[1].hang.set()  # its engine core serves again
+        await engine.resume_generation()
+        wedged.retry_at = 0.0
+        await engine.check_replicas()
+        assert wedged.state is ReplicaState.UP
+        assert stubs[1].calls[-1] == LIVENESS  # back in on a generate

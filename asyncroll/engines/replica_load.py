@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from asyncroll.engines import weight_check
+from asyncroll.engines import server_weights, weight_check
 from asyncroll.engines.replicas import ReplicaError
 from asyncroll.engines.vllm_serve import WORKER_EXTENSION
 
@@ -57,6 +57,31 @@ async def load(call: Call, url: str, folder: Path, verify: bool) -> None:
         weight_check.check(results, sent, "weights")
     except weight_check.WeightMismatchError as exc:
         raise ReplicaWeightsError(url, str(exc)) from None
+
+
+async def own_model(call: Call, url: str) -> Path:
+    """The model folder the replica at `url` was started from (`vllm serve MODEL`), as
+    `/v1/models` names it (its base model's `root`): where it reloads its own weights from.
+    A repo id, or a folder this process cannot read, is a `ValueError` saying what to change:
+    sent as a path, it would kill the replica's vLLM engine."""
+    reply = await call("GET", "/v1/models", None)
+    cards = reply.get("data") if isinstance(reply, dict) else None
+    roots = [
+        c.get("root")
+        for c in (cards if isinstance(cards, list) else [])
+        if isinstance(c, dict) and c.get("parent") is None  # not a LoRA adapter
+    ]
+    if not roots or not isinstance(roots[0], str):
+        raise ReplicaError(url, f"GET /v1/models names no base model: {reply!r:.300}")
+    try:
+        return server_weights.checkpoint(roots[0])
+    except ValueError:
+        raise ValueError(
+            f"replica {url}: an update that never committed reached it, and the model it was"
+            f" started from, {roots[0]!r}, is no local model folder with *.safetensors to"
+            " reload its own weights from: it stays out of the rotation (start vllm serve"
+            " with a local model folder, readable here under the same path)"
+        ) from None
 
 
 def folder_digests(folder: Path) -> dict[str, str]:

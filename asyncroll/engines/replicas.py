@@ -14,6 +14,7 @@ import asyncio
 import enum
 import hashlib
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,6 +27,14 @@ class ReplicaState(enum.Enum):
     UP = "up"
     DOWN = "down"  # failed; probed again once `retry_at` has passed
     STALE = "stale"  # answers, but missed an NCCL broadcast: out until the next weight update
+
+
+class Core(enum.Enum):
+    """What the last one-token generate told of a replica's engine core. vLLM's `/health`
+    passes a hung one, so only another generate brings a HUNG one back."""
+
+    ANSWERED = "answered"  # its last liveness generate answered (or none was tried yet)
+    HUNG = "hung"  # its last liveness generate failed
 
 
 class ReplicaError(RuntimeError):
@@ -52,6 +61,10 @@ class Replica:
         self.failures = 0  # failures in a row, since it last joined the rotation
         self.streams = 0  # generate requests open on it now
         self.sent = 0  # generate requests sent to it so far
+        # the folder it was last told to load (None: none since the model it started from);
+        # one an update reached before any committed may serve that update's weights
+        self.loaded: Path | None = None
+        self.core = Core.ANSWERED
         self.syncing = asyncio.Lock()
 
     def mark_down(self, error: str, retry_at: float) -> None:

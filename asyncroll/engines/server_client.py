@@ -83,7 +83,8 @@ class ReplicaClient:
         """Raise `ReplicaError` unless `replica`'s engine core serves: a one-token generate
         within `liveness_timeout_s`. vLLM's `/health` reports a dead engine core, not a hung
         one, so a wedged replica passed it for ever. A paused replica cannot generate
-        (vLLM queues the request): then `/health` is all there is to ask."""
+        (vLLM queues the request): then `/health` is all there is to ask, which tells
+        nothing of a HUNG core (`replica.core`, which the generate sets)."""
         if paused:
             await self.call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
             return
@@ -94,7 +95,12 @@ class ReplicaClient:
             "sampling_params": {"n": 1, "max_tokens": 1, "temperature": 0.0, "logprobs": 0},
         }
         with self.dead_if_closed():
-            await rp.liveness(self.session(), replica, body, self.liveness_timeout_s)
+            try:
+                await rp.liveness(self.session(), replica, body, self.liveness_timeout_s)
+            except ReplicaError:
+                replica.core = rp.Core.HUNG
+                raise
+        replica.core = rp.Core.ANSWERED
 
     @contextlib.contextmanager
     def dead_if_closed(self) -> Iterator[None]:

@@ -17,6 +17,11 @@ Why this shape. A replica's failure must cost that replica only. So:
   not vLLM's `/health`, which a hung engine core passes. A failing replica is a circuit
   breaker: out of the rotation, probed again after a delay that doubles with each failure in
   a row (`replicas.backoff_s`), back in once a re-sync and a liveness probe pass.
+* Paused replicas cannot generate (vLLM queues the request), and `/health` proves nothing of
+  a hung core: a failure's check waits for the resume, then generates (no request is sent
+  to the replica meanwhile); a replica whose generate failed (`Core.HUNG`) is not re-synced
+  while the engine is paused, but after the resume. Checks made during the chaos run's
+  updates (every 0.4 s) had let a wedged replica stay, or come back, on `/health` alone.
 """
 
 from __future__ import annotations
@@ -27,8 +32,15 @@ import typing
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+from asyncroll._signal import Signal
 from asyncroll.engines.base import EngineDeadError
-from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, UnsyncedReplicaError
+from asyncroll.engines.replicas import (
+    Core,
+    Replica,
+    ReplicaError,
+    ReplicaState,
+    UnsyncedReplicaError,
+)
 from asyncroll.engines.server_client import ReplicaClient
 from asyncroll.engines.server_weights import Broadcast, Served, WeightFolders
 
@@ -36,6 +48,8 @@ PAUSE = "/pause?mode=keep&clear_cache=false"
 
 Load = Callable[[Replica, Path | None, int], Awaitable[None]]
 """Load a folder (None: keep the weights) on one paused replica, reset its cache, label it."""
+OwnModel = Callable[[Replica], Awaitable[Path]]
+"""The model folder one replica was started from (`replica_load.own_model`)."""
 
 
 class Snapshot(typing.NamedTuple):
@@ -57,15 +71,19 @@ class ControlState:
         self.version = 0
         self.paused = False
         self.closed = False
+        self.changed = Signal()  # a pause, resume or update ended (or the engine closed)
 
     @contextlib.asynccontextmanager
     async def controlling(self) -> AsyncIterator[None]:
-        async with self.lock:
-            self.epoch += 1
-            try:
-                yield
-            finally:
+        try:
+            async with self.lock:
                 self.epoch += 1
+                try:
+                    yield
+                finally:
+                    self.epoch += 1
+        finally:
+            self.changed.notify()  # the lock is free, and `paused` may have changed
 
     @property
     def may_be_paused(self) -> bool:
@@ -82,12 +100,21 @@ class ControlState:
         return self.epoch != snapshot.epoch or self.lock.locked()
 
 
-async def catch_up(replica: Replica, weights: Served, version: int, load: Load) -> ReplicaState:
+async def catch_up(
+    replica: Replica, weights: Served, version: int, load: Load, own: OwnModel
+) -> ReplicaState:
     """Give a paused, answering replica `weights` and label `version`: UP then, or STALE
-    when they came over NCCL (nothing to load: it receives the next broadcast)."""
+    when they came over NCCL (nothing to load: it receives the next broadcast). Before any
+    update committed (`weights` None: each replica serves its own), one that an update
+    reached may hold that update's weights, loaded or half-loaded, which its label 0 would
+    not name: it reloads the model it was started from (`own`)."""
     if weights is Broadcast.SENT:
         return ReplicaState.STALE
-    await load(replica, weights, version)
+    if weights is None and replica.loaded is not None:
+        await load(replica, await own(replica), version)
+        replica.loaded = None  # its own weights again
+    else:
+        await load(replica, weights, version)
     return ReplicaState.UP
 
 
@@ -103,6 +130,7 @@ class Supervisor:
         client: ReplicaClient,
         folders: WeightFolders,
         load: Load,
+        own: OwnModel,
         on_down: Callable[[Replica, BaseException], None],
         on_unsynced: Callable[[Replica], None],
     ) -> None:
@@ -111,6 +139,7 @@ class Supervisor:
         self._client = client
         self._folders = folders
         self._load = load
+        self._own = own
         self._on_down = on_down
         self._on_unsynced = on_unsynced
         self.task: asyncio.Task[None] | None = None  # the sync in progress, if any
@@ -120,9 +149,18 @@ class Supervisor:
         """Whether its replica needs a sync now: new (or restarted), or down and past its
         breaker's delay."""
         r = self.replica
+        if self._untriable():
+            return False
         return r.state is ReplicaState.UNSYNCED or (
             r.state is ReplicaState.DOWN and r.retry_at <= now
         )
+
+    def _untriable(self) -> bool:
+        """Whether its replica cannot come back now: its engine core was seen hung, only a
+        generate can show it alive again, and a paused engine's replicas cannot generate.
+        It stays out of the rotation until the resume lets its probe run (`/health`, which
+        a hung core passes, once brought a wedged replica back during every pause)."""
+        return self.replica.core is Core.HUNG and self._state.paused
 
     def start(self) -> asyncio.Task[None]:
         """Its sync in a task of its own (the one in progress, if any): the engine waits for
@@ -169,9 +207,13 @@ class Supervisor:
         """One try of `sync` after its health probe. Whether it is done: not when a pause,
         resume or update ran meanwhile (its snapshot may be out of date)."""
         replica, snapshot = self.replica, self._state.snapshot()
+        if self._untriable():
+            return True  # out until the resume (the route after it probes it again)
         await self._client.call(replica, "POST", PAUSE)
         with self._folders.pin(snapshot.weights):
-            state = await catch_up(replica, snapshot.weights, snapshot.version, self._load)
+            state = await catch_up(
+                replica, snapshot.weights, snapshot.version, self._load, self._own
+            )
         if state is ReplicaState.UP and not snapshot.paused:
             await self._client.call(replica, "POST", "/resume")
         if state is ReplicaState.UP:
@@ -211,9 +253,17 @@ class Supervisor:
             self.check = None
 
     async def _check(self, exc: ReplicaError) -> None:
-        replica = self.replica
+        """Whether the replica stays: a one-token generate, never `/health` alone (which a
+        hung engine core passes: a wedged replica stayed in the rotation through every
+        check made while an update ran). While the replicas may be paused a generate would
+        wait for the resume, so the check waits for it first; meanwhile no request is sent
+        there (`VLLMServerEngine._stream` waits for this check)."""
+        replica, state = self.replica, self._state
         try:
-            await self._client.check_alive(replica, paused=self._state.may_be_paused)
+            await state.changed.wait_until(lambda: not state.may_be_paused or state.closed)
+            if state.closed or not _up(replica):  # it left the rotation meanwhile
+                return
+            await self._client.check_alive(replica, paused=False)
         except ReplicaError as probe:
             if _up(replica):
                 self._on_down(replica, ReplicaError(replica.url, f"{exc}; then {probe}"))

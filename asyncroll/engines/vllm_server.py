@@ -44,7 +44,9 @@ reference notes):
   without its last "-attempt" part, which is how the producer names attempts) and go to one
   replica (rendezvous hashing). Any error from talking to a replica, whatever aiohttp raised,
   is that replica's failure and fails only the requests it had; it leaves the rotation unless
-  a one-token generate shows its engine core alive (vLLM's `/health` passes a hung one). Each
+  a one-token generate shows its engine core alive (vLLM's `/health` passes a hung one). A
+  request its caller gives up on unfinished has its replica checked too: a wedged engine
+  core whose aborts answer fails nothing else. Each
   replica has a supervisor (`server_supervisor`) that alone probes and re-syncs it: paused
   first, given the current weights and label, resumed, tried with a liveness generate, holding
   nothing another replica needs; a failing replica's probes back off (a circuit breaker).
@@ -237,6 +239,7 @@ class VLLMServerEngine:
                 self._client,
                 self._folders,
                 self._load_on,
+                self._own_model,
                 self._down,
                 self._leave_group,
             )
@@ -369,12 +372,19 @@ class VLLMServerEngine:
     async def resume_generation(self) -> None:
         """Resume every replica and let held requests go. Even when that fails (no replica
         answers: `EngineDeadError`), the engine is no longer paused: the caller goes on as
-        resumed (the producer does), and replicas that come back are synced unpaused."""
+        resumed (the producer does), and replicas that come back are synced unpaused. No
+        replica up while one is being synced (after an update cut off part-way, a reload
+        longer than the resume's wait) is no dead engine: requests wait for that sync."""
         self._check_open()
         await self._revive_due(wait_s=self.pause_timeout_s)
         async with self._state.controlling():
             self._check_open()
-            await self._reopen()
+            try:
+                await self._reopen()
+            except EngineDeadError:
+                syncing = any(s.task is not None for s in self._supervisors.values())
+                if self._state.closed or not syncing:
+                    raise
 
     async def update_weights(self, weights: Weights | None, *, version: int) -> None:
         """Write `weights` under `weights_dir` and load them on every replica (None: weights
@@ -420,6 +430,7 @@ class VLLMServerEngine:
             return
         self._state.closed = self._client.closed = True
         self._progress.notify()
+        self._state.changed.notify()  # a check waiting for a resume ends
         # Abort on the replicas first: a closed connection alone reaches vLLM only when it
         # next writes to the stream, which may be at the request's end.
         started = [
@@ -483,7 +494,9 @@ class VLLMServerEngine:
 
     async def check_replicas(self) -> None:
         """Probe every replica that is not up now (routing does it every `health_interval_s`),
-        and bring back those that answer, with the current weights and version label."""
+        and bring back those that answer, with the current weights and version label (not,
+        while the engine is paused, one whose engine core was seen hung: only a generate,
+        after the resume, can show it alive)."""
         self._check_open()
         await asyncio.gather(
             *(
@@ -606,7 +619,11 @@ class VLLMServerEngine:
                     await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
                     await self._call(replica, "POST", sup.PAUSE, timeout_s=self.pause_timeout_s)
                     replica.state = await sup.catch_up(
-                        replica, self._state.weights, self._state.version, self._load_on
+                        replica,
+                        self._state.weights,
+                        self._state.version,
+                        self._load_on,
+                        self._own_model,
                     )
                 except (ReplicaError, ValueError) as exc:
                     self._down(replica, exc)
@@ -706,6 +723,7 @@ class VLLMServerEngine:
         are recomputed under the new weights), and set its label to `version`."""
         if folder is not None:
             _checkpoint(folder)  # a reload of a missing path would kill the vLLM engine
+            replica.loaded = folder  # before it is sent: a cut-off call may still land
             await replica_load.load(
                 functools.partial(self._call, replica), replica.url, folder, self.verify_weights
             )
@@ -713,6 +731,10 @@ class VLLMServerEngine:
         if not (isinstance(reply, dict) and reply.get("success")):
             raise ReplicaError(replica.url, f"could not reset its prefix cache: {reply}")
         await self._call(replica, "POST", "/update_weight_version", {"new_version": str(version)})
+
+    async def _own_model(self, replica: Replica) -> Path:
+        """The model folder `replica` was started from (`replica_load.own_model`)."""
+        return await replica_load.own_model(functools.partial(self._call, replica), replica.url)
 
     async def _abort_on(self, replica: Replica, server_ids: list[str]) -> None:
         """Abort requests on `replica`, through the RL route that returns once vLLM has
@@ -754,6 +776,9 @@ class VLLMServerEngine:
         ]
         try:
             error = await vllm_groups.first_error(tasks)
+        except asyncio.CancelledError:
+            self._caller_gave_up(live)
+            raise
         finally:
             unfinished = [
                 p.server_id
@@ -768,6 +793,27 @@ class VLLMServerEngine:
             if isinstance(error, ReplicaError):
                 await self._failed(live.replica, error)
             raise error
+
+    def _caller_gave_up(self, live: ss.Live) -> None:
+        """`generate` was cancelled (the producer's `generate_timeout_s`, or this engine's
+        `request_timeout_s`) while requests it sent were unfinished: the replica is checked
+        as after a failed request. A wedged engine core whose `/health` and
+        `/abort_requests` answer fails nothing else: every group sent there ran into its
+        caller's deadline, and the replica stayed in the rotation (the chaos run's 140 late
+        groups)."""
+        if self._state.closed:
+            return
+        unfinished = [
+            p.server_id
+            for p, t in zip(live.parts, live.tasks, strict=True)
+            if p.started and ss.unfinished(t)
+        ]
+        if unfinished:
+            error = ReplicaError(
+                live.replica.url,
+                f"{len(unfinished)} requests unfinished when their caller gave up on them",
+            )
+            self._supervisors[live.replica].failed(error)  # not awaited: the caller is gone
 
     async def _admit(self, live: ss.Live) -> None:
         """Wait while admission is held (a pause or weight update); an abort or close ends
@@ -786,14 +832,18 @@ class VLLMServerEngine:
     async def _stream(
         self, live: ss.Live, part: ss.Part, samples: list[ss.Sample], sampling: SamplingConfig
     ) -> None:
+        replica = live.replica
         await self._admit(live)
+        supervisor = self._supervisors[replica]
+        while (check := supervisor.check) is not None and not check.done() and not live.aborted:
+            await asyncio.wait([check])  # its liveness is in question: nothing is sent there
+            await self._admit(live)  # and the wait may have outlasted the admission
         if self._state.closed:
             raise EngineDeadError("VLLMServerEngine is closed")
         if live.aborted:
             for i in part.indices:
                 samples[i].finish = "abort"
             return
-        replica = live.replica
         if not _up(replica):  # a pause, update or resume failed there while this was held
             raise ReplicaError(
                 replica.url,
