@@ -78,6 +78,16 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"--credit must be one of {', '.join(CREDITS)}")
 
 
+def demo_config(**options: Any) -> DemoConfig:
+    """The config of `asyncroll demo`: `options` over the task's own defaults (tool_echo's are
+    `asyncroll.demo_tool.DEFAULTS`) over `DemoConfig`'s. `DemoConfig(...)` alone keeps the echo
+    task's defaults whatever the task."""
+    from asyncroll import demo_tool
+
+    defaults = demo_tool.DEFAULTS if options.get("task") == "tool_echo" else {}
+    return DemoConfig(**{**defaults, **options})
+
+
 class StepRecord(msgspec.Struct, kw_only=True):
     """What the demo logs per training step (also written to metrics.jsonl)."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -30,6 +30,15 @@ from asyncroll.types import Prompt, RolloutGroup
 LETTERS = "abcdefgh"
 TURNS = 3  # policy turns per episode
 ANSWER_TOKENS = 2  # the tool's answer: a letter and a colon
+
+DEFAULTS: Final = {"max_new_tokens": 4, "steps": 150}
+"""tool_echo's defaults where they differ from `DemoConfig`'s (the echo task's); the command
+line and `asyncroll.demo.demo_config` apply them. Turns of 4 tokens, not 8: the policy learns to
+echo a turn's first letter quickly, and its errors come later in a turn, where it drifts back
+to the letter that fills most of the context (after "g: gggggggg h:" it said "hhgggggg" in
+every sample of its group, a 0.25 turn with no variance, so GRPO had nothing to correct it
+with). Shorter turns put less of the old letter in the context. ``steps`` is a ceiling: the run
+stops once solved (`DemoConfig.solved_reward`)."""
 
 
 def episode_tokens(max_new_tokens: int) -> int:

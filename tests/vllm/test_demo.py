@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncroll.demo import DemoConfig, StepRecord, run_demo
+from asyncroll import demo_tool
+from asyncroll.demo import DemoConfig, StepRecord, demo_config, run_demo
 
 
 async def run_from_random(config: DemoConfig) -> tuple[list[StepRecord], float, float]:
@@ -59,10 +60,10 @@ async def test_demo_learns_the_multi_turn_tool_echo_task(tmp_path: Path) -> None
     The reward counts only policy tokens and `to_batch` trains only them, and the trainer
     gives each turn its own advantage from `turn_ends`, so it rises only if episodes, loss
     masks and turn boundaries work end to end with real vLLM (seed 1: 0.42 over steps 26-30)."""
-    config = DemoConfig(
-        task="tool_echo", steps=30, max_new_tokens=4, out=str(tmp_path), solved_reward=0.0,
-        batch_timeout_s=60.0,
-    )  # fmt: skip
+    config = demo_config(  # tool_echo's defaults (demo_tool.DEFAULTS: 4-token turns), shorter
+        task="tool_echo", steps=30, out=str(tmp_path), solved_reward=0.0, batch_timeout_s=60.0
+    )
+    assert config.max_new_tokens == demo_tool.DEFAULTS["max_new_tokens"]
     _, first, last = await run_from_random(config)
     assert last > 0.2 and last > 4 * first, (first, last)
     summary = (tmp_path / "summary.txt").read_text()
