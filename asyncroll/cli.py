@@ -57,7 +57,7 @@ DEMO_NUMBERS = (
     ("--steps", "training steps"),
     ("--group-size", "samples per prompt"),
     ("--batch-groups", "groups per training batch"),
-    ("--max-new-tokens", "tokens per response"),
+    ("--max-new-tokens", "tokens per response, or per turn of tool_echo"),
     ("--max-staleness", "versions a token may lag when trained on; 0: synchronous"),
     ("--lr", "AdamW learning rate"),
 )

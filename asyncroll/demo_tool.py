@@ -33,12 +33,13 @@ ANSWER_TOKENS = 2  # the tool's answer: a letter and a colon
 
 DEFAULTS: Final = {"max_new_tokens": 4, "steps": 150}
 """tool_echo's defaults where they differ from `DemoConfig`'s (the echo task's); the command
-line and `asyncroll.demo.demo_config` apply them. Turns of 4 tokens, not 8: the policy learns to
-echo a turn's first letter quickly, and its errors come later in a turn, where it drifts back
-to the letter that fills most of the context (after "g: gggggggg h:" it said "hhgggggg" in
-every sample of its group, a 0.25 turn with no variance, so GRPO had nothing to correct it
-with). Shorter turns put less of the old letter in the context. ``steps`` is a ceiling: the run
-stops once solved (`DemoConfig.solved_reward`)."""
+line and `asyncroll.demo.demo_config` apply them. Turns of 4 tokens, not 8: with 8, seed 1 was
+at 0.84 over the last 10 of 80 steps. The policy soon echoes a turn's first letter; its errors
+come later in the turn, where it drifts back to the letter that fills the context (after
+"g: gggggggg h:" every sample of a group said "hhgggggg": a turn with no variance in its group,
+which GRPO has nothing to correct with). Shorter turns leave the old letter less room: with 4,
+seeds 1 and 2 were solved in 60-85 steps in each of five runs. `steps` is a ceiling with room
+for a slow run: the demo stops once solved (`DemoConfig.solved_reward`)."""
 
 
 def episode_tokens(max_new_tokens: int) -> int:
