@@ -60,6 +60,7 @@ DEMO_NUMBERS = (
     ("--max-new-tokens", "tokens per response, or per turn of tool_echo"),
     ("--max-staleness", "versions a token may lag when trained on; 0: synchronous"),
     ("--lr", "AdamW learning rate"),
+    ("--entropy", "weight of an entropy bonus on the trained tokens"),
 )
 
 
