@@ -41,8 +41,8 @@ which GRPO has nothing to correct with). Shorter turns leave the old letter less
 seeds 1 and 2 were solved in 60-85 steps in five runs of six, but the sixth (seed 1) stalled
 so at 0.87, each batch needing hundreds of groups past the filter (21 s a step). The entropy
 bonus (`asyncroll.demo.mean_entropy`) keeps the policy from turning certain of such mistakes;
-with it seeds 1 and 2 were solved in 61 and 73 steps. `steps` is a ceiling with room for a slow
-run: the demo stops once solved (`DemoConfig.solved_reward`)."""
+with it seeds 1 and 2 were solved in 54-73 steps in four runs. `steps` is a ceiling with room
+for a slow run: the demo stops once solved (`DemoConfig.solved_reward`)."""
 
 
 def episode_tokens(max_new_tokens: int) -> int:
