@@ -20,8 +20,8 @@ from typing import TextIO
 import psutil
 from tqdm import tqdm
 
-from asyncroll import __version__
-from asyncroll.demo import DemoConfig, run_demo
+from asyncroll import __version__, demo_tool
+from asyncroll.demo import DemoConfig, demo_config, run_demo
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.engines.sim import SimConfig, SimEngine
 from asyncroll.producer import Producer
@@ -50,15 +50,17 @@ model), and print its accounting: groups started, consumed, failed, filtered, wa
 groups per second. It measures the producer only, never a model.
 """
 
-# The demo's numeric options and their help; each one's type and default are DemoConfig's, so
-# the command line cannot drift from the library's defaults.
+# The demo's numeric options and their help; each one's type and default are DemoConfig's (and
+# tool_echo's, demo_tool.DEFAULTS), so the command line cannot drift from the library's defaults.
+# An option not given is left out of the parsed arguments: `demo_config` fills in the task's.
 DEMO_NUMBERS = (
     ("--steps", "training steps"),
     ("--group-size", "samples per prompt"),
     ("--batch-groups", "groups per training batch"),
-    ("--max-new-tokens", "tokens per response"),
+    ("--max-new-tokens", "tokens per response, or per turn of tool_echo"),
     ("--max-staleness", "versions a token may lag when trained on; 0: synchronous"),
     ("--lr", "AdamW learning rate"),
+    ("--entropy", "weight of an entropy bonus on the trained tokens"),
 )
 
 
@@ -66,9 +68,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        options = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
         try:
-            config = DemoConfig(**options)
+            config = _demo_config(args)
         except ValueError as exc:
             parser.error(str(exc))
         log_path = Path(config.out) / "engine.log"
@@ -76,6 +77,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             asyncio.run(run_demo(config, console=console))
     else:
         asyncio.run(_simulate(args))
+
+
+def _demo_config(args: argparse.Namespace) -> DemoConfig:
+    """The demo's config of its parsed options; an option not given takes the task's default."""
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
+    return demo_config(**options)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,9 +100,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     d = DemoConfig()
     for flag, text in DEMO_NUMBERS:
-        default = getattr(d, flag.removeprefix("--").replace("-", "_"))
+        name = flag.removeprefix("--").replace("-", "_")
+        default = getattr(d, name)
+        tool = demo_tool.DEFAULTS.get(name, default)
+        also = f"; tool_echo: {tool}" if tool != default else ""
         demo.add_argument(
-            flag, type=type(default), default=default, help=f"{text} (default %(default)s)"
+            flag,
+            type=type(default),
+            default=argparse.SUPPRESS,
+            help=f"{text} (default {default}{also})",
         )
     demo.add_argument("--seed", type=int, default=d.seed, help="model, prompts and sampling seed")
     demo.add_argument(

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import asyncroll
-from asyncroll import cli
+from asyncroll import cli, demo_tool
+from asyncroll.demo import DemoConfig
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -42,6 +43,29 @@ def test_a_demo_flag_out_of_its_choices_is_refused_by_name(
             cli.main(["demo", flag, value])
         assert exit_.value.code == 2
         assert f"{flag} must be one of" in capsys.readouterr().err
+
+
+def test_tool_echo_takes_its_own_defaults_and_a_given_flag_wins() -> None:
+    """`asyncroll demo --task tool_echo` runs with `demo_tool.DEFAULTS` (4-token turns: with the
+    echo task's 8, seed 1 stalled near 0.84); a flag given on the command line wins, and the
+    echo task keeps `DemoConfig`'s defaults."""
+    parser = cli._parser()
+
+    def config(*flags: str) -> DemoConfig:
+        return cli._demo_config(parser.parse_args(["demo", *flags]))
+
+    assert config() == DemoConfig()
+    tool = config("--task", "tool_echo")
+    assert (tool.task, tool.max_new_tokens, tool.steps) == ("tool_echo", 4, 150)
+    assert {k: getattr(tool, k) for k in demo_tool.DEFAULTS} == demo_tool.DEFAULTS
+    assert config("--task", "tool_echo", "--max-new-tokens", "8").max_new_tokens == 8
+    assert config("--max-new-tokens", "3").max_new_tokens == 3
+    assert "(default 8; tool_echo: 4)" in " ".join(_demo_help(parser).split())  # both
+
+
+def _demo_help(parser: argparse.ArgumentParser) -> str:
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices["demo"].format_help()
 
 
 def test_every_option_has_help() -> None:

@@ -1,0 +1,7 @@
+"""`python -m asyncroll`: the `asyncroll` command (asyncroll.cli) without the installed script.
+The guard matters: vLLM's engine process is spawned and re-imports the main module."""
+
+from asyncroll.cli import main
+
+if __name__ == "__main__":
+    main()
