@@ -21,7 +21,7 @@ from asyncroll.engines.server_lora import LOAD, UNLOAD
 from asyncroll.engines.vllm_server import VLLMServerEngine
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots
 from tests.stubs import served
-from tests.test_server_engine import GENERATE, LIVENESS, ScriptedStub, _request
+from tests.test_server_engine import GENERATE, LIVENESS, ScriptedStub, _choice, _request, _stream
 
 
 def written(folder: str) -> bool:
@@ -187,6 +187,27 @@ async def test_a_request_keeps_its_adapter_and_label_across_an_update_then_it_is
         assert set(stub.adapters) == {v2}
         assert folders(tmp_path) == [v2]
         assert stub.calls.count(UNLOAD) == 1
+
+
+async def test_a_request_on_the_base_weights_kept_across_an_adapter_update_keeps_their_label(
+    tmp_path: Path,
+) -> None:
+    """Sent before the first adapter and kept in place across its update, a request goes on
+    sampling with the base weights, which the servers label with the adapter's version from
+    the update on ("1" here): those tokens are the base weights' (0)."""
+    async with lora_scripted(1, tmp_path) as (engine, (stub,)):
+        await engine.check_replicas()
+        stub.hang, stub.hanging = asyncio.Event(), {GENERATE}
+        call = asyncio.ensure_future(engine.generate(_request("run-0-0")))
+        await engine.wait_progress(lambda: engine.replicas[0].streams == 1, 10.0)
+        await engine.update_weights(adapter(1), version=1)
+        stub.stream = _stream(_choice([7, 8], spans=[("0", 0, 1), ("1", 1, 2)]))
+        stub.hang.set()
+        (kept,) = await asyncio.wait_for(call, 10.0)
+        assert kept.versions.tolist() == [0, 0]
+        (fresh,) = await engine.generate(_request("run-1-0"))
+        assert fresh.versions.tolist() == [1, 1]  # sent with the adapter
+        assert stub.models[0] is None and stub.models[1] is not None
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,10 @@ after the update returned carries `"model": <that name>`. vLLM binds an adapter 
 for its whole life, so a request sent under version k samples with k's adapter to its end:
 each of its tokens is labelled k (what the server labels it is still checked, as for every
 request, but not used), also when it is kept in place across a later update. No request
-straddles two adapters.
+straddles two adapters. A request sent on the base weights before the first adapter, kept in
+place across adapter updates, goes on sampling with the base weights while the servers label
+its tokens with the adapters' versions: those labels are mapped back to the base weights'
+version (`base_of`, kept only while such a request runs).
 
 When an adapter goes. vLLM's unload route only forgets the name in the API server; the
 workers keep adapters in an LRU cache (`max_loras` slots) and load an evicted one again from
@@ -101,6 +104,9 @@ class ServerAdapters:
         self._cleanups: set[asyncio.Task[None]] = set()
         self._written: list[Adapter] = []  # every folder not deleted yet
         self._closed = False
+        self.base_of: dict[int, int] = {}  # an adapter's label -> the base weights' version
+        self._base: int | None = None  # the base weights' version while an adapter serves
+        self._base_requests = 0  # requests sent on the base weights, running now
 
     def check(self, adapter: LoraAdapter) -> None:
         """What the engine can refuse before anything is written or sent (`LoraError`): no
@@ -142,14 +148,25 @@ class ServerAdapters:
                 raise
         record.loaded_on.add(replica)
 
-    def commit(self, record: Adapter | None) -> None:
-        """`record` is the policy from now on (None: the base weights again); the one before
-        retires."""
+    def commit(self, record: Adapter | None, previous_version: int) -> None:
+        """`record` is the policy from now on (None: new full weights), replacing the policy
+        labelled `previous_version`; the adapter before retires."""
         previous, self.current = self.current, record
-        if record is not None:
+        if record is None:
+            self._base = None
+        else:
             record.state = AdapterState.SERVING
+            if previous is None:
+                self._base = previous_version
+            self.relabelled(record.version)
         if previous is not None and previous is not record:
             self.retire(previous)
+
+    def relabelled(self, version: int) -> None:
+        """The servers label tokens `version` from now on: while an adapter serves, requests
+        still running on the base weights must read it as the base weights' version."""
+        if self._base is not None and self._base_requests:
+            self.base_of[version] = self._base
 
     def retire(self, record: Adapter) -> None:
         """`record` serves no new request (superseded, or its update failed): it is unloaded
@@ -170,11 +187,18 @@ class ServerAdapters:
         """The adapter a request sent now carries (None: the base weights), held until
         `release`d."""
         record = self.current
-        if record is not None:
+        if record is None:
+            self._base_requests += 1
+        else:
             record.holds += 1
         return record
 
-    def release(self, record: Adapter) -> None:
+    def release(self, record: Adapter | None) -> None:
+        if record is None:
+            self._base_requests -= 1
+            if not self._base_requests:
+                self.base_of.clear()
+            return
         record.holds -= 1
         self._collect(record)
 

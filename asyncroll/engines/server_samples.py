@@ -13,6 +13,8 @@ from __future__ import annotations
 import array
 import asyncio
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -126,10 +128,18 @@ def append(sample: Sample, choice: rp.StreamChoice, url: str, vocab_size: int) -
     return len(tokens)
 
 
-def output(sample: Sample, request_id: str, url: str, max_new_tokens: int) -> SampleOutput:
+def output(
+    sample: Sample,
+    request_id: str,
+    url: str,
+    max_new_tokens: int,
+    base_of: Mapping[int, int] = MappingProxyType({}),
+) -> SampleOutput:
     """One sample as the `Engine` contract has it; a replica's answer that breaks the
     contract (more tokens than asked for, a finish reason, logprobs or version labels that
-    do not fit) fails the request instead of reaching the trainer."""
+    do not fit) fails the request instead of reaching the trainer. `base_of`: labels that
+    stand for the base weights' version in a sample sent without an adapter
+    (`server_lora`)."""
     n = len(sample.tokens)
     if n > max_new_tokens:
         raise ReplicaError(
@@ -149,6 +159,9 @@ def output(sample: Sample, request_id: str, url: str, max_new_tokens: int) -> Sa
         )
     if sample.label is not None:  # an adapter bound to the request sampled every token
         versions.fill(sample.label)
+    else:
+        for label, base in base_of.items():
+            versions[versions == label] = base
     return SampleOutput(
         tokens=np.array(sample.tokens, dtype=np.int32),
         logprobs=np.array(sample.logprobs, dtype=np.float32),

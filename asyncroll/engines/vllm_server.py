@@ -330,13 +330,14 @@ class VLLMServerEngine:
         finally:
             del self._live[rid]
             self._recent.ended(rid)
+            base_of = dict(self._lora.base_of)  # as its tokens were labelled, before release
             for part in parts:
-                if part.adapter is not None:
+                if part.started:  # bound to the policy it was sent with (`_stream`)
                     self._lora.release(part.adapter)
             self._progress.notify()
         try:
             return [
-                ss.output(s, rid, replica.url, asked.max_new_tokens)
+                ss.output(s, rid, replica.url, asked.max_new_tokens, base_of)
                 for s, asked in zip(samples, request.samples, strict=True)
             ]
         except ReplicaError as exc:  # what the replica answered is wrong: as a failed stream
@@ -676,10 +677,12 @@ class VLLMServerEngine:
             loading = [r for r in self.replicas if r.state is ReplicaState.UP]
             with self._resync_if_interrupted(loading):
                 await self._on_every_up(lambda r: self._load_on(r, folder, version))
+            if folder is not None:
+                self._lora.commit(None, self._state.version)  # full weights are the policy again
+            else:
+                self._lora.relabelled(version)
             self._state.weights = weights
             self._state.version = version
-            if folder is not None:
-                self._lora.commit(None)  # full weights are the policy again
 
     @contextlib.contextmanager
     def _resync_if_interrupted(self, replicas: list[Replica]) -> Iterator[None]:
@@ -725,8 +728,8 @@ class VLLMServerEngine:
                 raise EngineDeadError(f"no replica is up: {self._states()}")
             for replica in members:
                 replica.state = ReplicaState.UP
+            self._lora.commit(None, self._state.version)  # full weights are the policy again
             self._state.version = version
-            self._lora.commit(None)  # full weights are the policy again
 
     async def _load_on(self, replica: Replica, folder: Path | None, version: int) -> None:
         """Reload `folder` on one (paused or idle) replica, drop its KV cache (running requests
@@ -766,7 +769,7 @@ class VLLMServerEngine:
                 await self._on_every_up(lambda r: self._lora.load(r, record))
                 with self._resync_if_interrupted(loading):
                     await self._on_every_up(lambda r: self._label(r, version))
-                self._lora.commit(record)
+                self._lora.commit(record, self._state.version)
                 self._state.version = version
         finally:
             if self._lora.current is not record:
