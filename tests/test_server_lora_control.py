@@ -187,6 +187,7 @@ async def test_a_request_keeps_its_adapter_and_label_across_an_update_then_it_is
         assert set(stub.adapters) == {v2}
         assert folders(tmp_path) == [v2]
         assert stub.calls.count(UNLOAD) == 1
+    assert folders(tmp_path) == []  # close deletes the current adapter's folder too
 
 
 async def test_a_request_on_the_base_weights_kept_across_an_adapter_update_keeps_their_label(
