@@ -114,20 +114,27 @@ def folders(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir())
 
 
+@pytest.mark.parametrize("failure", ["HTTP 500", "no reply within"])
 async def test_a_replica_failing_its_adapter_load_leaves_the_rotation_named(
-    tmp_path: Path,
+    tmp_path: Path, failure: str
 ) -> None:
-    """Like a failed full-weight load: that replica is out (its error names it and the
-    route), the update commits on the others, which serve the adapter; once it answers
-    again its re-sync loads the adapter too."""
-    async with lora_scripted(2, tmp_path) as (engine, stubs):
+    """Like a failed full-weight load: that replica is out (its error names it, the route
+    and the failure: an error reply, or none within `control_timeout_s`), the update
+    commits on the others, which serve the adapter; once it answers again its re-sync loads
+    the adapter too."""
+    deadline = {"control_timeout_s": 1.0} if failure == "no reply within" else {}
+    async with lora_scripted(2, tmp_path, **deadline) as (engine, stubs):
         await engine.check_replicas()
-        stubs[1].failing.add(LOAD)
+        if failure == "HTTP 500":
+            stubs[1].failing.add(LOAD)
+        else:
+            stubs[1].hang, stubs[1].hanging = asyncio.Event(), {LOAD}
         await engine.update_weights(adapter(1), version=1)
         assert engine.version == 1
         failed = engine.replicas[1]
         assert failed.state is ReplicaState.DOWN
         assert failed.error is not None and failed.url in failed.error and LOAD in failed.error
+        assert failure in failed.error
         (name,) = stubs[0].adapters
         assert stubs[1].adapters == {}
         for k in range(6):
@@ -135,6 +142,7 @@ async def test_a_replica_failing_its_adapter_load_leaves_the_rotation_named(
             assert sample.versions.tolist() == [1, 1]
         assert stubs[0].models == [name] * 6 and stubs[1].models == []
         stubs[1].failing.clear()
+        stubs[1].hanging.discard(LOAD)
         await engine.check_replicas()
         assert failed.state is ReplicaState.UP
         assert set(stubs[1].adapters) == {name} and stubs[1].label == "1"
