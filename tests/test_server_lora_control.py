@@ -262,6 +262,26 @@ async def test_adapters_the_engine_can_refuse_are_refused_before_anything_is_sen
             await engine.update_weights(adapter(1), version=1)
 
 
+async def test_new_full_weights_abort_the_requests_sent_with_an_adapter_first(
+    tmp_path: Path,
+) -> None:
+    """An adapter over base weights it was not trained on is a policy no version names: a
+    request kept in place with it is aborted before the new weights load (as `VLLMEngine`
+    does), and its tokens so far keep the adapter's version."""
+    async with lora_scripted(1, tmp_path) as (engine, (stub,)):
+        await engine.update_weights(adapter(1), version=1)
+        stub.hang, stub.hanging = asyncio.Event(), {GENERATE}
+        call = asyncio.ensure_future(engine.generate(_request("run-0-0")))
+        await engine.wait_progress(lambda: engine.replicas[0].streams == 1, 10.0)
+        await engine.update_weights([("model.norm.weight", torch.ones(16))], version=2)
+        after = stub.calls[stub.calls.index(GENERATE) :]
+        assert "/abort_requests" in after
+        assert after.index("/abort_requests") < after.index("/collective_rpc")
+        stub.hang.set()
+        (kept,) = await asyncio.wait_for(call, 10.0)
+        assert kept.versions.tolist() == [1, 1]
+
+
 async def test_full_weights_after_an_adapter_serve_without_it(tmp_path: Path) -> None:
     """A full-weight update makes the new weights the policy: later requests name no
     adapter, and the adapter is unloaded."""

@@ -17,11 +17,9 @@ request, but not used), also when it is kept in place across a later update. No 
 straddles two adapters. A request sent on the base weights before the first adapter, kept in
 place across adapter updates, goes on sampling with the base weights while the servers label
 its tokens with the adapters' versions: those labels are mapped back to the base weights'
-version (`base_of`, kept only while such a request runs). The one case without an exact
-label: a full-weight update while requests sent with an adapter are kept in place (a switch
-from LoRA back to full weights in pause_mode="keep"): they go on with their adapter over the
-new base weights, a policy no version names, still labelled with the adapter's version. Make
-that switch in pause_mode="abort".
+version (`base_of`, kept only while such a request runs). New full weights end the
+requests sent with an adapter (aborted, their samples so far returned): over other base
+weights an adapter samples with a policy no version names.
 
 When an adapter goes. vLLM's unload route only forgets the name in the API server; the
 workers keep adapters in an LRU cache (`max_loras` slots) and load an evicted one again from

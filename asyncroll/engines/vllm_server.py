@@ -674,6 +674,8 @@ class VLLMServerEngine:
             if not self._state.paused:
                 await self._each_replica("POST", sup.PAUSE)
             weights = folder if folder is not None else self._state.weights
+            if folder is not None:
+                await self._end_adapter_requests()
             loading = [r for r in self.replicas if r.state is ReplicaState.UP]
             with self._resync_if_interrupted(loading):
                 await self._on_every_up(lambda r: self._load_on(r, folder, version))
@@ -720,6 +722,7 @@ class VLLMServerEngine:
                 raise EngineDeadError(f"no replica is up: {self._states()}")
             if self._group.members != tuple(members):
                 members = await self._group.form(sender, members)
+            await self._end_adapter_requests()
             self._state.weights = server_weights.Broadcast.SENT  # the old ones go everywhere
             await self._group.transfer(sender, members, named, version)
             with self._resync_if_interrupted(members):
@@ -774,6 +777,18 @@ class VLLMServerEngine:
         finally:
             if self._lora.current is not record:
                 self._lora.retire(record)  # unloaded wherever it loaded
+
+    async def _end_adapter_requests(self) -> None:
+        """Before new full weights (the replicas paused): abort the requests sent with an
+        adapter. It was trained on the old base weights; over the new ones they would sample
+        with a policy no version names. They return their samples so far, finish "abort"
+        (to be continued), labelled with their adapter's version, as `VLLMEngine` does."""
+        running = [
+            rid
+            for rid, live in self._live.items()
+            if any(p.adapter is not None for p in live.parts)
+        ]
+        await asyncio.gather(*(self.abort(rid) for rid in running))
 
     async def _label(self, replica: Replica, version: int) -> None:
         await self._call(replica, "POST", "/update_weight_version", {"new_version": str(version)})
