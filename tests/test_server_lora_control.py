@@ -41,13 +41,17 @@ def adapter(seed: int, rank: int = 4) -> LoraAdapter:
 class LoraStub(ScriptedStub):
     """A scripted replica with vLLM's adapter routes: `adapters` maps the names it loaded to
     their paths; a generate naming an adapter it does not know gets vLLM's 404; `refusal`,
-    when set, is the 500 message every load gets (vLLM refusing the adapter); `models` lists
-    the adapter each generate named (None: the base model)."""
+    when set, is the 500 message every load gets (vLLM refusing the adapter); `problem` what
+    its workers' check of an adapter reports ("": none), `checked` what they were asked to
+    check; `models` lists the adapter each generate named (None: the base model)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.adapters: dict[str, str] = {}
         self.refusal: str | None = None
+        self.problem = ""
+        self.lora_enabled = True  # else its workers have no LoRA manager (no --enable-lora)
+        self.checked: list[dict[str, Any]] = []
         self.models: list[str | None] = []
 
     def app(self) -> web.Application:
@@ -73,6 +77,14 @@ class LoraStub(ScriptedStub):
 
         @web.middleware
         async def models(request: web.Request, handler: Any) -> web.StreamResponse:
+            if request.path == "/collective_rpc":
+                body = await request.json()
+                if body["method"] == "asyncroll_lora_problem":
+                    if not self.lora_enabled:  # vLLM's answer to the workers' AttributeError
+                        message = "'CPUModelRunner' object has no attribute 'lora_manager'"
+                        return web.json_response({"error": {"message": message}}, status=500)
+                    self.checked.append(body["kwargs"])
+                    return web.json_response({"results": [self.problem]})
             if request.path == GENERATE:
                 body = await request.json()
                 if not body["request_id"].startswith(LIVENESS):
@@ -245,6 +257,43 @@ async def test_an_adapter_vllm_refuses_is_a_lora_error_and_leaves_nothing_loaded
         (sample,) = await engine.generate(_request("run-0-0"))
         assert sample.versions.tolist() == [0, 0]
         assert stubs[0].models + stubs[1].models == [None]
+
+
+async def test_an_adapter_the_workers_refuse_is_a_lora_error_before_any_request_names_it(
+    tmp_path: Path,
+) -> None:
+    """vLLM's loader takes a module the model lacks (ignored: another policy) or of another
+    shape (its step would fail, killing the engine): each replica's workers check the loaded
+    adapter against the model before it is committed; a problem is `LoraError`, and the
+    adapter is unloaded from every replica that had loaded it."""
+    async with lora_scripted(2, tmp_path) as (engine, stubs):
+        await engine.check_replicas()
+        stubs[1].problem = "the model has no LoRA layer model.layers.9.self_attn.q_proj"
+        with pytest.raises(LoraError, match=f"{stubs[1].problem}"):
+            await engine.update_weights(adapter(1), version=1)
+        assert engine.version == 0
+        assert [r.state for r in engine.replicas] == [ReplicaState.UP] * 2
+        assert stubs[0].checked == stubs[1].checked
+        (checked,) = stubs[0].checked
+        assert checked["modules"] == {"model.layers.0.self_attn.q_proj": [16, 16]}
+        assert checked["config"]["r"] == 4 and checked["config"]["lora_alpha"] == 8.0
+        await engine._lora.settled()
+        assert stubs[0].adapters == stubs[1].adapters == {} and folders(tmp_path) == []
+        (sample,) = await engine.generate(_request("run-0-0"))
+        assert sample.versions.tolist() == [0, 0]
+        assert stubs[0].models + stubs[1].models == [None]
+
+
+async def test_a_replica_started_without_lora_is_a_lora_error_naming_the_flags(
+    tmp_path: Path,
+) -> None:
+    async with lora_scripted(2, tmp_path) as (engine, stubs):
+        await engine.check_replicas()
+        stubs[1].lora_enabled = False
+        with pytest.raises(LoraError, match="--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+            await engine.update_weights(adapter(1), version=1)
+        assert engine.version == 0 and LOAD not in stubs[1].calls
+        assert [r.state for r in engine.replicas] == [ReplicaState.UP] * 2
 
 
 async def test_adapters_the_engine_can_refuse_are_refused_before_anything_is_sent(

@@ -28,14 +28,19 @@ policy, while any request sent with it runs, and while a re-sync loads it; once 
 holds it is unloaded from every replica that loaded it and its folder deleted (in a task the
 engine owns and awaits at `close`).
 
-Whose fault a failed load is. A refusal of the adapter itself (a rank above the servers'
-`--max-lora-rank`, a target module the model lacks, a server started without LoRA) is the
-caller's: `LoraError` naming what to change, the adapter unloaded wherever it loaded, the
-version unchanged, every replica still serving. Anything else (no answer, a 500 of another
-kind) is that replica's failure like a failed full-weight load: it leaves the rotation, named.
-A replica that answers a generate with "no such model" for the adapter lost it (it restarted
-behind the engine's back): it leaves the rotation until re-synced, and a re-sync loads the
-current adapter after the base weights and label.
+Whose fault a failed load is. vLLM's loader checks the rank and the modules' leaf names, but not
+that a module exists (`model.layers.9...` of a 2-layer model: silently ignored, another policy
+served) nor its shape (vLLM copies an adapter into its LoRA slots as it loads it, where a
+mismatch is a tensor error naming no adapter). So before the load, each replica's workers check
+it against the model (`asyncroll_lora_problem` of asyncroll's worker extension, over
+`/collective_rpc`: the same check as `VLLMEngine`'s). A refusal of the adapter itself (a rank
+above the servers' `--max-lora-rank`, a module the model lacks, a shape it does not have, a
+server started without LoRA) is the caller's: `LoraError` naming what to change, the adapter
+unloaded wherever it loaded, the version unchanged, every replica still serving. Anything else
+(no answer, a 500 of another kind) is that replica's failure like a failed full-weight load: it
+leaves the rotation, named. A replica that answers a generate with "no such model" for the
+adapter lost it (it restarted behind the engine's back): it leaves the rotation until re-synced,
+and a re-sync loads the current adapter after the base weights and label.
 """
 
 from __future__ import annotations
@@ -49,10 +54,19 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaHTTPError
 from asyncroll.engines.server_client import ReplicaClient
-from asyncroll.lora import LoraAdapter, LoraError, LoraSlots, check_servable, write_peft
+from asyncroll.engines.vllm_serve import WORKER_EXTENSION
+from asyncroll.lora import (
+    LoraAdapter,
+    LoraError,
+    LoraSlots,
+    check_servable,
+    peft_config,
+    write_peft,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +83,11 @@ _REFUSALS = (
     "is not supported",  # PEFTHelper's feature checks (DoRA, bias, ...)
 )
 _ALREADY_LOADED = "has already been loaded"
+_PROBLEM = "asyncroll_lora_problem"  # the worker extension's check of an adapter
+_NO_LORA = (
+    "start every replica with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+    " (ServerProcess.start(..., lora=LoraSlots(...)) does both)"
+)
 
 
 class AdapterState(enum.Enum):
@@ -84,6 +103,7 @@ class Adapter:
     name: str
     version: int
     folder: Path
+    check: dict[str, Any]  # what the workers check it with (`_PROBLEM`'s arguments)
     state: AdapterState = AdapterState.LOADING
     holds: int = 0  # requests sent with it that have not ended, re-syncs loading it
     loaded_on: set[Replica] = field(default_factory=set)
@@ -122,7 +142,12 @@ class ServerAdapters:
     async def write(self, adapter: LoraAdapter, weights_dir: Path, version: int) -> Adapter:
         """Write `adapter` once, in PEFT's layout, into a fresh folder under `weights_dir`."""
         name = f"{_NAME_PREFIX}{version}-{uuid.uuid4().hex[:8]}"
-        record = Adapter(name, version, weights_dir / name)
+        modules = {}
+        for module in adapter.modules:
+            a, b = (adapter.tensors[f"{module}.lora_{x}.weight"] for x in "AB")
+            modules[module] = [int(b.shape[0]), int(a.shape[1])]  # out, in features
+        check = {"modules": modules, "config": peft_config(adapter.config)}
+        record = Adapter(name, version, weights_dir / name, check)
         self._written.append(record)
         try:
             await asyncio.to_thread(write_peft, adapter, record.folder)
@@ -132,10 +157,13 @@ class ServerAdapters:
             raise
         return record
 
-    async def load(self, replica: Replica, record: Adapter) -> None:
-        """Load `record` on `replica` within `control_timeout_s`: `LoraError` when vLLM
-        refuses the adapter itself, `ReplicaError` for any other failure. Loading it again
-        (a retried call whose first try reached the server, or a re-sync) is harmless."""
+    async def load(self, replica: Replica, record: Adapter, *, check: bool = True) -> None:
+        """(`check`: have `replica`'s workers check `record` against the model, then) load it
+        there, each call within `control_timeout_s`: `LoraError` when the adapter is refused,
+        `ReplicaError` for any other failure. Loading it again (a retried call whose first
+        try reached the server, or a re-sync) is harmless."""
+        if check:
+            await self._check_on(replica, record)
         body = {"lora_name": record.name, "lora_path": str(record.folder)}
         try:
             await self._client.call(replica, "POST", LOAD, body, text=True)
@@ -143,16 +171,33 @@ class ServerAdapters:
             if exc.status == 400 and _ALREADY_LOADED in exc.text:
                 pass  # its name is unique to this update: the same adapter is there
             elif exc.status == 404 and "Not Found" in exc.text:  # FastAPI: no such route
-                raise LoraError(
-                    f"{exc}: the replica has no {LOAD} route; start every replica with"
-                    " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"
-                    " (vllm_serve.serve_args(..., lora=LoraSlots(...)), ServerProcess.start)"
-                ) from None
+                raise LoraError(f"{exc}: the replica has no {LOAD} route; {_NO_LORA}") from None
             elif any(refusal in exc.text for refusal in _REFUSALS):
                 raise LoraError(f"vLLM refused the adapter: {exc}") from None
             else:
                 raise
         record.loaded_on.add(replica)
+
+    async def _check_on(self, replica: Replica, record: Adapter) -> None:
+        """Before vLLM's loader sees it (see the module docstring)."""
+        body = {"method": _PROBLEM, "kwargs": record.check}
+        try:
+            reply = await self._client.call(replica, "POST", "/collective_rpc", body)
+        except ReplicaHTTPError as exc:
+            if "lora_manager" in exc.text:  # the workers' AttributeError: no --enable-lora
+                raise LoraError(f"{exc}: {_NO_LORA}") from None
+            if _PROBLEM in exc.text:  # vLLM's AttributeError: the worker has no such method
+                raise ValueError(
+                    f"{exc}: start every replica with --worker-extension-cls {WORKER_EXTENSION}"
+                    " (asyncroll.engines.vllm_serve.serve_args does)"
+                ) from None
+            raise
+        results = reply.get("results") if isinstance(reply, dict) else None
+        if not isinstance(results, list) or not all(isinstance(r, str) for r in results):
+            raise ReplicaError(replica.url, f"POST /collective_rpc {_PROBLEM} -> {reply!r:.300}")
+        problems = [r for r in results if r]
+        if problems:
+            raise LoraError(f"replica {replica.url} refused the adapter: {problems[0]}")
 
     def commit(self, record: Adapter | None, previous_version: int) -> None:
         """`record` is the policy from now on (None: new full weights), replacing the policy
@@ -215,7 +260,7 @@ class ServerAdapters:
         if record is None:
             return
         with self.holding(record):
-            await self.load(replica, record)
+            await self.load(replica, record, check=False)  # checked when it was loaded first
 
     def _collect(self, record: Adapter) -> None:
         if self._closed or record not in self._written:

@@ -7,88 +7,54 @@ within 1e-4, every token labelled with the update's version; greedy and seeded s
 tied tiny model and the untied one with biases. The adapter that serves is the second of two
 (v1 then v2: the later one serves, not the first one still loaded beside it).
 
-Bad input (an engine or server without LoRA, a rank above the server's `--max-lora-rank`)
-raises `LoraError`, leaves the version unchanged and every replica serving.
+Bad input raises `LoraError`, leaves the version unchanged and every replica serving: a
+server started without LoRA, a rank above the server's `--max-lora-rank` (vLLM's loader
+refuses it), a module the model lacks and a shape it does not have (vLLM's loader takes both;
+the workers' check refuses them before any request names the adapter).
 
-References are computed before any server starts, one engine at a time; each server is
-started once (30-60 s here) and stopped by its process group.
+The adapters, the reference cases and their prompts are the in-process parity test's
+(`test_lora_parity`, `test_weight_parity`). References are computed before any server
+starts, one engine at a time; each server is started once (30-60 s here) and stopped by its
+process group.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import pytest
 import pytest_asyncio
-import torch
 
 from asyncroll.engines import SampleOutput
 from asyncroll.engines.replicas import ReplicaState
-from asyncroll.engines.vllm import VLLMEngine
 from asyncroll.engines.vllm_serve import ServerProcess
 from asyncroll.engines.vllm_server import VLLMServerEngine
-from asyncroll.engines.weights_file import write_safetensors
-from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots, merged_weights
+from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots
 from asyncroll.models import build_tiny_model
 from tests.vllm.conftest import MAX_MODEL_LEN, original_weights
 from tests.vllm.server import server_engine_on
+from tests.vllm.test_lora_parity import CONFIG, TARGETS, Case, make_case, random_adapter
 from tests.vllm.test_weight_parity import STEPS, UNTIED, VERSION, assert_parity, serve
 
 pytestmark = pytest.mark.slow
 
-RANK = 8
-SERVER_MAX_RANK = 8
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def random_adapter(model: Path, seed: int, rank: int = RANK) -> LoraAdapter:
-    """Non-zero random lora_A and lora_B for every targeted linear of `model`."""
-    noise = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, weight in original_weights(model):
-        module = name.removesuffix(".weight")
-        if module.rsplit(".", 1)[-1] not in TARGETS or not name.endswith(".weight"):
-            continue
-        out_features, in_features = weight.shape
-        a = 0.1 * torch.randn(rank, in_features, generator=noise)
-        b = 0.1 * torch.randn(out_features, rank, generator=noise)
-        tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"] = a, b
-    return LoraAdapter(LoraConfig(rank=rank, alpha=2.0 * rank, target_modules=TARGETS), tensors)
-
-
-@dataclass(frozen=True)
-class Case:
-    """One model, the adapter that serves last, and what a fresh engine on the merged
-    weights serves."""
-
-    model: Path
-    adapter: LoraAdapter
-    reference: list[SampleOutput]
-
-
-async def make_case(model: Path, folder: Path) -> Case:
-    adapter = random_adapter(model, seed=2)
-    merged = merged_weights(dict(original_weights(model)), adapter)
-    shutil.copytree(model, folder)
-    write_safetensors(list(merged.items()), folder / "model.safetensors")
-    async with VLLMEngine(folder, max_model_len=MAX_MODEL_LEN, seed=0) as fresh:
-        await fresh.update_weights(None, version=VERSION)  # labels only: nothing is loaded
-        reference = await serve(fresh, "parity")
-    return Case(model, adapter, reference)
+SLOTS = LoraSlots(max_rank=CONFIG.rank)
 
 
 @pytest_asyncio.fixture(scope="module")
 async def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
-    root = tmp_path_factory.mktemp("lora-parity")
+    root = tmp_path_factory.mktemp("server-lora-parity")
     made = {}
     for name, overrides in (("tied", {}), ("untied", UNTIED)):
         made[name] = await make_case(build_tiny_model(**overrides), root / name)
     return made
+
+
+def other_adapter(model: Path, seed: int, config: LoraConfig = CONFIG) -> LoraAdapter:
+    return random_adapter(dict(original_weights(model)), seed, config)
 
 
 def test_every_targeted_module_has_a_nonzero_adapter(cases: dict[str, Case]) -> None:
@@ -103,9 +69,7 @@ def test_every_targeted_module_has_a_nonzero_adapter(cases: dict[str, Case]) -> 
 
 @contextlib.contextmanager
 def lora_server(model: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess.start(
-        model, max_model_len=MAX_MODEL_LEN, lora=LoraSlots(max_rank=SERVER_MAX_RANK)
-    )
+    server = ServerProcess.start(model, max_model_len=MAX_MODEL_LEN, lora=SLOTS)
     try:
         yield server
     finally:
@@ -120,7 +84,7 @@ def tied_server(cases: dict[str, Case]) -> Iterator[ServerProcess]:
 
 
 def lora_engine(url: str, weights_dir: Path, **kwargs: object) -> VLLMServerEngine:
-    return server_engine_on(url, weights_dir, lora=LoraSlots(max_rank=SERVER_MAX_RANK), **kwargs)
+    return server_engine_on(url, weights_dir, lora=SLOTS, **kwargs)
 
 
 async def adapters_on(url: str) -> set[str]:
@@ -146,7 +110,7 @@ async def check_v1_then_v2(engine: VLLMServerEngine, case: Case, url: str) -> No
     unloaded from the server and its folder deleted (no request uses it any more)."""
     known = await adapters_on(url)  # an earlier engine's, on a shared server
     assert differs(await serve(engine, "before"), case.reference)
-    await engine.update_weights(random_adapter(case.model, seed=1), version=VERSION - 1)
+    await engine.update_weights(other_adapter(case.model, seed=6), version=VERSION - 1)
     first = await serve(engine, "v1")
     assert all(out.versions.tolist() == [VERSION - 1] * STEPS for out in first)
     assert differs(first, case.reference)
@@ -205,21 +169,34 @@ async def test_tied_v1_then_v2_serves_v2_as_merged_weights(
         await check_v1_then_v2(engine, cases["tied"], tied_server.url)
 
 
-async def test_a_rank_above_the_servers_max_is_refused_and_the_replica_keeps_serving(
+async def test_bad_adapters_are_refused_and_the_replica_keeps_serving(
     tied_server: ServerProcess, cases: dict[str, Case], tmp_path: Path
 ) -> None:
-    """The engine allows rank 16, the server only 8: vLLM refuses the adapter, which is the
-    caller's fault (`LoraError`), not the replica's (it stays in the rotation, serving the
-    adapter before), and nothing of the refused one stays loaded."""
+    """Each is the caller's fault (`LoraError` naming it), not the replica's: it stays in the
+    rotation serving the adapter it had, and nothing of the refused ones stays loaded. The
+    engine allows rank 16 here, the server only 8: vLLM's loader refuses it. A layer the
+    model lacks and a narrower q_proj pass vLLM's loader (the first would be ignored, the
+    second kill the engine at its first step): the workers' check refuses them."""
     model = cases["tied"].model
+    q, q9 = "model.layers.0.self_attn.q_proj", "model.layers.9.self_attn.q_proj"
+    a, b = (cases["tied"].adapter.tensors[f"{q}.lora_{x}.weight"] for x in "AB")
+    bad = [
+        (other_adapter(model, 1, LoraConfig(rank=16, alpha=16.0, target_modules=TARGETS)),
+         "greater than max_lora_rank"),
+        (LoraAdapter(CONFIG, {f"{q9}.lora_A.weight": a, f"{q9}.lora_B.weight": b}),
+         f"no LoRA layer {q9}"),
+        (LoraAdapter(CONFIG, {f"{q}.lora_A.weight": a[:, :64], f"{q}.lora_B.weight": b}),
+         "q_proj maps 64 -> 128 features"),
+    ]  # fmt: skip
     async with server_engine_on(tied_server.url, tmp_path, lora=LoraSlots(max_rank=16)) as engine:
-        await engine.update_weights(random_adapter(model, seed=1), version=1)
+        await engine.update_weights(other_adapter(model, 6), version=1)
         known = await adapters_on(tied_server.url)
         before = await serve(engine, "v1")
-        with pytest.raises(LoraError, match="greater than max_lora_rank"):
-            await engine.update_weights(random_adapter(model, seed=3, rank=16), version=2)
-        assert engine.version == 1
-        assert engine.replicas[0].state is ReplicaState.UP
+        for adapter, words in bad:
+            with pytest.raises(LoraError, match=words):
+                await engine.update_weights(adapter, version=2)
+            assert engine.version == 1
+            assert engine.replicas[0].state is ReplicaState.UP
         after = await serve(engine, "v1")
         assert [o.tokens.tolist() for o in after] == [o.tokens.tolist() for o in before]
         assert all((o.versions == 1).all() for o in after)
