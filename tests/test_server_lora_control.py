@@ -18,6 +18,7 @@ from aiohttp import web
 
 from asyncroll.engines.replicas import ReplicaError, ReplicaState
 from asyncroll.engines.server_lora import LOAD, UNLOAD
+from asyncroll.engines.vllm_serve import serve_args
 from asyncroll.engines.vllm_server import VLLMServerEngine
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots
 from tests.stubs import served
@@ -341,3 +342,10 @@ async def test_full_weights_after_an_adapter_serve_without_it(tmp_path: Path) ->
         assert sample.versions.tolist() == [0, 0]  # the server's label (scripted: "0")
         await engine._lora.settled()
         assert stub.models == [None] and stub.adapters == {}
+
+
+def test_serve_args_start_a_replica_with_the_engines_lora_slots() -> None:
+    args = serve_args("/m", 8000, lora=LoraSlots(max_rank=16, slots=3))
+    i = args.index("--enable-lora")
+    assert args[i : i + 5] == ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "16"]
+    assert "--enable-lora" not in serve_args("/m", 8000)
