@@ -907,7 +907,7 @@ class VLLMServerEngine:
                     head = await rp.read_at_most(reply, rp.ERROR_BODY_BYTES)
                     text = head.decode(errors="replace")
                     error = ReplicaError(replica.url, f"generate -> HTTP {reply.status}: {text}")
-                    if reply.status == 404 and adapter is not None:
+                    if reply.status == 404 and adapter is not None and adapter.name in text:
                         raise UnsyncedReplicaError(
                             replica.url,
                             f"does not know the adapter {adapter.name} (did it restart?): {text}",
