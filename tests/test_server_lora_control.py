@@ -182,6 +182,27 @@ async def test_a_replica_that_restarted_loses_the_rotation_and_its_resync_loads_
         assert stub.models == [name, name]
 
 
+async def test_an_adapter_update_cut_off_by_its_caller_leaves_nothing_of_it(
+    tmp_path: Path,
+) -> None:
+    """The producer bounds `update_weights` by `update_timeout_s`. Wherever the cut lands
+    (the label hangs here; on a busy machine it may land in the load), the version stays,
+    the adapter is unloaded and its folder deleted, and the replica serves the old label
+    with no adapter once its label answers again."""
+    async with lora_scripted(1, tmp_path) as (engine, (stub,)):
+        await engine.check_replicas()
+        stub.hang, stub.hanging = asyncio.Event(), {"/update_weight_version"}
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(engine.update_weights(adapter(1), version=1), 1.0)
+        assert engine.version == 0
+        stub.hang.set()
+        await engine._lora.settled()
+        assert stub.adapters == {} and folders(tmp_path) == []
+        (sample,) = await engine.generate(_request("run-0-0"))
+        assert sample.versions.tolist() == [0, 0] and stub.label == "0"
+        assert stub.models == [None]
+
+
 async def test_a_request_keeps_its_adapter_and_label_across_an_update_then_it_is_unloaded(
     tmp_path: Path,
 ) -> None:
