@@ -370,3 +370,17 @@ def test_serve_args_start_a_replica_with_the_engines_lora_slots() -> None:
     i = args.index("--enable-lora")
     assert args[i : i + 5] == ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "16"]
     assert "--enable-lora" not in serve_args("/m", 8000)
+
+
+def test_a_producer_skips_its_pause_for_adapters_and_checks_the_slots() -> None:
+    """Adapter updates need no producer pause here (requests keep their adapter), and the
+    replicas' slots must hold every version `max_staleness` lets run."""
+    from asyncroll import Producer
+
+    plain = VLLMServerEngine("http://127.0.0.1:1", vocab_size=512)
+    assert (plain.adapter_updates_without_pause, plain.adapter_slots) == (False, None)
+    engine = VLLMServerEngine("http://127.0.0.1:1", vocab_size=512, lora=LoraSlots(slots=2))
+    assert (engine.adapter_updates_without_pause, engine.adapter_slots) == (True, 2)
+    with pytest.raises(ValueError, match=r"registers 2 LoRA adapters: .*LoraSlots\(slots=3\)"):
+        Producer(engine, [[1, 2]], lambda s: 0.0, group_size=2, batch_size=1, max_staleness=2)
+    Producer(engine, [[1, 2]], lambda s: 0.0, group_size=2, batch_size=1, max_staleness=1)

@@ -284,6 +284,19 @@ class VLLMServerEngine:
         return self._state.version
 
     @property
+    def adapter_updates_without_pause(self) -> bool:
+        """With LoRA, the producer need not pause for an adapter update: each request keeps
+        the adapter it was sent with, labelled with its version, and the update itself only
+        freezes the replicas (keep mode) while they load the adapter (`server_lora`)."""
+        return self._lora.slots is not None
+
+    @property
+    def adapter_slots(self) -> int | None:
+        """Adapters each replica holds at once (`LoraSlots.slots`, the replicas'
+        `--max-loras`; None: no LoRA)."""
+        return None if self._lora.slots is None else self._lora.slots.slots
+
+    @property
     def pause_bound_s(self) -> float:
         """The longest `pause_generation` or `resume_generation` takes while no weight
         update runs, whatever a replica does: waiting for probes when none is up, then one

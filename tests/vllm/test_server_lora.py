@@ -25,16 +25,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 import pytest_asyncio
 
+from asyncroll import Producer, SamplingConfig
 from asyncroll.engines import SampleOutput
 from asyncroll.engines.replicas import ReplicaState
 from asyncroll.engines.vllm_serve import ServerProcess
 from asyncroll.engines.vllm_server import VLLMServerEngine
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots
 from asyncroll.models import build_tiny_model
-from tests.vllm.conftest import MAX_MODEL_LEN, original_weights
+from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.server import server_engine_on
 from tests.vllm.test_lora_parity import CONFIG, TARGETS, Case, make_case, random_adapter
 from tests.vllm.test_weight_parity import STEPS, UNTIED, VERSION, assert_parity, serve
@@ -203,3 +205,38 @@ async def test_bad_adapters_are_refused_and_the_replica_keeps_serving(
         await engine._lora.settled()
         assert await adapters_on(tied_server.url) == known
         assert len(names_in(tmp_path)) == 1  # v1's folder only
+
+
+async def test_a_producer_updates_adapters_over_http_without_pausing(
+    tied_server: ServerProcess, cases: dict[str, Case], tmp_path: Path
+) -> None:
+    """The engine says adapter updates need no producer pause: groups in flight run on
+    through two adapter updates (none aborted), each sample's tokens carry the version of
+    the adapter its requests were sent with (never decreasing), and later groups the new
+    ones."""
+    model = cases["tied"].model
+    async with lora_engine(tied_server.url, tmp_path) as engine:
+        producer = Producer(
+            engine,
+            [[0, 5 + i % 100, 6] for i in range(400)],
+            lambda group: [0.0] * len(group.samples),
+            sampling=SamplingConfig(max_new_tokens=32, ignore_eos=True),
+            group_size=2,
+            max_inflight_groups=4,
+            batch_size=4,
+        )
+        async with producer:
+            for expected in (1, 2):
+                await engine.wait_progress(lambda: engine.running_requests > 0, DEADLINE_S)
+                adapter = other_adapter(model, 10 + expected)
+                assert await producer.update_weights(adapter) == expected
+            seen: set[int] = set()
+            while 2 not in seen:
+                batch = await producer.produce_batch(timeout=DEADLINE_S)
+                for group in batch.groups:
+                    for sample in group.samples:
+                        versions = np.asarray(sample.versions)
+                        assert (np.diff(versions) >= 0).all()
+                        seen.update(int(v) for v in versions)
+            assert producer.progress.counters.aborted_groups == 0
+        assert seen <= {0, 1, 2} and 2 in seen
