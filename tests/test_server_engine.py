@@ -1052,7 +1052,7 @@ async def test_a_request_failing_during_an_update_is_checked_by_a_generate_after
     resume: past `liveness_timeout_s` (a long reload), a healthy replica left the rotation.
     Asking `/health` instead let a hung engine core pass. The check now waits for the
     update's end and tries a generate; the replica stays meanwhile (the update needs it)."""
-    deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
+    deadlines = {"liveness_timeout_s": 1.0, "pause_timeout_s": 1.0}  # room for a loaded machine
     async with scripted(1, **deadlines) as (engine, (stub,)):
         await engine.check_replicas()
         (replica,) = engine.replicas
@@ -1086,7 +1086,7 @@ async def test_a_wedged_replica_leaves_the_rotation_when_callers_give_up_on_its_
     `request_timeout_s`), the abort answered, and a cancellation was no failure. It stayed
     in the rotation and got every group of its sessions (the chaos run's 140 late groups).
     A request its caller gives up on unfinished now has its replica checked."""
-    deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
+    deadlines = {"liveness_timeout_s": 1.0, "pause_timeout_s": 1.0}  # room for a loaded machine
     async with scripted(2, **deadlines) as (engine, stubs):
         await engine.check_replicas()
         wedged = engine.replicas[1]
@@ -1110,7 +1110,7 @@ async def test_a_wedged_replica_failing_during_an_update_is_not_kept_on_its_heal
     """A failure check made while an update ran asked `/health` (a generate would wait for
     the resume), which a hung engine core passes: the wedged replica stayed. The check now
     waits for the update's end, then generates."""
-    deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
+    deadlines = {"liveness_timeout_s": 1.0, "pause_timeout_s": 1.0}  # room for a loaded machine
     async with scripted(2, **deadlines) as (engine, stubs):
         await engine.check_replicas()
         wedged = engine.replicas[1]
@@ -1134,7 +1134,7 @@ async def test_a_replica_seen_hung_does_not_come_back_on_its_health_while_paused
     """A paused engine's replicas cannot generate, so a re-sync while paused tried only
     `/health`: a replica whose liveness generate had failed (a wedged engine core) came back
     at every pause. It now stays out until the resume lets a generate try it."""
-    deadlines = {"liveness_timeout_s": 0.2, "pause_timeout_s": 0.2}
+    deadlines = {"liveness_timeout_s": 1.0, "pause_timeout_s": 1.0}  # room for a loaded machine
     async with scripted(2, **deadlines) as (engine, stubs):
         await engine.check_replicas()
         wedged = engine.replicas[1]
