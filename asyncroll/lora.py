@@ -83,6 +83,57 @@ class LoraConfig(msgspec.Struct, frozen=True, kw_only=True):
         return float(self.alpha) / self.rank
 
 
+VLLM_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts as `max_lora_rank`."""
+
+
+class LoraSlots(msgspec.Struct, frozen=True, kw_only=True):
+    """How an engine serves adapters (the engines' `lora=` argument; None: no LoRA).
+
+    `max_rank` is vLLM's `max_lora_rank` (an adapter may have any rank up to it; vLLM sizes its
+    buffers for it, so a larger one costs memory and time); `slots` is vLLM's `max_loras`, the
+    adapters registered at once. An update registers the new version's adapter beside the ones
+    that running requests still use, so `slots` bounds how many versions can be in flight."""
+
+    max_rank: int = 16
+    slots: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_rank not in VLLM_MAX_RANKS or isinstance(self.max_rank, bool):
+            raise LoraError(
+                f"LoraSlots max_rank={self.max_rank!r}: vLLM takes one of {VLLM_MAX_RANKS}"
+            )
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
+            raise LoraError(f"LoraSlots slots={self.slots!r}: must be an integer >= 1")
+
+
+def check_servable(slots: LoraSlots | None, adapter: object, engine: str) -> LoraAdapter:
+    """Return `adapter` if an engine started with `slots` can serve it, else raise `LoraError`
+    naming what to change (the engine checks what depends on the model's modules itself)."""
+    if not isinstance(adapter, LoraAdapter):
+        raise LoraError(f"{engine}: expected a LoraAdapter, got {type(adapter).__name__}")
+    if slots is None:
+        raise LoraError(
+            f"{engine} was started without LoRA: start it with lora=LoraSlots(max_rank=..., "
+            "slots=...) to serve adapters"
+        )
+    if adapter.config.rank > slots.max_rank:
+        raise LoraError(
+            f"{engine}: the adapter's rank {adapter.config.rank} is above the engine's "
+            f"max_rank {slots.max_rank}; start it with a LoraSlots max_rank >= "
+            f"{adapter.config.rank}, or train a smaller rank"
+        )
+    return adapter
+
+
+def adapter_name(version: int, serial: int) -> str:
+    """vLLM's name for the adapter of `version`, registered as the engine's `serial`-th (>= 1,
+    also its `lora_int_id`). vLLM keys its prefix cache by the name and its adapter cache by
+    the id, so both must be new for every registration: a version number can come again (a
+    restored checkpoint), and the same name would then serve the KV cache of other weights."""
+    return f"asyncroll-v{version}-{serial}"
+
+
 @dataclass(frozen=True)
 class LoraAdapter:
     """A checked LoRA adapter (see the module docstring for the tensor names and shapes).

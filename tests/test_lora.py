@@ -14,6 +14,9 @@ from asyncroll.lora import (
     LoraAdapter,
     LoraConfig,
     LoraError,
+    LoraSlots,
+    adapter_name,
+    check_servable,
     from_peft_state,
     merged_weights,
     write_peft,
@@ -237,3 +240,33 @@ def test_vllm_reads_what_write_peft_writes(tmp_path: Path) -> None:
     assert helper._validate_features() == []
     name, is_a = utils.parse_fine_tuned_lora_name(f"base_model.model.{Q}.lora_A.weight")
     assert (name, is_a) == (Q, True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"max_rank": 4}, "max_rank=4: vLLM takes one of"),
+        ({"max_rank": 0}, "max_rank=0"),
+        ({"slots": 0}, "slots=0"),
+        ({"slots": 1.5}, "slots=1.5"),
+    ],
+)
+def test_bad_slots(kwargs: dict[str, Any], words: str) -> None:
+    with pytest.raises(LoraError, match=words):
+        LoraSlots(**kwargs)
+
+
+def test_check_servable() -> None:
+    adapter = LoraAdapter(CONFIG, tensors())
+    assert check_servable(LoraSlots(max_rank=8), adapter, "E") is adapter
+    with pytest.raises(LoraError, match="E was started without LoRA"):
+        check_servable(None, adapter, "E")
+    with pytest.raises(LoraError, match="rank 2 is above the engine's max_rank 1"):
+        check_servable(LoraSlots(max_rank=1), adapter, "E")
+    with pytest.raises(LoraError, match="expected a LoraAdapter, got dict"):
+        check_servable(LoraSlots(), {}, "E")
+
+
+def test_adapter_names_are_unique_per_registration() -> None:
+    assert adapter_name(3, 1) != adapter_name(3, 2)
+    assert adapter_name(3, 1) == "asyncroll-v3-1"
