@@ -270,3 +270,13 @@ def test_check_servable() -> None:
 def test_adapter_names_are_unique_per_registration() -> None:
     assert adapter_name(3, 1) != adapter_name(3, 2)
     assert adapter_name(3, 1) == "asyncroll-v3-1"
+
+
+async def test_sim_engine_takes_an_adapter() -> None:
+    """A simulation: the adapter is counted and the version stamped, nothing is applied."""
+    from asyncroll.engines.sim import SimEngine
+
+    engine = SimEngine()
+    await engine.update_weights(LoraAdapter(CONFIG, tensors()), version=4)
+    assert (engine.adapter_updates, engine.version) == (1, 4)
+    await engine.close()

@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from asyncroll.lora import LoraAdapter
 from asyncroll.types import Float32Array, Int32Array
 
 _min = np.minimum.reduce  # the ufuncs themselves: ndarray.min/max add a Python-level call
@@ -213,10 +214,13 @@ class Engine(Protocol):
         """Undo `pause_generation` (a no-op when not paused)."""
         ...
 
-    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+    async def update_weights(self, weights: Weights | LoraAdapter | None, *, version: int) -> None:
         """Load `weights` (None: they were loaded out of band) and stamp later tokens `version`.
         Returns once the new weights serve every new token. Across a keep-in-place pause,
-        tokens sampled before the pause keep the old version, tokens after it the new one."""
+        tokens sampled before the pause keep the old version, tokens after it the new one.
+        A `LoraAdapter` (engines started with LoRA) becomes the policy of every request started
+        after this returns; requests already running finish under the adapter they started
+        with, labelled with its version (an adapter is bound to a request for its life)."""
         ...
 
     async def close(self) -> None:

@@ -26,6 +26,7 @@ from asyncroll.engines.base import (
     Weights,
     check_token_ids,
 )
+from asyncroll.lora import LoraAdapter
 
 _POOL = 1 << 20  # random tokens/logprobs drawn once and sliced, so zero latency costs ~nothing
 
@@ -151,6 +152,7 @@ class SimEngine:
         self._running.set()
         self._closed = False
         self.calls = 0  # generate calls, for tests and benchmarks
+        self.adapter_updates = 0  # LoRA adapters received, for tests
 
     # -- Engine protocol -------------------------------------------------------------------------
 
@@ -233,11 +235,14 @@ class SimEngine:
         for live in self._live.values():
             live.wake.set()
 
-    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+    async def update_weights(self, weights: Weights | LoraAdapter | None, *, version: int) -> None:
         """Consume `weights`, wait `update_latency_s`, then stamp `version` on every token
-        from now on, including the rest of requests running right now."""
+        from now on, including the rest of requests running right now. A `LoraAdapter` is
+        counted in `adapter_updates` (a simulation: nothing is applied)."""
         self._check_alive()
-        if weights is not None:
+        if isinstance(weights, LoraAdapter):
+            self.adapter_updates += 1
+        elif weights is not None:
             for _name, _tensor in weights:
                 pass
         if self.config.update_latency_s:

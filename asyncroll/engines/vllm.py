@@ -43,6 +43,7 @@ import tempfile
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,6 +59,15 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
+from asyncroll.lora import (
+    LoraAdapter,
+    LoraError,
+    LoraSlots,
+    adapter_name,
+    check_servable,
+    peft_config,
+    peft_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +75,8 @@ _EXTENSION = "asyncroll.engines.vllm_worker.WeightLoaderExtension"
 _FINISH_REASONS = frozenset({"stop", "length", "abort"})
 _INITIAL_LABEL = "default"  # vLLM's weight version label before any update: our version 0
 _WEIGHTS_DIR = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+
+_LORA_ARGS = frozenset({"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"})
 
 Transfer = Literal["auto", "file", "cuda_ipc"]
 
@@ -101,15 +113,31 @@ class _Part:
         self.indices = indices  # positions in the group's request.samples
 
 
+class _Adapter:
+    """A LoRA adapter registered in vLLM: the policy of `version`, bound to every request
+    started while it was the engine's policy (`users` of them still run)."""
+
+    __slots__ = ("request", "users", "version")
+
+    def __init__(self, version: int, request: Any) -> None:
+        self.version = version
+        self.request = request  # the vLLM LoRARequest every request of this policy carries
+        self.users = 0
+
+
 class _Live:
-    """A running group: its vLLM requests, its samples as they stream in, and the tasks
-    streaming them (which `close` cancels, so that no `generate` outlives the engine)."""
+    """A running group: its vLLM requests, its samples as they stream in, the tasks
+    streaming them (which `close` cancels, so that no `generate` outlives the engine), and
+    the adapter it runs under (None: the base weights)."""
 
-    __slots__ = ("aborted", "parts", "samples", "tasks")
+    __slots__ = ("aborted", "adapter", "parts", "samples", "tasks")
 
-    def __init__(self, parts: list[_Part], samples: list[_Sample]) -> None:
+    def __init__(
+        self, parts: list[_Part], samples: list[_Sample], adapter: _Adapter | None
+    ) -> None:
         self.parts = parts
         self.samples = samples
+        self.adapter = adapter
         self.aborted = False
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -154,6 +182,19 @@ class VLLMEngine:
     cost is in benchmarks/README.md). After a failed check the engine refuses to generate
     (`WeightMismatchError`; running requests end as aborted) until an update succeeds: no
     token is labelled with weights that are not the trainer's.
+
+    `lora`: serve LoRA adapters (`update_weights` with a `asyncroll.lora.LoraAdapter`), with
+    `LoraSlots(max_rank=, slots=)` as vLLM's `max_lora_rank` and `max_loras` (None: no LoRA,
+    and an adapter update raises `LoraError`). Each adapter update registers the adapter in
+    vLLM's workers from memory, under a new id and name, and every request started after it
+    carries it (vLLM binds an adapter to a request for the request's life): requests already
+    running finish under the adapter they started with, every token of a request is labelled
+    with its adapter's version, and no request straddles two adapters. An adapter that is not
+    the policy is unloaded as soon as no running request uses it; when all `slots` hold adapters
+    in use, the requests of the oldest are aborted (their partial samples can be continued) to
+    make room.
+    A full-weight update aborts the requests that run under an adapter (the base weights would
+    change under it) and serves the new base weights without an adapter.
     """
 
     def __init__(
@@ -166,6 +207,7 @@ class VLLMEngine:
         generate_timeout_s: float = 3600.0,
         control_timeout_s: float = 300.0,
         verify_weights: bool = False,
+        lora: LoraSlots | None = None,
         **engine_args: Any,
     ) -> None:
         from vllm import __version__ as vllm_version
@@ -181,6 +223,18 @@ class VLLMEngine:
             raise ValueError(f"transfer={transfer!r}: use 'auto', 'file' or 'cuda_ipc'")
         if generate_timeout_s <= 0 or control_timeout_s <= 0:
             raise ValueError("generate_timeout_s and control_timeout_s must be > 0")
+        if lora is not None and not isinstance(lora, LoraSlots):
+            raise ValueError(f"lora={lora!r}: give a LoraSlots(max_rank=..., slots=...) or None")
+        given = sorted(_LORA_ARGS & engine_args.keys())
+        if given:
+            raise ValueError(f"{', '.join(given)}: set LoRA with lora=LoraSlots(...) instead")
+        if lora is not None:
+            engine_args.update(
+                enable_lora=True,
+                max_lora_rank=lora.max_rank,
+                max_loras=lora.slots,
+                max_cpu_loras=lora.slots,  # the engine unloads adapters itself
+            )
         extension = engine_args.setdefault("worker_extension_cls", _EXTENSION)
         if extension != _EXTENSION:
             raise ValueError(
@@ -208,7 +262,12 @@ class VLLMEngine:
         self.generate_timeout_s = generate_timeout_s
         self.control_timeout_s = control_timeout_s
         self.verify_weights = verify_weights
+        self.lora = lora
         self._weights = WeightsState.SERVED
+        self._adapters: dict[int, _Adapter] = {}  # registered in vLLM, by lora_int_id
+        self._policy: _Adapter | None = None  # what new requests run under (None: no adapter)
+        self._policy_tensors: LoraAdapter | None = None  # the policy's adapter, to relabel it
+        self._lora_serial = 0  # the last lora_int_id given
         args = AsyncEngineArgs(model=self.model, **engine_args)
         with _child_environment(on_cpu):
             self._llm: Any = AsyncLLM.from_engine_args(args)
@@ -259,8 +318,11 @@ class VLLMEngine:
             raise ValueError(f"request id {rid!r} is already running")
         parts = self._split(request)
         samples = [_Sample() for _ in request.samples]
-        live = self._live[rid] = _Live(parts, samples)
+        adapter = self._policy
+        live = self._live[rid] = _Live(parts, samples, adapter)
         live.aborted = self._recent.take_early_abort(rid)  # aborted before it got here
+        if adapter is not None:
+            adapter.users += 1
         try:
             async with asyncio.timeout(self.generate_timeout_s):
                 await self._run_parts(live, request.sampling)
@@ -273,7 +335,15 @@ class VLLMEngine:
         finally:
             del self._live[rid]
             self._recent.ended(rid)
-        return [self._output(s, rid) for s in samples]
+            if adapter is not None:
+                adapter.users -= 1
+                self._progress.notify()  # an update may wait for an adapter's requests to end
+        if adapter is None:
+            return [self._output(s, rid, None) for s in samples]
+        if adapter.users == 0 and adapter is not self._policy:
+            async with self._control:  # not while an update registers adapters
+                await self._unload_unused()
+        return [self._output(s, rid, adapter.version) for s in samples]
 
     async def abort(self, request_id: str) -> None:
         """Abort every vLLM request of the group. Its `generate` then returns the partial
@@ -300,13 +370,21 @@ class VLLMEngine:
             await self._call(self._llm.resume_generation())
             self._paused = False
 
-    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+    async def update_weights(self, weights: Weights | LoraAdapter | None, *, version: int) -> None:
         """Pause (unless paused already), load `weights`, drop every cached KV block (running
         requests are recomputed under the new weights), label later tokens `version`, resume.
         Returns once new tokens come from the new weights. With no weights and the current
-        version there is nothing to change: it returns at once (keeping the prefix cache)."""
+        version there is nothing to change: it returns at once (keeping the prefix cache).
+
+        A `LoraAdapter` (or None while an adapter is the policy) registers the adapter for the
+        requests started after this returns, without pausing (see the class docstring); a bad
+        one raises `LoraError` and changes nothing."""
         self._check_alive()
         if weights is None and version == self._version:
+            return
+        if isinstance(weights, LoraAdapter) or (weights is None and self._policy is not None):
+            adapter = weights if weights is not None else self._policy_tensors
+            await self._update_adapter(adapter, version)
             return
         async with self._control:
             self._check_alive()
@@ -314,6 +392,7 @@ class VLLMEngine:
             if pause_here:
                 await self._call(self._llm.pause_generation(mode="keep", clear_cache=False))
             try:
+                await self._end_adapter_requests()
                 if weights is not None:
                     await self._load_checked(weights)
                 self._check_weights()
@@ -321,6 +400,7 @@ class VLLMEngine:
                     raise RuntimeError("vLLM could not reset its prefix cache after the update")
                 await self._call(self._llm.update_weight_version(str(version)))
                 self._version = version
+                self._policy = self._policy_tensors = None
             finally:
                 if pause_here and not self._dead():
                     await self._call(self._llm.resume_generation())
@@ -402,8 +482,9 @@ class VLLMEngine:
                 live.samples[i].finish = "abort"
             return
         params = self._sampling_params(sampling, part)
+        lora = None if live.adapter is None else live.adapter.request
         stream: AsyncIterator[Any] = self._llm.generate(
-            TokensPrompt(prompt_token_ids=part.prompt), params, part.vllm_id
+            TokensPrompt(prompt_token_ids=part.prompt), params, part.vllm_id, lora_request=lora
         )
         first = True
         async for out in stream:
@@ -442,7 +523,9 @@ class VLLMEngine:
             **extra,
         )
 
-    def _output(self, sample: _Sample, request_id: str) -> SampleOutput:
+    def _output(self, sample: _Sample, request_id: str, version: int | None) -> SampleOutput:
+        """The sample's arrays; `version` (the request's adapter's) labels every token, else
+        vLLM's version spans do."""
         n = len(sample.tokens)
         finish = sample.finish
         if finish not in _FINISH_REASONS:
@@ -454,6 +537,8 @@ class VLLMEngine:
         versions = vllm_groups.token_versions(sample.spans, n, _version_of)
         if versions is None:
             raise RuntimeError(f"vLLM's version spans do not label each of {n} tokens once")
+        if version is not None:
+            versions = np.full(n, version, dtype=np.int32)
         experts = sample.experts
         return SampleOutput(
             tokens=np.array(sample.tokens, dtype=np.int32),
@@ -531,6 +616,88 @@ class VLLMEngine:
         del keep
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # free what workers let go
 
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    async def _update_adapter(self, adapter: LoraAdapter | None, version: int) -> None:
+        """Make `adapter` the policy of requests started from now on, labelled `version`.
+        Checks first what needs no worker (LoRA on, the rank), then the model's modules in
+        the worker, before anything changes."""
+        where = f"vLLM engine {self.model}"
+        adapter = check_servable(self.lora, adapter, where)
+        slots = self.lora.slots if self.lora is not None else 0  # check_servable: not None
+        async with self._control:
+            self._check_alive()
+            self._check_weights()
+            modules = {m: _features(adapter, m) for m in adapter.modules}
+            config = peft_config(adapter.config)
+            problems = await self._call(
+                self._llm.collective_rpc("asyncroll_lora_problem", args=(modules, config))
+            )
+            self._refuse(problems, where)
+            await self._unload_unused()
+            await self._make_room(slots)
+            payload = await asyncio.to_thread(_safetensors_bytes, adapter)
+            self._lora_serial += 1
+            serial = self._lora_serial
+            args = (serial, payload, config)
+            self._refuse(
+                await self._call(self._llm.collective_rpc("asyncroll_add_lora", args=args)),
+                where,
+            )
+            from vllm.lora.request import LoRARequest
+
+            name = adapter_name(version, serial)
+            # The path is never read (the workers have the adapter by its id) but must be set,
+            # and vLLM keys the prefix cache by it too: a fresh one per registration.
+            request = LoRARequest(name, serial, f"asyncroll-memory://{name}")
+            self._policy = self._adapters[serial] = _Adapter(version, request)
+            self._policy_tensors = adapter
+            self._version = version
+            await self._unload_unused()  # the previous policy, unless requests still use it
+
+    def _refuse(self, problems: Any, where: str) -> None:
+        """Raise `LoraError` with the first worker's problem, if any (nothing was loaded)."""
+        found = [p for p in problems or () if p]
+        if found:
+            raise LoraError(
+                f"{where}: {found[0]}. Nothing was loaded; the engine still serves version "
+                f"{self._version}"
+            )
+
+    async def _unload_unused(self) -> None:
+        """Unload every adapter that is not the policy and that no running request uses."""
+        for lora_id, adapter in list(self._adapters.items()):
+            if adapter is not self._policy and adapter.users == 0:
+                del self._adapters[lora_id]
+                await self._call(self._llm.remove_lora(lora_id))
+
+    async def _make_room(self, slots: int) -> None:
+        """With every slot held by an adapter in use, abort the requests of the oldest (they
+        end with their tokens so far, which can be continued under the new policy), wait for
+        them to end, and unload it."""
+        while len(self._adapters) >= slots:
+            lora_id = min(self._adapters)
+            oldest = self._adapters[lora_id]
+            for request_id, live in list(self._live.items()):
+                if live.adapter is oldest:
+                    await self.abort(request_id)
+            await self.wait_progress(partial(_unused, oldest), self.control_timeout_s)
+            del self._adapters[lora_id]
+            if oldest is self._policy:
+                self._policy = self._policy_tensors = None
+            await self._call(self._llm.remove_lora(lora_id))
+
+    async def _end_adapter_requests(self) -> None:
+        """Before a full-weight update: abort the requests that run under an adapter (the
+        base weights must not change under them) and unload every adapter."""
+        for request_id, live in list(self._live.items()):
+            if live.adapter is not None:
+                await self.abort(request_id)
+        for lora_id, adapter in list(self._adapters.items()):
+            if adapter.users == 0:
+                del self._adapters[lora_id]
+                await self._call(self._llm.remove_lora(lora_id))
+
     # -- errors and deadlines --------------------------------------------------------------------
 
     async def _call(self, awaitable: Any) -> Any:
@@ -557,6 +724,22 @@ class VLLMEngine:
         if isinstance(exc, VLLMDeadError) or self._dead():
             return EngineDeadError(f"vLLM engine died: {type(exc).__name__}: {exc}")
         return exc
+
+
+def _features(adapter: LoraAdapter, module: str) -> list[int]:
+    """[out_features, in_features] of an adapted module."""
+    a, b = adapter.tensors[f"{module}.lora_A.weight"], adapter.tensors[f"{module}.lora_B.weight"]
+    return [int(b.shape[0]), int(a.shape[1])]
+
+
+def _unused(adapter: _Adapter) -> bool:
+    return adapter.users == 0
+
+
+def _safetensors_bytes(adapter: LoraAdapter) -> bytes:
+    from safetensors.torch import save
+
+    return bytes(save({k: t.cpu() for k, t in peft_tensors(adapter).items()}))
 
 
 def _aborted(live: _Live) -> bool:

@@ -163,6 +163,82 @@ class WeightLoaderExtension:
         )
         return {"mismatched": mismatched, "unchecked": unchecked}
 
+    def asyncroll_lora_problem(self, modules: dict[str, list[int]], config: dict[str, Any]) -> str:
+        """What keeps an adapter of `config` over `modules` (Hugging Face module path ->
+        [out_features, in_features]) from being served here, or "": a rank or feature vLLM
+        refuses, a module the model has no LoRA layer for (vLLM's loader would ignore it
+        silently, serving another policy), or one whose shape is not the checkpoint's (it
+        would fail inside vLLM's step, killing the engine)."""
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = self.model_runner.lora_manager  # type: ignore[attr-defined]
+        adapters = manager._adapter_manager
+        helper = PEFTHelper.from_dict(
+            dict(config, vllm_max_position_embeddings=manager.max_position_embeddings)
+        )
+        try:
+            helper.validate_legal(manager.lora_config)
+        except ValueError as exc:
+            return str(exc)
+        mapper = _rename_mapper(adapters.model)
+        served = _lora_modules(adapters.modules, adapters.packed_modules_mapping)
+        named = {(mapper._map_name(m) if mapper is not None else m) or m for m in modules}
+        unknown = sorted(named - served)
+        if unknown:
+            leaves = sorted({m.rsplit(".", 1)[-1] for m in served})
+            return f"the model has no LoRA layer {', '.join(unknown)} (its targets: {leaves})"
+        shapes = _checkpoint_shapes(self.model_config.model)  # type: ignore[attr-defined]
+        for module, shape in sorted(modules.items()):
+            weight = shapes.get(f"{module}.weight")
+            if weight is not None and list(weight) != list(shape):
+                return (
+                    f"the adapter's {module} maps {shape[1]} -> {shape[0]} features, but the "
+                    f"model's {module}.weight has shape {tuple(weight)}"
+                )
+        return ""
+
+    def asyncroll_add_lora(self, lora_id: int, payload: bytes, config: dict[str, Any]) -> str:
+        """Register a LoRA adapter from memory under `lora_id`, for requests whose
+        `LoRARequest` carries that id: `payload` is the adapter as safetensors bytes (PEFT's
+        names), `config` its adapter_config.json. No file is written or read: vLLM's worker
+        looks an adapter up by id before it would load one from its path. Returns "" once it
+        is registered, else why not (`asyncroll_lora_problem`; nothing is registered then)."""
+        from safetensors.torch import load
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.lora.utils import parse_fine_tuned_lora_name
+
+        tensors = load(payload)
+        modules: dict[str, list[int]] = {}
+        for name, tensor in tensors.items():
+            module, is_a = parse_fine_tuned_lora_name(name)
+            modules.setdefault(module, [0, 0])[1 if is_a else 0] = int(tensor.shape[is_a])
+        problem = self.asyncroll_lora_problem(modules, config)
+        if problem:
+            return problem
+        manager = self.model_runner.lora_manager  # type: ignore[attr-defined]
+        adapters = manager._adapter_manager
+        if len(adapters.list_adapters()) >= adapters.capacity:  # it would evict one in use
+            return f"all {adapters.capacity} adapter slots are taken"
+        helper = PEFTHelper.from_dict(
+            dict(config, vllm_max_position_embeddings=manager.max_position_embeddings)
+        )
+        lora = LoRAModel.from_lora_tensors(
+            lora_id,
+            tensors,
+            helper,
+            device="cpu",  # as vLLM's own loader: moved to the device when activated
+            dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
+            weights_mapper=_rename_mapper(adapters.model),
+        )
+        adapters.add_adapter(lora)
+        return ""
+
+    def asyncroll_lora_ids(self) -> list[int]:
+        """The adapter ids registered in this worker (what the engine has not unloaded)."""
+        return sorted(self.model_runner.lora_manager.list_adapters())  # type: ignore[attr-defined]
+
     def _asyncroll_refresh_tied_head(self) -> str | None:
         """Re-run the output layer's weight processing when it shares the input embedding.
 
@@ -182,3 +258,32 @@ class WeightLoaderExtension:
             return None
         head.quant_method.process_weights_after_loading(head)
         return type(head).__name__
+
+
+def _lora_modules(modules: dict[str, Any], packed: dict[str, list[str]]) -> set[str]:
+    """The Hugging Face names of the modules an adapter can target: vLLM's LoRA layers, with
+    a packed one (qkv_proj) standing for the modules it packs (q_proj, k_proj, v_proj)."""
+    names: set[str] = set()
+    for name in modules:
+        parent, _, leaf = name.rpartition(".")
+        names.update(f"{parent}.{sub}" for sub in packed.get(leaf, [leaf]))
+    return names
+
+
+def _rename_mapper(model: Any) -> Any:
+    """The module renames vLLM's own adapter loader applies for `model` (None: none)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    return None if mapper is None else mapper.get_rename_mapper()
+
+
+def _checkpoint_shapes(folder: str) -> dict[str, list[int]]:
+    """Each tensor's shape in the served checkpoint's safetensors files (headers only); empty
+    when `folder` is not a local folder (a hub id)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            shapes.update((name, list(f.get_slice(name).get_shape())) for name in f.keys())  # noqa: SIM118
+    return shapes
