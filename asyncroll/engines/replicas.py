@@ -36,6 +36,17 @@ class ReplicaError(RuntimeError):
         self.url = url
 
 
+class ReplicaHTTPError(ReplicaError):
+    """A replica answered a control call with an HTTP error status: `status` and the head of
+    its body (`text`) let a caller tell a refusal of what it sent (an adapter vLLM cannot
+    load) from the replica's own failure."""
+
+    def __init__(self, url: str, message: str, status: int, text: str) -> None:
+        super().__init__(url, message)
+        self.status = status
+        self.text = text
+
+
 class UnsyncedReplicaError(ReplicaError):
     """The replica serves weights this engine never gave it: its process restarted behind the
     engine's back (vLLM's initial weight label), and it answers every probe all the same."""
@@ -151,15 +162,17 @@ async def control(
     timeout_s: float,
     json: Any = None,
     idempotent: bool = True,
+    text: bool = False,
 ) -> Any:
     """One control call (`/pause`, `/collective_rpc`, ...) within `timeout_s`; its JSON reply
-    (None for an empty body). Any failure raises `ReplicaError` naming the replica (a closed
-    `session` raises aiohttp's own error: the caller closed it, no replica failed). The
-    connection is not reused: after a 500 from vLLM's RL routes the next request on the same
-    connection was measured to fail. An `idempotent` call is tried once more on a fresh
-    connection after a connection error (a pooled one may have been closed by the server's
-    keep-alive timeout just as it was reused); any other (an NCCL step: a second join or
-    receive would wait for a broadcast that never comes) is not."""
+    (None for an empty body), or with `text` its body as text (vLLM's adapter routes answer
+    plain text). Any failure raises `ReplicaError` naming the replica (`ReplicaHTTPError` for an
+    HTTP error status; a closed `session` raises aiohttp's own error: the caller closed it, no
+    replica failed). The connection is not reused: after a 500 from vLLM's RL routes the next
+    request on the same connection was measured to fail. An `idempotent` call is tried once more
+    on a fresh connection after a connection error (a pooled one may have been closed by the
+    server's keep-alive timeout just as it was reused); any other (an NCCL step: a second join
+    or receive would wait for a broadcast that never comes) is not."""
     url = f"{replica.url}{path}"
     attempts = 2 if idempotent else 1
     for attempt in range(1, attempts + 1):
@@ -169,9 +182,9 @@ async def control(
                 session.request(method, url, json=json, headers={"Connection": "close"}) as reply,
             ):
                 if reply.status != 200:
-                    text = (await read_at_most(reply, ERROR_BODY_BYTES)).decode(errors="replace")
-                    message = f"{method} {path} -> HTTP {reply.status}: {text}"
-                    raise ReplicaError(replica.url, message)
+                    err = (await read_at_most(reply, ERROR_BODY_BYTES)).decode(errors="replace")
+                    message = f"{method} {path} -> HTTP {reply.status}: {err}"
+                    raise ReplicaHTTPError(replica.url, message, reply.status, err)
                 body = await read_at_most(reply, REPLY_BYTES + 1)
         except Exception as exc:
             if session.closed:
@@ -184,11 +197,13 @@ async def control(
             raise replica_failure(replica, f"{method} {path}", exc) from None
         if len(body) > REPLY_BYTES:
             raise ReplicaError(replica.url, f"{method} {path} -> a reply over {REPLY_BYTES} B")
+        if text:
+            return body.decode(errors="replace")
         try:
             return msgspec.json.decode(body) if body.strip() else None
         except msgspec.DecodeError:  # garbage (a proxy's error page) fails like any bad reply
-            text = body[:ERROR_BODY_BYTES].decode(errors="replace")
-            raise ReplicaError(replica.url, f"{method} {path} -> not JSON: {text}") from None
+            head = body[:ERROR_BODY_BYTES].decode(errors="replace")
+            raise ReplicaError(replica.url, f"{method} {path} -> not JSON: {head}") from None
     raise AssertionError("unreachable")
 
 

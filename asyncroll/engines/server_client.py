@@ -64,9 +64,11 @@ class ReplicaClient:
         *,
         timeout_s: float | None = None,
         idempotent: bool = True,
+        text: bool = False,
     ) -> Any:
         """A control call within `timeout_s` (default `control_timeout_s`); only an
-        `idempotent` one is tried again after a connection error (`replicas.control`)."""
+        `idempotent` one is tried again after a connection error; `text`: the reply's body as
+        text, not JSON (`replicas.control`)."""
         timeout = self.control_timeout_s if timeout_s is None else timeout_s
         with self.dead_if_closed():
             return await rp.control(
@@ -77,6 +79,7 @@ class ReplicaClient:
                 timeout_s=timeout,
                 json=json,
                 idempotent=idempotent,
+                text=text,
             )
 
     async def check_alive(self, replica: Replica, *, paused: bool) -> None:

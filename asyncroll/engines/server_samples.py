@@ -13,6 +13,8 @@ from __future__ import annotations
 import array
 import asyncio
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,7 @@ from asyncroll.engines import replicas as rp
 from asyncroll.engines import vllm_groups
 from asyncroll.engines.base import SampleOutput, SamplingConfig
 from asyncroll.engines.replicas import Replica, ReplicaError, UnsyncedReplicaError
+from asyncroll.engines.server_lora import Adapter
 
 IN_FLIGHT_BYTES_PER_TOKEN = 10  # a token id and a logprob, 4 B each, and the arrays' growth
 IN_FLIGHT_SAMPLE_BYTES = 512  # a `Sample` and its two arrays, empty
@@ -46,19 +49,20 @@ class Sample:
     """A sample's tokens as they stream in, in C arrays (8 B a token, counted by the
     engine's `payload_bytes`): Python lists of ints and floats held ~70."""
 
-    __slots__ = ("finish", "logprobs", "spans", "tokens")
+    __slots__ = ("finish", "label", "logprobs", "spans", "tokens")
 
     def __init__(self) -> None:
         self.tokens = array.array("i")  # int32, as `SampleOutput` has them
         self.logprobs = array.array("f")
         self.finish: str | None = None
         self.spans: list[rp.Span] | None = None
+        self.label: int | None = None  # sent with an adapter: every token's version
 
 
 class Part:
     """One HTTP request of a group: `n` samples continuing the same prompt + prefix."""
 
-    __slots__ = ("indices", "max_tokens", "prompt", "server_id", "started")
+    __slots__ = ("adapter", "indices", "max_tokens", "prompt", "server_id", "started")
 
     def __init__(self, server_id: str, prompt: list[int], max_tokens: int, indices: list[int]):
         self.server_id = server_id  # the request_id sent; vLLM prefixes it ("generate-tokens-")
@@ -66,6 +70,7 @@ class Part:
         self.max_tokens = max_tokens
         self.indices = indices  # positions in the group's request.samples
         self.started = False  # sent to the replica (so an abort has to reach it there)
+        self.adapter: Adapter | None = None  # the LoRA adapter it was sent with
 
 
 class Live:
@@ -123,10 +128,18 @@ def append(sample: Sample, choice: rp.StreamChoice, url: str, vocab_size: int) -
     return len(tokens)
 
 
-def output(sample: Sample, request_id: str, url: str, max_new_tokens: int) -> SampleOutput:
+def output(
+    sample: Sample,
+    request_id: str,
+    url: str,
+    max_new_tokens: int,
+    base_of: Mapping[int, int] = MappingProxyType({}),
+) -> SampleOutput:
     """One sample as the `Engine` contract has it; a replica's answer that breaks the
     contract (more tokens than asked for, a finish reason, logprobs or version labels that
-    do not fit) fails the request instead of reaching the trainer."""
+    do not fit) fails the request instead of reaching the trainer. `base_of`: labels that
+    stand for the base weights' version in a sample sent without an adapter
+    (`server_lora`)."""
     n = len(sample.tokens)
     if n > max_new_tokens:
         raise ReplicaError(
@@ -144,6 +157,11 @@ def output(sample: Sample, request_id: str, url: str, max_new_tokens: int) -> Sa
             url,
             f"its version spans do not label each of the {n} tokens of {request_id} once, in order",
         )
+    if sample.label is not None:  # an adapter bound to the request sampled every token
+        versions.fill(sample.label)
+    else:
+        for label, base in base_of.items():
+            versions[versions == label] = base
     return SampleOutput(
         tokens=np.array(sample.tokens, dtype=np.int32),
         logprobs=np.array(sample.logprobs, dtype=np.float32),

@@ -29,9 +29,17 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncroll.lora import LoraSlots
 
 WORKER_EXTENSION = "asyncroll.engines.vllm_worker.WeightLoaderExtension"
 """Loads weights in every worker (`--worker-extension-cls`): `VLLMServerEngine` calls it."""
+
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+"""Adds vLLM's adapter routes (`/v1/load_lora_adapter`, ...), which `VLLMServerEngine` loads
+adapters through; `ServerProcess.start` sets it for a replica started with `lora`."""
 
 RL_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",  # the RL control routes: /pause, /collective_rpc, ...
@@ -47,12 +55,15 @@ def serve_args(
     seed: int = 0,
     kv_cache_bytes: int | None = 128 << 20,
     on_cpu: bool = True,
+    lora: LoraSlots | None = None,
 ) -> list[str]:
     """The `vllm serve` arguments `VLLMServerEngine` needs: the token-in/token-out generate
     route (`--enable-scale-out`), logprobs of the distribution that sampled (as `VLLMEngine`),
     the worker extension that loads weights (the same code as `VLLMEngine`'s), and on CPU
     float32 eager mode with a small KV cache (vLLM's CPU default reserves a share of the NUMA
-    node that can exceed free memory)."""
+    node that can exceed free memory). `lora`: serve LoRA adapters up to `lora.max_rank`,
+    `lora.slots` of them at once (in a batch and in the workers' cache: 2 keeps the adapter of
+    requests sent before an update beside the new one); the server also needs `LORA_ENV`."""
     args = [
         "serve",
         str(model),
@@ -75,6 +86,9 @@ def serve_args(
         args += ["--dtype", "float32", "--enforce-eager"]
     if kv_cache_bytes is not None:
         args += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    if lora is not None:
+        args += ["--enable-lora", "--max-loras", str(lora.slots)]
+        args += ["--max-lora-rank", str(lora.max_rank)]
     return args
 
 
@@ -141,7 +155,8 @@ class ServerProcess:
             )
         args = serve_args(model, port, **serve_kwargs)  # type: ignore[arg-type]
         fd, log_name = tempfile.mkstemp(prefix=f"vllm-serve-{port}-", suffix=".log")
-        child_env = {**os.environ, **RL_ENV, **(env or {})}
+        lora_env = LORA_ENV if serve_kwargs.get("lora") is not None else {}
+        child_env = {**os.environ, **RL_ENV, **lora_env, **(env or {})}
         root = str(Path(__file__).resolve().parents[2])  # a source checkout imports this shim
         child_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (root, child_env.get("PYTHONPATH", "")) if p

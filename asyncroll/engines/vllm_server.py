@@ -54,13 +54,20 @@ reference notes):
   `abort_timeout_s`); a generate `request_timeout_s`; other control calls
   `control_timeout_s`. Only idempotent calls are tried twice (never an NCCL step); replies are
   read up to a bound.
+* **Or a LoRA adapter as the policy** (`lora=LoraSlots(...)`, servers started with it too:
+  `vllm_serve.serve_args(..., lora=...)`): `update_weights(adapter, version=k)` writes it once
+  under `weights_dir`, loads it on every replica (`/v1/load_lora_adapter`, frozen like a
+  weight update) under a name of its own, and every request sent afterwards names it; each
+  of a request's tokens is labelled with the version of the adapter it was sent with, which
+  vLLM keeps for its whole life. A refused adapter is `LoraError`; see `server_lora`.
 * **Updates commit, then clean up.** The new folder and label become what the engine serves
   only once every replica loaded them, and a folder is deleted only when no replica can be
   reading it (`server_weights`): an update cut off at its final resume keeps its weights.
 
 Files: this one is the `Engine` (admission, routing, generate, pause, resume, updates);
 `server_supervisor` the per-replica control plane; `server_client` HTTP to the replicas;
-`server_samples` what a request carries and brings back, parsed strictly; `replica_load` how
+`server_samples` what a request carries and brings back, parsed strictly; `server_lora` the
+LoRA adapters; `replica_load` how
 one replica loads a folder; `server_weights`
 which weights the replicas serve; `server_nccl` the NCCL group and its broadcast steps;
 `replicas` a replica's state and the wire format.
@@ -88,6 +95,7 @@ from asyncroll._signal import Signal
 from asyncroll.engines import (
     nccl_transfer,
     replica_load,
+    server_lora,
     server_weights,
     vllm_groups,
     weights_file,
@@ -103,10 +111,11 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
-from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState
+from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, UnsyncedReplicaError
 from asyncroll.engines.server_client import ReplicaClient
 from asyncroll.engines.server_nccl import NcclGroup
 from asyncroll.engines.server_samples import attempt_session
+from asyncroll.lora import LoraAdapter, LoraSlots
 
 __all__ = ["VLLMServerEngine", "attempt_session"]
 
@@ -146,6 +155,10 @@ class VLLMServerEngine:
     `/health`; `liveness_timeout_s` the one-token generate that tells a live engine core
     from a hung one; `health_interval_s` the first delay before a failed replica's next
     probe (doubling with each failure in a row, to 32 times it).
+
+    `lora`: serve `LoraAdapter`s given to `update_weights` (`asyncroll.lora.LoraSlots`, the
+    same argument as `VLLMEngine`'s; every replica must be started with the same slots,
+    `vllm_serve.serve_args(..., lora=...)`, and `weights_dir` is needed to write them).
     """
 
     def __init__(
@@ -167,6 +180,7 @@ class VLLMServerEngine:
         max_connections: int = 512,
         weight_transfer: nccl_transfer.WeightSender | None = None,
         verify_weights: bool = False,
+        lora: LoraSlots | None = None,
     ) -> None:
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
@@ -229,6 +243,7 @@ class VLLMServerEngine:
             liveness_timeout_s=liveness_timeout_s,
         )
         self._folders = server_weights.WeightFolders()
+        self._lora = server_lora.ServerAdapters(lora, self._client, self._unload_failed)
         self._group = NcclGroup(self._client, self._on_every, self._down, self._states)
         self._supervisors = {
             r: sup.Supervisor(
@@ -236,7 +251,7 @@ class VLLMServerEngine:
                 self._state,
                 self._client,
                 self._folders,
-                self._load_on,
+                self._resync_load,
                 self._down,
                 self._leave_group,
             )
@@ -315,10 +330,14 @@ class VLLMServerEngine:
         finally:
             del self._live[rid]
             self._recent.ended(rid)
+            base_of = dict(self._lora.base_of)  # as its tokens were labelled, before release
+            for part in parts:
+                if part.started:  # bound to the policy it was sent with (`_stream`)
+                    self._lora.release(part.adapter)
             self._progress.notify()
         try:
             return [
-                ss.output(s, rid, replica.url, asked.max_new_tokens)
+                ss.output(s, rid, replica.url, asked.max_new_tokens, base_of)
                 for s, asked in zip(samples, request.samples, strict=True)
             ]
         except ReplicaError as exc:  # what the replica answered is wrong: as a failed stream
@@ -376,12 +395,17 @@ class VLLMServerEngine:
             self._check_open()
             await self._reopen()
 
-    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+    async def update_weights(self, weights: Weights | LoraAdapter | None, *, version: int) -> None:
         """Write `weights` under `weights_dir` and load them on every replica (None: weights
         unchanged), and label later tokens `version` there; see `update_weights_from_path`.
-        With `weight_transfer`, broadcast them over NCCL instead (see the module docstring)."""
+        With `weight_transfer`, broadcast them over NCCL instead (see the module docstring).
+        A `LoraAdapter` becomes the policy on every replica instead, over the base weights
+        (`server_lora`; the engine needs `lora`)."""
         self._check_open()
         ss.check_version(version)
+        if isinstance(weights, LoraAdapter):
+            await self._update_lora(weights, version)
+            return
         if weights is None:
             await self._update(None, version)
             return
@@ -429,6 +453,7 @@ class VLLMServerEngine:
         await asyncio.gather(*(self._abort_on(r, ids) for r, ids in started if ids))
         await vllm_groups.end_streams(self._live.values(), self.control_timeout_s)
         await asyncio.gather(*(s.stop() for s in self._supervisors.values()))
+        await self._lora.close(self.control_timeout_s)
         await self._client.close()
         self._folders.remove_all()
         if self.weight_transfer is not None:
@@ -606,7 +631,7 @@ class VLLMServerEngine:
                     await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
                     await self._call(replica, "POST", sup.PAUSE, timeout_s=self.pause_timeout_s)
                     replica.state = await sup.catch_up(
-                        replica, self._state.weights, self._state.version, self._load_on
+                        replica, self._state.weights, self._state.version, self._resync_load
                     )
                 except (ReplicaError, ValueError) as exc:
                     self._down(replica, exc)
@@ -649,9 +674,15 @@ class VLLMServerEngine:
             if not self._state.paused:
                 await self._each_replica("POST", sup.PAUSE)
             weights = folder if folder is not None else self._state.weights
+            if folder is not None:
+                await self._end_adapter_requests()
             loading = [r for r in self.replicas if r.state is ReplicaState.UP]
             with self._resync_if_interrupted(loading):
                 await self._on_every_up(lambda r: self._load_on(r, folder, version))
+            if folder is not None:
+                self._lora.commit(None, self._state.version)  # full weights are the policy again
+            else:
+                self._lora.relabelled(version)
             self._state.weights = weights
             self._state.version = version
 
@@ -691,6 +722,7 @@ class VLLMServerEngine:
                 raise EngineDeadError(f"no replica is up: {self._states()}")
             if self._group.members != tuple(members):
                 members = await self._group.form(sender, members)
+            await self._end_adapter_requests()
             self._state.weights = server_weights.Broadcast.SENT  # the old ones go everywhere
             await self._group.transfer(sender, members, named, version)
             with self._resync_if_interrupted(members):
@@ -699,6 +731,7 @@ class VLLMServerEngine:
                 raise EngineDeadError(f"no replica is up: {self._states()}")
             for replica in members:
                 replica.state = ReplicaState.UP
+            self._lora.commit(None, self._state.version)  # full weights are the policy again
             self._state.version = version
 
     async def _load_on(self, replica: Replica, folder: Path | None, version: int) -> None:
@@ -713,6 +746,57 @@ class VLLMServerEngine:
         if not (isinstance(reply, dict) and reply.get("success")):
             raise ReplicaError(replica.url, f"could not reset its prefix cache: {reply}")
         await self._call(replica, "POST", "/update_weight_version", {"new_version": str(version)})
+
+    async def _resync_load(self, replica: Replica, folder: Path | None, version: int) -> None:
+        """A re-sync's load (`Supervisor`, `catch_up`): the weights and label, then the
+        current LoRA adapter, which a replica that restarted lacks."""
+        await self._load_on(replica, folder, version)
+        await self._lora.catch_up(replica)
+
+    async def _update_lora(self, adapter: LoraAdapter, version: int) -> None:
+        """Make `adapter` the policy (`server_lora`): write it once, then, frozen like a
+        weight update, load it on every replica (a refusal of the adapter raises `LoraError`
+        before any label changes), label `version`, and commit: later requests carry it."""
+        self._lora.check(adapter)
+        if self.weights_dir is None:
+            raise ValueError(
+                "update_weights with a LoraAdapter needs weights_dir (a folder every replica"
+                " reads, where the adapter is written)"
+            )
+        record = await self._lora.write(adapter, self.weights_dir, version)
+        try:
+            async with self._frozen():
+                if not self._state.paused:
+                    await self._each_replica("POST", sup.PAUSE)
+                loading = [r for r in self.replicas if r.state is ReplicaState.UP]
+                await self._on_every_up(lambda r: self._lora.load(r, record))
+                with self._resync_if_interrupted(loading):
+                    await self._on_every_up(lambda r: self._label(r, version))
+                self._lora.commit(record, self._state.version)
+                self._state.version = version
+        finally:
+            if self._lora.current is not record:
+                self._lora.retire(record)  # unloaded wherever it loaded
+
+    async def _end_adapter_requests(self) -> None:
+        """Before new full weights (the replicas paused): abort the requests sent with an
+        adapter. It was trained on the old base weights; over the new ones they would sample
+        with a policy no version names. They return their samples so far, finish "abort"
+        (to be continued), labelled with their adapter's version, as `VLLMEngine` does."""
+        running = [
+            rid
+            for rid, live in self._live.items()
+            if any(p.adapter is not None for p in live.parts)
+        ]
+        await asyncio.gather(*(self.abort(rid) for rid in running))
+
+    async def _label(self, replica: Replica, version: int) -> None:
+        await self._call(replica, "POST", "/update_weight_version", {"new_version": str(version)})
+
+    def _unload_failed(self, replica: Replica, exc: ReplicaError) -> None:
+        """An adapter's unload failed: like a failed abort, the supervisor checks the
+        replica."""
+        self._supervisors[replica].failed(exc)
 
     async def _abort_on(self, replica: Replica, server_ids: list[str]) -> None:
         """Abort requests on `replica`, through the RL route that returns once vLLM has
@@ -799,12 +883,17 @@ class VLLMServerEngine:
                 replica.url,
                 f"left the rotation before {part.server_id} was sent: {replica.error}",
             )
-        body = {
+        body: dict[str, Any] = {
             "request_id": part.server_id,
             "token_ids": part.prompt,
             "stream": True,
             "sampling_params": ss.sampling_params(sampling, part, self.stream_interval),
         }
+        adapter = part.adapter = self._lora.bind()
+        if adapter is not None:  # every token of the request is sampled with it
+            body["model"] = adapter.name
+            for i in part.indices:
+                samples[i].label = self._state.version
         part.started = True
         self._open_streams += 1
         replica.streams += 1
@@ -818,6 +907,11 @@ class VLLMServerEngine:
                     head = await rp.read_at_most(reply, rp.ERROR_BODY_BYTES)
                     text = head.decode(errors="replace")
                     error = ReplicaError(replica.url, f"generate -> HTTP {reply.status}: {text}")
+                    if reply.status == 404 and adapter is not None:
+                        raise UnsyncedReplicaError(
+                            replica.url,
+                            f"does not know the adapter {adapter.name} (did it restart?): {text}",
+                        )
                     if 400 <= reply.status < 500:
                         raise rp.Rejected(str(error))
                     raise error

@@ -1,0 +1,205 @@
+"""LoRA adapters over HTTP: `VLLMServerEngine` on a real `vllm serve` started with LoRA.
+
+Parity (the team's rule for every weight path): with every lora_A and lora_B of every
+targeted module non-zero random, what the server serves under the adapter equals what a FRESH
+in-process `VLLMEngine` serves on `merged_weights(base, adapter)`: tokens exact, logprobs
+within 1e-4, every token labelled with the update's version; greedy and seeded sampling; the
+tied tiny model and the untied one with biases. The adapter that serves is the second of two
+(v1 then v2: the later one serves, not the first one still loaded beside it).
+
+Bad input raises `LoraError`, leaves the version unchanged and every replica serving: a
+server started without LoRA, a rank above the server's `--max-lora-rank` (vLLM's loader
+refuses it), a module the model lacks and a shape it does not have (vLLM's loader takes both;
+the workers' check refuses them before any request names the adapter).
+
+The adapters, the reference cases and their prompts are the in-process parity test's
+(`test_lora_parity`, `test_weight_parity`). References are computed before any server
+starts, one engine at a time; each server is started once (30-60 s here) and stopped by its
+process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from asyncroll.engines import SampleOutput
+from asyncroll.engines.replicas import ReplicaState
+from asyncroll.engines.vllm_serve import ServerProcess
+from asyncroll.engines.vllm_server import VLLMServerEngine
+from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots
+from asyncroll.models import build_tiny_model
+from tests.vllm.conftest import MAX_MODEL_LEN, original_weights
+from tests.vllm.server import server_engine_on
+from tests.vllm.test_lora_parity import CONFIG, TARGETS, Case, make_case, random_adapter
+from tests.vllm.test_weight_parity import STEPS, UNTIED, VERSION, assert_parity, serve
+
+pytestmark = pytest.mark.slow
+
+SLOTS = LoraSlots(max_rank=CONFIG.rank)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+    root = tmp_path_factory.mktemp("server-lora-parity")
+    made = {}
+    for name, overrides in (("tied", {}), ("untied", UNTIED)):
+        made[name] = await make_case(build_tiny_model(**overrides), root / name)
+    return made
+
+
+def other_adapter(model: Path, seed: int, config: LoraConfig = CONFIG) -> LoraAdapter:
+    return random_adapter(dict(original_weights(model)), seed, config)
+
+
+def test_every_targeted_module_has_a_nonzero_adapter(cases: dict[str, Case]) -> None:
+    """Or parity would prove nothing about the modules left alone."""
+    for key, case in cases.items():
+        modules = {m.rsplit(".", 1)[-1] for m in case.adapter.modules}
+        assert modules == set(TARGETS), key
+        assert len(case.adapter.modules) == 2 * len(TARGETS), key  # both layers
+        for name, t in case.adapter.tensors.items():
+            assert bool((t != 0).all()), f"{key}: {name}"
+
+
+@contextlib.contextmanager
+def lora_server(model: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess.start(model, max_model_len=MAX_MODEL_LEN, lora=SLOTS)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tied_server(cases: dict[str, Case]) -> Iterator[ServerProcess]:
+    """The tied model served with LoRA (after the references: one vLLM at a time)."""
+    with lora_server(cases["tied"].model) as server:
+        yield server
+
+
+def lora_engine(url: str, weights_dir: Path, **kwargs: object) -> VLLMServerEngine:
+    return server_engine_on(url, weights_dir, lora=SLOTS, **kwargs)
+
+
+async def adapters_on(url: str) -> set[str]:
+    """The adapter names the server's API knows (`/v1/models` lists them with a parent)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/v1/models") as reply:
+        assert reply.status == 200
+        cards = (await reply.json())["data"]
+    return {c["id"] for c in cards if c.get("parent")}
+
+
+def names_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def differs(served: list[SampleOutput], reference: list[SampleOutput]) -> bool:
+    return any(
+        a.tokens.tolist() != b.tokens.tolist() for a, b in zip(served, reference, strict=True)
+    )
+
+
+async def check_v1_then_v2(engine: VLLMServerEngine, case: Case, url: str) -> None:
+    """Base, then adapter v1, then the case's adapter as v2: v2 serves (parity), v1 is
+    unloaded from the server and its folder deleted (no request uses it any more)."""
+    known = await adapters_on(url)  # an earlier engine's, on a shared server
+    assert differs(await serve(engine, "before"), case.reference)
+    await engine.update_weights(other_adapter(case.model, seed=6), version=VERSION - 1)
+    first = await serve(engine, "v1")
+    assert all(out.versions.tolist() == [VERSION - 1] * STEPS for out in first)
+    assert differs(first, case.reference)
+    (v1,) = await adapters_on(url) - known
+    await engine.update_weights(case.adapter, version=VERSION)
+    served = await serve(engine, "parity")  # the reference's request ids: the same seeds
+    gap = max(
+        float(abs(a.logprobs - b.logprobs).max())
+        for a, b in zip(served, case.reference, strict=True)
+        if a.tokens.tolist() == b.tokens.tolist()
+    )
+    print(f"{case.model.name}: max |logprob - reference| = {gap:.2e}")
+    assert_parity(served, case.reference)
+    assert engine.version == VERSION
+    await engine._lora.settled()  # the unload of v1, started when its last request ended
+    (v2,) = await adapters_on(url) - known
+    assert v2 != v1
+    assert names_in(engine.weights_dir) == [v2]  # type: ignore[arg-type]
+
+
+async def test_a_server_started_without_lora_refuses_it_and_keeps_serving(
+    cases: dict[str, Case], tmp_path: Path
+) -> None:
+    """An engine built for LoRA on a server started without it: `LoraError` naming what to
+    start the server with, the version unchanged, the replica serving the base weights."""
+    server = ServerProcess.start(cases["tied"].model, max_model_len=MAX_MODEL_LEN)
+    try:
+        async with lora_engine(server.url, tmp_path) as engine:
+            before = await serve(engine, "before")
+            with pytest.raises(LoraError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+                await engine.update_weights(cases["tied"].adapter, version=VERSION)
+            assert engine.version == 0
+            assert engine.replicas[0].state is ReplicaState.UP
+            after = await serve(engine, "before")
+            assert [o.tokens.tolist() for o in after] == [o.tokens.tolist() for o in before]
+            assert all((o.versions == 0).all() for o in after)
+            await engine._lora.settled()
+            assert names_in(tmp_path) == []  # the adapter's folder is gone
+    finally:
+        server.stop()
+
+
+async def test_untied_v1_then_v2_serves_v2_as_merged_weights(
+    cases: dict[str, Case], tmp_path: Path
+) -> None:
+    """Its own server, before the tied one starts (one vLLM of this module at a time)."""
+    with lora_server(cases["untied"].model) as server:
+        async with lora_engine(server.url, tmp_path) as engine:
+            await check_v1_then_v2(engine, cases["untied"], server.url)
+
+
+async def test_tied_v1_then_v2_serves_v2_as_merged_weights(
+    tied_server: ServerProcess, cases: dict[str, Case], tmp_path: Path
+) -> None:
+    async with lora_engine(tied_server.url, tmp_path) as engine:
+        await check_v1_then_v2(engine, cases["tied"], tied_server.url)
+
+
+async def test_bad_adapters_are_refused_and_the_replica_keeps_serving(
+    tied_server: ServerProcess, cases: dict[str, Case], tmp_path: Path
+) -> None:
+    """Each is the caller's fault (`LoraError` naming it), not the replica's: it stays in the
+    rotation serving the adapter it had, and nothing of the refused ones stays loaded. The
+    engine allows rank 16 here, the server only 8: vLLM's loader refuses it. A layer the
+    model lacks and a narrower q_proj pass vLLM's loader (the first would be ignored, the
+    second kill the engine at its first step): the workers' check refuses them."""
+    model = cases["tied"].model
+    q, q9 = "model.layers.0.self_attn.q_proj", "model.layers.9.self_attn.q_proj"
+    a, b = (cases["tied"].adapter.tensors[f"{q}.lora_{x}.weight"] for x in "AB")
+    bad = [
+        (other_adapter(model, 1, LoraConfig(rank=16, alpha=16.0, target_modules=TARGETS)),
+         "greater than max_lora_rank"),
+        (LoraAdapter(CONFIG, {f"{q9}.lora_A.weight": a, f"{q9}.lora_B.weight": b}),
+         f"no LoRA layer {q9}"),
+        (LoraAdapter(CONFIG, {f"{q}.lora_A.weight": a[:, :64], f"{q}.lora_B.weight": b}),
+         "q_proj maps 64 -> 128 features"),
+    ]  # fmt: skip
+    async with server_engine_on(tied_server.url, tmp_path, lora=LoraSlots(max_rank=16)) as engine:
+        await engine.update_weights(other_adapter(model, 6), version=1)
+        known = await adapters_on(tied_server.url)
+        before = await serve(engine, "v1")
+        for adapter, words in bad:
+            with pytest.raises(LoraError, match=words):
+                await engine.update_weights(adapter, version=2)
+            assert engine.version == 1
+            assert engine.replicas[0].state is ReplicaState.UP
+        after = await serve(engine, "v1")
+        assert [o.tokens.tolist() for o in after] == [o.tokens.tolist() for o in before]
+        assert all((o.versions == 1).all() for o in after)
+        await engine._lora.settled()
+        assert await adapters_on(tied_server.url) == known
+        assert len(names_in(tmp_path)) == 1  # v1's folder only
