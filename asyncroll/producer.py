@@ -51,6 +51,7 @@ from asyncroll.flights import DropRecord, Flights
 from asyncroll.ledger import Ledger, LedgerError
 from asyncroll.lifecycle import Gate, Hold, Phase, move
 from asyncroll.logs import FailureWarnings
+from asyncroll.lora import LoraAdapter
 from asyncroll.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
 from asyncroll.prompts import PromptSource, PromptStream, TaskMix
 from asyncroll.rewards import RewardFn, RewardRunner
@@ -144,6 +145,7 @@ class Producer:
                 f"bound ({type(engine).__name__}.pause_bound_s={bound}): raise abort_timeout_s "
                 "above it, or lower the engine's pause_timeout_s"
             )
+        _check_adapter_slots(engine, cfg.max_staleness)
         payload = engine.payload_bytes(cfg.sampling.max_new_tokens)
         cfg.check_fits(payload, episodes=episodes)
         self.engine = engine
@@ -380,17 +382,27 @@ class Producer:
             except ProducerExhausted:
                 return
 
-    async def update_weights(self, weights: Weights | None = None) -> int:
+    async def update_weights(self, weights: Weights | LoraAdapter | None = None) -> int:
         """Pause, load `weights` into the engine (None: loaded out of band), bump the version,
         expire what became too stale, resume. Returns the new version.
 
         All or nothing: if the engine fails or passes `update_timeout_s`, its version label is
         set back, the producer resumes at the old version and `UpdateWeightsError` says so (the
         engine may hold partly loaded weights until the next successful update). If the label
-        cannot be set back, the producer stops (`ProducerError`)."""
+        cannot be set back, the producer stops (`ProducerError`).
+
+        An adapter sent to an engine whose `adapter_updates_without_pause` is True is not
+        paused for: the engine binds an adapter to each request, so running groups finish
+        under the version they started with (labelled so) while new ones take the new one."""
         self._require_running()
         core = self._core
-        async with self._update_lock, self._control.holding(Hold.UPDATE):
+        hold: contextlib.AbstractAsyncContextManager[None] = (
+            contextlib.nullcontext()
+            if isinstance(weights, LoraAdapter)
+            and getattr(self.engine, "adapter_updates_without_pause", False) is True
+            else self._control.holding(Hold.UPDATE)
+        )
+        async with self._update_lock, hold:
             old, new = core.version, core.version + 1
             try:
                 await core.control_call(
@@ -517,3 +529,16 @@ class Producer:
                 if phase is Phase.NEW
                 else "the producer has stopped"
             )
+
+
+def _check_adapter_slots(engine: Engine, max_staleness: int | None) -> None:
+    """Updating adapters without a pause leaves the adapters of up to `max_staleness` older
+    versions in use beside the new one: an engine that registers fewer (`adapter_slots`) would
+    abort the groups of the oldest at each update."""
+    slots = getattr(engine, "adapter_slots", None)
+    if isinstance(slots, int) and max_staleness is not None and slots < max_staleness + 1:
+        raise ValueError(
+            f"max_staleness={max_staleness} lets groups of {max_staleness + 1} versions run at "
+            f"once, but {type(engine).__name__} registers {slots} LoRA adapters: start it with "
+            f"LoraSlots(slots={max_staleness + 1}) or more, or lower max_staleness"
+        )

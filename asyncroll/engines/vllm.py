@@ -306,6 +306,17 @@ class VLLMEngine:
     def version(self) -> int:
         return self._version
 
+    @property
+    def adapter_updates_without_pause(self) -> bool:
+        """Whether an adapter update needs no pause (with LoRA: requests keep the adapter they
+        started with, so the producer need not stop generation for it)."""
+        return self.lora is not None
+
+    @property
+    def adapter_slots(self) -> int | None:
+        """Adapters registered at once (None: no LoRA)."""
+        return None if self.lora is None else self.lora.slots
+
     def payload_bytes(self, max_new_tokens: int) -> int:
         """Routed experts (one row of layers x top-k expert ids per token) when enabled."""
         return self._experts_row_bytes * max_new_tokens

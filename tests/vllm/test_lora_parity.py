@@ -27,6 +27,7 @@ from asyncroll.engines.weights_file import write_safetensors
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots, merged_weights
 from asyncroll.models import build_tiny_model
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
+from tests.vllm.helpers import ids, request
 from tests.vllm.test_weight_parity import UNTIED, VERSION, assert_parity, serve
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -163,3 +164,45 @@ async def check_bad_adapters(engine: VLLMEngine, case: Case) -> None:
         assert engine.version == VERSION
     assert await lora_ids(engine) == [[2]]
     assert_parity(await serve(engine, "parity"), case.reference)
+
+
+LONG = 64
+PROMPT = ids(0, 9, 8, 7)
+
+
+async def test_requests_keep_the_adapter_they_started_with(cases: dict[str, Case]) -> None:
+    """vLLM binds an adapter to a request for its life, so the labels follow the request:
+    frozen across an update (keep mode), a request finishes under its adapter, every token
+    labelled with its version; aborted (abort mode), its tokens keep their version and its
+    continuation runs under the new adapter. The old adapter is unloaded once unused."""
+    case = cases["tied"]
+    first = random_adapter(dict(original_weights(case.model)), seed=6)
+    greedy = {"temperature": 0.0}
+    async with VLLMEngine(case.model, max_model_len=MAX_MODEL_LEN, seed=0, lora=SLOTS) as engine:
+        await engine.update_weights(first, version=1)
+        async with asyncio.timeout(4 * DEADLINE_S):  # three requests and an update
+            (alone,) = await engine.generate(request("alone", PROMPT, 1, LONG, **greedy))
+            cut = asyncio.ensure_future(engine.generate(request("cut", PROMPT, 1, LONG, **greedy)))
+            await engine.wait_progress(lambda: engine.samples_started("cut") > 0, DEADLINE_S)
+            await engine.abort("cut")
+            (aborted,) = await cut
+            kept = asyncio.ensure_future(
+                engine.generate(request("kept", PROMPT, 1, LONG, **greedy))
+            )
+            await engine.wait_progress(lambda: engine.samples_started("kept") > 0, DEADLINE_S)
+            await engine.pause_generation()
+            await engine.update_weights(case.adapter, version=VERSION)
+            await engine.resume_generation()
+            (frozen,) = await kept
+            continued = request("cont", PROMPT, 1, 8, prefixes=[aborted.tokens], **greedy)
+            (after,) = await engine.generate(continued)
+        assert alone.versions.tolist() == [1] * LONG
+        n = len(aborted.tokens)
+        assert aborted.finish_reason == "abort" or n == LONG
+        assert aborted.tokens.tolist() == alone.tokens[:n].tolist()
+        assert aborted.versions.tolist() == [1] * n
+        assert frozen.tokens.tolist() == alone.tokens.tolist()  # all of it under the first
+        assert frozen.versions.tolist() == [1] * LONG
+        assert after.versions.tolist() == [VERSION] * 8
+        assert_parity(await serve(engine, "parity"), case.reference)
+        assert await lora_ids(engine) == [[2]]

@@ -1,0 +1,92 @@
+"""Adapter updates without a pause, producer side (a simulation: `SimEngine` told that its
+adapter updates need no pause). That the engine keeps each request on the adapter it started
+with is `tests/vllm/test_lora_parity.py`'s, on real vLLM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from asyncroll import Producer, SamplingConfig, SimConfig, SimEngine
+from asyncroll.engines.base import Weights
+from asyncroll.lora import LoraAdapter, LoraConfig
+from tests.test_producer import VOCAB, parity_reward, prompts
+
+torch = pytest.importorskip("torch")
+
+
+def adapter() -> LoraAdapter:
+    q = "model.layers.0.self_attn.q_proj"
+    config = LoraConfig(rank=1, alpha=1.0, target_modules=("q_proj",))
+    return LoraAdapter(config, {f"{q}.lora_A.weight": torch.ones(1, 4),
+                                f"{q}.lora_B.weight": torch.ones(4, 1)})  # fmt: skip
+
+
+class AdapterSim(SimEngine):
+    """A simulated engine that binds adapters to requests, as `VLLMEngine(lora=...)` does:
+    it says so, and records how many requests ran as each update began."""
+
+    def __init__(self, slots: int, **sim: Any) -> None:
+        super().__init__(SimConfig(vocab_size=VOCAB, **sim))
+        self.slots = slots
+        self.running_at_update: list[int] = []
+
+    @property
+    def adapter_updates_without_pause(self) -> bool:
+        return True
+
+    @property
+    def adapter_slots(self) -> int:
+        return self.slots
+
+    async def update_weights(self, weights: Weights | LoraAdapter | None, *, version: int) -> None:
+        self.running_at_update.append(self.running_requests)
+        await super().update_weights(weights, version=version)
+
+
+def producer_on(engine: SimEngine, **options: Any) -> Producer:
+    return Producer(
+        engine,
+        prompts(40),
+        parity_reward,
+        sampling=SamplingConfig(max_new_tokens=16),
+        group_size=2,
+        max_inflight_groups=8,
+        **options,
+    )
+
+
+async def test_an_adapter_update_does_not_pause_generation() -> None:
+    """Groups in flight run on through adapter updates (nothing aborted, the engine had
+    requests running as each began); a full-weight update on the same engine still drains."""
+    engine = AdapterSim(slots=2, per_token_latency_s=0.05)  # 0.8 s a request
+    producer = producer_on(engine)
+    async with producer:
+        engine.running_at_update.clear()  # the producer's own label check on entry
+        for expected in (1, 2):
+            await engine.wait_progress(lambda: engine.running_requests > 0, 10.0)
+            assert await producer.update_weights(adapter()) == expected
+        assert producer.progress.counters.aborted_groups == 0
+        assert len(engine.running_at_update) == 2 and min(engine.running_at_update) > 0
+        await producer.update_weights(None)  # a full-weight update: the pause drains first
+        assert engine.running_at_update[-1] == 0
+        assert producer.progress.counters.aborted_groups > 0
+    assert engine.adapter_updates == 2
+
+
+async def test_an_engine_without_the_property_is_paused_for_an_adapter() -> None:
+    """`SimEngine` itself does not say it binds adapters: the producer pauses for them."""
+    engine = SimEngine(SimConfig(vocab_size=VOCAB, per_token_latency_s=0.05))
+    producer = producer_on(engine)
+    async with producer:
+        await engine.wait_progress(lambda: engine.running_requests > 0, 10.0)
+        await producer.update_weights(adapter())
+        assert producer.progress.counters.aborted_groups > 0
+
+
+def test_adapter_slots_must_cover_the_staleness_window() -> None:
+    with pytest.raises(ValueError, match=r"registers 2 LoRA adapters.*LoraSlots\(slots=3\)"):
+        producer_on(AdapterSim(slots=2), batch_size=4, max_staleness=2)
+    producer_on(AdapterSim(slots=3), batch_size=4, max_staleness=2)
+    producer_on(AdapterSim(slots=1))  # no staleness limit: the oldest adapter's groups abort
