@@ -173,3 +173,24 @@ def test_only_the_targets_are_wrapped() -> None:
         "model.layers.1.self_attn.v_proj",
     ]
     assert sum(p.numel() for p in trainable_parameters(model)) == 2 * (2 * 128 + 64 * 2)
+
+
+@pytest.mark.parametrize(
+    ("options", "flag"),
+    [({"lora_rank": 0}, "--lora-rank"), ({"lora_rank": 1024}, "--lora-rank"),
+     ({"lora_alpha": 0.0}, "--lora-alpha"), ({"lora_alpha": float("nan")}, "--lora-alpha"),
+     ({"lora_lr": -1.0}, "--lora-lr"), ({"lora_lr": float("inf")}, "--lora-lr")],
+)  # fmt: skip
+def test_demo_lora_options_are_refused_by_flag(options: dict[str, Any], flag: str) -> None:
+    from asyncroll.demo import DemoConfig
+
+    with pytest.raises(ValueError, match=flag):
+        DemoConfig(lora=True, **options)
+
+
+def test_demo_trains_full_weights_unless_told_lora() -> None:
+    from asyncroll.demo import LORA_TARGETS, DemoConfig
+
+    assert DemoConfig().lora_config() is None
+    config = DemoConfig(lora=True, lora_rank=16, lora_alpha=8.0).lora_config()
+    assert config == LoraConfig(rank=16, alpha=8.0, target_modules=LORA_TARGETS)
