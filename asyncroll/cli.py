@@ -142,13 +142,6 @@ def _parser() -> argparse.ArgumentParser:
         help="--lora: alpha; the update is scaled by alpha / rank (default %(default)s)",
     )
     demo.add_argument(
-        "--lora-lr",
-        type=float,
-        default=d.lora_lr,
-        help="--lora: AdamW learning rate of the adapter; --lr is full fine-tuning's "
-        "(default %(default)s)",
-    )
-    demo.add_argument(
         "--verbose",
         action="store_true",
         help="print vLLM's and the library's logs on the terminal instead of OUT/engine.log",

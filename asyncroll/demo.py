@@ -71,7 +71,6 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     lora: bool = False
     lora_rank: int = 8
     lora_alpha: float = 16.0
-    lora_lr: float = 5e-3  # AdamW's learning rate for A and B (--lr is full fine-tuning's)
 
     def __post_init__(self) -> None:
         for name in ("steps", "group_size", "batch_groups", "max_new_tokens"):
@@ -91,9 +90,8 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"--credit must be one of {', '.join(CREDITS)}")
         if not 1 <= self.lora_rank <= max(VLLM_MAX_RANKS):
             raise ValueError(f"--lora-rank must be in 1..{max(VLLM_MAX_RANKS)} (vLLM's largest)")
-        for name in ("lora_alpha", "lora_lr"):
-            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive number")
+        if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
+            raise ValueError("--lora-alpha must be a positive number")
 
     def lora_config(self) -> LoraConfig | None:
         """The adapter trained with --lora (None: full fine-tuning)."""
@@ -341,8 +339,7 @@ async def run_demo(
     else:
         prompts, reward, episodes = echo_prompts(tokenizer, cfg.seed), echo_reward, {}
     lora = cfg.lora_config()
-    lr = cfg.lr if lora is None else cfg.lora_lr
-    trainer = Trainer(model_dir, lr, cfg.seed, sampling, cfg.correction, turn_rewards, lora)
+    trainer = Trainer(model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, lora)
     slots = _lora_engine_args(lora, cfg.max_staleness)
     async with VLLMEngine(model_dir, seed=cfg.seed, **slots) as engine:
         producer = Producer(
