@@ -37,8 +37,9 @@ DEMO_DESCRIPTION = """\
 Build a 361k-parameter Llama and its tokenizer locally (nothing is downloaded), serve it with
 vLLM in this process and train it with GRPO on the "echo" task (prompt "q:", reward = share of
 response tokens equal to "q"), or with --task tool_echo on a multi-turn task. Generation
-overlaps training within --max-staleness versions. Writes metrics.jsonl, summary.txt, demo.png
-and engine.log to --out.
+overlaps training within --max-staleness versions. With --lora the trainer trains a LoRA
+adapter (base weights frozen) and each step moves only the adapter into vLLM. Writes
+metrics.jsonl, summary.txt, demo.png and engine.log to --out.
 
 The terminal shows the progress bar and the summary; vLLM's and the library's logs (and anything
 else the engine's processes print) go to OUT/engine.log. --verbose prints everything instead.
@@ -137,6 +138,21 @@ def _parser() -> argparse.ArgumentParser:
         default=d.correction,
         help="off-policy correction of stale tokens: none, decoupled, tis, mask, seq-mask "
         "(asyncroll.training.CORRECTIONS; the README says which to pick when; default %(default)s)",
+    )
+    demo.add_argument(
+        "--lora",
+        action="store_true",
+        help="train a LoRA adapter of every attention and MLP projection instead of every "
+        "weight, and move only the adapter into vLLM each step (README: LoRA)",
+    )
+    demo.add_argument(
+        "--lora-rank", type=int, default=d.lora_rank, help="--lora: rank (default %(default)s)"
+    )
+    demo.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=d.lora_alpha,
+        help="--lora: alpha; the update is scaled by alpha / rank (default %(default)s)",
     )
     demo.add_argument(
         "--verbose",

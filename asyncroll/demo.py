@@ -30,7 +30,8 @@ import numpy as np
 import numpy.typing as npt
 import psutil
 
-from asyncroll.engines.base import SamplingConfig
+from asyncroll.engines.base import SamplingConfig, Weights
+from asyncroll.lora import VLLM_MAX_RANKS, LoraAdapter, LoraConfig, LoraSlots
 from asyncroll.progress import ProduceBatchResult
 from asyncroll.training import TrainBatch
 from asyncroll.types import Prompt, RolloutGroup
@@ -38,6 +39,12 @@ from asyncroll.types import Prompt, RolloutGroup
 LETTERS = "abcdefgh"
 TASKS = ("echo", "tool_echo")
 CREDITS = ("turn", "episode")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The --lora demo's base model: the tiny model with weights drawn 5x larger. An adapter cannot
+# change the frozen embedding that the tied head scores with, nor the final norm: at the
+# default init (std 0.02) no logit can exceed ~128 x 0.02 = 2.6 (an adapter trained to echo by
+# cross-entropy plateaued at p = 2.4%; a pretrained head has no such cap). At std 0.1: ~13.
+LORA_BASE_INIT = 0.1
 
 
 class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +68,11 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     credit: str = "turn"
     # weight of the policy's mean entropy at the trained tokens, added to the objective (0: none)
     entropy: float = 0.0
+    # Train a LoRA adapter of the attention and MLP projections instead of every weight, and
+    # move only the adapter into vLLM each step (asyncroll.lora_train; README "LoRA").
+    lora: bool = False
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "group_size", "batch_groups", "max_new_tokens"):
@@ -80,6 +92,16 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"--task must be one of {', '.join(TASKS)}")
         if self.credit not in CREDITS:
             raise ValueError(f"--credit must be one of {', '.join(CREDITS)}")
+        if not 1 <= self.lora_rank <= max(VLLM_MAX_RANKS):
+            raise ValueError(f"--lora-rank must be in 1..{max(VLLM_MAX_RANKS)} (vLLM's largest)")
+        if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
+            raise ValueError("--lora-alpha must be a positive number")
+
+    def lora_config(self) -> LoraConfig | None:
+        """The adapter trained with --lora (None: full fine-tuning)."""
+        if not self.lora:
+            return None
+        return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha, target_modules=LORA_TARGETS)
 
 
 def demo_config(**options: Any) -> DemoConfig:
@@ -168,17 +190,24 @@ class Trainer:
         correction: str,
         turn_rewards: TurnRewards | None = None,
         entropy: float = 0.0,
+        lora: LoraConfig | None = None,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from asyncroll.lora_train import trainable_parameters, wrap_lora
         from asyncroll.training import CORRECTIONS
 
         torch.manual_seed(seed)
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        self.lora = lora
+        if lora is not None:  # the base weights freeze; AdamW holds only A and B
+            wrap_lora(self.model, lora)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(
+            trainable_parameters(self.model), lr=lr, weight_decay=0.0
+        )
         self.sampling = sampling
         self.correction = CORRECTIONS[correction]
         self.turn_rewards = turn_rewards
@@ -212,11 +241,17 @@ class Trainer:
         metrics = mismatch_metrics(proximal, batch, version=version, correction=self.correction)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
-        self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], 1.0)
         self.optimizer.step()
         return float(loss.detach()), metrics
 
-    def weights(self) -> list[tuple[str, Any]]:
+    def weights(self) -> Weights | LoraAdapter:
+        """What the engine needs to serve the trainer's policy: with LoRA the adapter alone
+        (the base weights never change), else every parameter."""
+        if self.lora is not None:
+            from asyncroll.lora_train import adapter_of
+
+            return adapter_of(self.model)
         return [(n, p.detach()) for n, p in self.model.named_parameters()]
 
     def save(self, path: Path, step: int) -> None:
@@ -308,13 +343,16 @@ async def run_demo(
     from tqdm import tqdm
 
     from asyncroll.engines.vllm import VLLMEngine
-    from asyncroll.models import build_tiny_model
+    from asyncroll.models import TinyModelConfig, build_tiny_model
     from asyncroll.producer import Producer
 
     torch.set_num_threads(1)  # vLLM's worker holds the other core
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before anything runs
-    model_dir = build_tiny_model(seed=cfg.seed)
+    base = TinyModelConfig(seed=cfg.seed)
+    if cfg.lora:
+        base = msgspec.structs.replace(base, initializer_range=LORA_BASE_INIT)
+    model_dir = build_tiny_model(base)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens)
     step = 0
@@ -333,10 +371,12 @@ async def run_demo(
         }
     else:
         prompts, reward, episodes = echo_prompts(tokenizer, cfg.seed), echo_reward, {}
+    lora = cfg.lora_config()
     trainer = Trainer(
-        model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy
+        model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy, lora
     )
-    async with VLLMEngine(model_dir, seed=cfg.seed) as engine:
+    slots = _lora_engine_args(lora, cfg.max_staleness)
+    async with VLLMEngine(model_dir, seed=cfg.seed, **slots) as engine:
         producer = Producer(
             engine,
             prompts,
@@ -389,6 +429,15 @@ async def run_demo(
         producer.check_ledger()
     _summarise(out, records, producer.progress.counters.copy(), staleness, cfg.task, console)
     return records
+
+
+def _lora_engine_args(lora: LoraConfig | None, max_staleness: int) -> dict[str, Any]:
+    """VLLMEngine's arguments to serve `lora` adapters (none without LoRA): vLLM's smallest
+    maximum rank that fits, and a slot per version that may be in flight."""
+    if lora is None:
+        return {}
+    max_rank = min(r for r in VLLM_MAX_RANKS if r >= lora.rank)
+    return {"lora": LoraSlots(max_rank=max_rank, slots=max(2, max_staleness + 1))}
 
 
 def _solved(records: list[StepRecord], threshold: float) -> bool:

@@ -197,7 +197,7 @@ class Producer:
         )  # fmt: skip
         self._admission = Admission(core, self._control, self._flights.start)
         self._update_lock = asyncio.Lock()
-        self._entry_weights: Weights | None = None
+        self._entry_weights: Weights | LoraAdapter | None = None
         self._loaded = False  # from a checkpoint: entering sets the engine to its version
         self._runner: asyncio.Task[None] | None = None
 
@@ -515,7 +515,9 @@ class Producer:
         (`wasted_tokens_restarted`). The running producer is not changed by this."""
         return checkpoint.snapshot(self._core, self._admission)
 
-    def load_state_dict(self, state: ProducerState, *, weights: Weights | None = _UNSET) -> None:
+    def load_state_dict(
+        self, state: ProducerState, *, weights: Weights | LoraAdapter | None = _UNSET
+    ) -> None:
         """Continue the run of `state`; only before `async with`. All or nothing. Groups too
         stale for this producer's `max_staleness` expire as they load (`on_drop` hears of them).
         Partial samples at or past this producer's token budget (a smaller `max_new_tokens` or
@@ -547,7 +549,9 @@ class Producer:
             data = dumps(self.state_dict())
         await anyio.to_thread.run_sync(write_atomic, path, data)
 
-    def load(self, path: str | os.PathLike[str], *, weights: Weights | None = _UNSET) -> None:
+    def load(
+        self, path: str | os.PathLike[str], *, weights: Weights | LoraAdapter | None = _UNSET
+    ) -> None:
         """Continue from a checkpoint file written by `save` (before `async with`); `weights`
         as in `load_state_dict`."""
         self.load_state_dict(loads(Path(path).read_bytes()), weights=weights)
