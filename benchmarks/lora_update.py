@@ -32,9 +32,9 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
-import psutil
 from _common import DEFAULT_OUT, MIB, info_line, new_figure, print_section, run_info, save_outputs
 
+from asyncroll.demo import tree_rss_mib
 from asyncroll.engines.base import Engine
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraSlots
 from asyncroll.models import TinyModelConfig, build_tiny_model
@@ -178,23 +178,22 @@ async def _updates(
         del weights
         if i:
             seconds.append(elapsed)
-            peaks.append(peak() / MIB)
+            peaks.append(peak())
     return {"s": seconds, "peak_mib": peaks, "bytes": nbytes}
 
 
 @contextmanager
-def _peak_rss() -> Iterator[Callable[[], int]]:
+def _peak_rss() -> Iterator[Callable[[], float]]:
     """Sample the process tree's RSS in a thread while the block runs; yields a function giving
-    the peak above the RSS at entry (valid after the block)."""
-    me = psutil.Process()
-    baseline = _tree_rss(me)
+    the peak above the RSS at entry, in MiB (valid after the block)."""
+    baseline = tree_rss_mib()
     peak = baseline
     done = threading.Event()
 
     def sample() -> None:
         nonlocal peak
         while not done.wait(SAMPLE_S):
-            peak = max(peak, _tree_rss(me))
+            peak = max(peak, tree_rss_mib())
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
@@ -203,17 +202,7 @@ def _peak_rss() -> Iterator[Callable[[], int]]:
     finally:
         done.set()
         thread.join()
-        peak = max(peak, _tree_rss(me))
-
-
-def _tree_rss(me: psutil.Process) -> int:
-    total: int = me.memory_info().rss
-    for child in me.children(recursive=True):
-        try:
-            total += child.memory_info().rss
-        except psutil.Error:
-            continue
-    return total
+        peak = max(peak, tree_rss_mib())
 
 
 def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

@@ -388,10 +388,11 @@ class ScriptedStub:
 
 @contextlib.asynccontextmanager
 async def scripted(
-    count: int, **kwargs: Any
-) -> AsyncIterator[tuple[VLLMServerEngine, list[ScriptedStub]]]:
-    """`count` scripted replicas and an engine over them (`kwargs` for the engine)."""
-    stubs = [ScriptedStub() for _ in range(count)]
+    count: int, stub_type: type[ScriptedStub] = ScriptedStub, **kwargs: Any
+) -> AsyncIterator[tuple[VLLMServerEngine, list[Any]]]:
+    """`count` scripted replicas (of `stub_type`) and an engine over them (`kwargs` for the
+    engine)."""
+    stubs = [stub_type() for _ in range(count)]
     async with served([stub.app() for stub in stubs]) as urls:
         engine = VLLMServerEngine(urls, vocab_size=512, **kwargs)
         try:

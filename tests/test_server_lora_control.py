@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,15 @@ from asyncroll.engines.server_lora import LOAD, UNLOAD
 from asyncroll.engines.vllm_serve import serve_args
 from asyncroll.engines.vllm_server import VLLMServerEngine
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots
-from tests.stubs import served
-from tests.test_server_engine import GENERATE, LIVENESS, ScriptedStub, _choice, _request, _stream
+from tests.test_server_engine import (
+    GENERATE,
+    LIVENESS,
+    ScriptedStub,
+    _choice,
+    _request,
+    _stream,
+    scripted,
+)
 
 
 def written(folder: str) -> bool:
@@ -102,25 +108,12 @@ class LoraStub(ScriptedStub):
         return app
 
 
-@contextlib.asynccontextmanager
-async def lora_scripted(
+def lora_scripted(
     count: int, weights_dir: Path, **kwargs: Any
-) -> AsyncIterator[tuple[VLLMServerEngine, list[LoraStub]]]:
-    stubs = [LoraStub() for _ in range(count)]
-    async with served([stub.app() for stub in stubs]) as urls:
-        engine = VLLMServerEngine(
-            urls,
-            vocab_size=512,
-            weights_dir=weights_dir,
-            **{"lora": LoraSlots(max_rank=8), **kwargs},
-        )
-        try:
-            yield engine, stubs
-        finally:
-            for stub in stubs:
-                if stub.hang is not None:
-                    stub.hang.set()
-            await engine.close()
+) -> contextlib.AbstractAsyncContextManager[tuple[VLLMServerEngine, list[LoraStub]]]:
+    return scripted(
+        count, LoraStub, weights_dir=weights_dir, **{"lora": LoraSlots(max_rank=8), **kwargs}
+    )
 
 
 def folders(path: Path) -> list[str]:

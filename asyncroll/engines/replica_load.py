@@ -44,10 +44,7 @@ async def load(call: Call, url: str, folder: Path, verify: bool) -> None:
         reply = await call("POST", "/collective_rpc", body)
     except ReplicaError as exc:
         if _METHOD in str(exc):  # vLLM's AttributeError: the worker has no such method
-            raise ValueError(
-                f"{exc}: start every replica with --worker-extension-cls {WORKER_EXTENSION}"
-                " (asyncroll.engines.vllm_serve.serve_args does)"
-            ) from None
+            raise missing_extension(exc) from None
         raise
     results = reply.get("results") if isinstance(reply, dict) else None
     if not isinstance(results, list):
@@ -57,6 +54,16 @@ async def load(call: Call, url: str, folder: Path, verify: bool) -> None:
         weight_check.check(results, sent, "weights")
     except weight_check.WeightMismatchError as exc:
         raise ReplicaWeightsError(url, str(exc)) from None
+
+
+def missing_extension(exc: Exception) -> ValueError:
+    """The error for a replica whose workers lack asyncroll's methods (vLLM answers a
+    `/collective_rpc` to a method the worker has not with an AttributeError naming it): a
+    setting to change, not a replica failure."""
+    return ValueError(
+        f"{exc}: start every replica with --worker-extension-cls {WORKER_EXTENSION}"
+        " (asyncroll.engines.vllm_serve.serve_args does)"
+    )
 
 
 async def own_model(call: Call, url: str) -> Path:

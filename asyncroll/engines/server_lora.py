@@ -56,9 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncroll.engines.replica_load import missing_extension
 from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaHTTPError
 from asyncroll.engines.server_client import ReplicaClient
-from asyncroll.engines.vllm_serve import WORKER_EXTENSION
 from asyncroll.lora import (
     LoraAdapter,
     LoraError,
@@ -187,10 +187,7 @@ class ServerAdapters:
             if "lora_manager" in exc.text:  # the workers' AttributeError: no --enable-lora
                 raise LoraError(f"{exc}: {_NO_LORA}") from None
             if _PROBLEM in exc.text:  # vLLM's AttributeError: the worker has no such method
-                raise ValueError(
-                    f"{exc}: start every replica with --worker-extension-cls {WORKER_EXTENSION}"
-                    " (asyncroll.engines.vllm_serve.serve_args does)"
-                ) from None
+                raise missing_extension(exc) from None
             raise
         results = reply.get("results") if isinstance(reply, dict) else None
         if not isinstance(results, list) or not all(isinstance(r, str) for r in results):
