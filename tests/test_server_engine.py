@@ -949,13 +949,7 @@ async def test_a_wedged_replica_whose_health_answers_leaves_the_rotation_and_sta
         wedged = engine.replicas[1]
         stubs[1].hang = asyncio.Event()  # never set while the engine runs
         stubs[1].hanging = {GENERATE, LIVENESS, "/abort_requests"}  # `/health` answers
-        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is wedged)
-        request = msgspec.structs.replace(_request("run-0-0"), session=session)
-        call = asyncio.ensure_future(engine.generate(request))
-        await engine.wait_progress(lambda: wedged.streams == 1, 5.0)
-        call.cancel()  # the producer's `generate_timeout_s`
-        with pytest.raises(asyncio.CancelledError):
-            await call
+        request = await _give_up_on_a_request_to(engine, wedged)
         await engine.wait_progress(lambda: wedged.state is ReplicaState.DOWN, 10.0)
         await engine.check_replicas()  # its probe: `/health` answers, the engine core does not
         assert wedged.state is ReplicaState.DOWN
@@ -1075,6 +1069,19 @@ async def test_a_request_failing_during_an_update_is_checked_by_a_generate_after
         assert stub.calls.index(LIVENESS) > stub.calls.index("/resume")
 
 
+async def _give_up_on_a_request_to(engine: VLLMServerEngine, replica: Replica) -> GenerateRequest:
+    """Send a request to `replica` (by its session) and cancel it once it streams, as the
+    producer does at its `generate_timeout_s`; returns the request."""
+    session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is replica)
+    request = msgspec.structs.replace(_request("run-0-0"), session=session)
+    call = asyncio.ensure_future(engine.generate(request))
+    await engine.wait_progress(lambda: replica.streams == 1, 5.0)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    return request
+
+
 def _wedge(stub: ScriptedStub) -> None:
     """Its generates hang (the liveness probe's too) while `/health`, `/abort_requests` and
     the other control routes answer: an engine core that never schedules."""
@@ -1092,13 +1099,7 @@ async def test_a_wedged_replica_leaves_the_rotation_when_callers_give_up_on_its_
         await engine.check_replicas()
         wedged = engine.replicas[1]
         _wedge(stubs[1])
-        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is wedged)
-        request = msgspec.structs.replace(_request("run-0-0"), session=session)
-        call = asyncio.ensure_future(engine.generate(request))
-        await engine.wait_progress(lambda: wedged.streams == 1, 5.0)
-        call.cancel()  # the producer's `generate_timeout_s`
-        with pytest.raises(asyncio.CancelledError):
-            await call
+        request = await _give_up_on_a_request_to(engine, wedged)
         assert "/abort_requests" in stubs[1].calls  # it answered: no failure there
         await engine.wait_progress(lambda: wedged.state is ReplicaState.DOWN, 10.0)
         assert "liveness generate" in str(wedged.error)
