@@ -31,7 +31,7 @@ LETTERS = "abcdefgh"
 TURNS = 3  # policy turns per episode
 ANSWER_TOKENS = 2  # the tool's answer: a letter and a colon
 
-DEFAULTS: Final = {"max_new_tokens": 4, "steps": 150, "filter": "none", "entropy": 0.03}
+DEFAULTS: Final = {"max_new_tokens": 4, "steps": 200, "filter": "none", "entropy": 0.03}
 """tool_echo's defaults where they differ from `DemoConfig`'s (the echo task's); the command
 line and `asyncroll.demo.demo_config` apply them. Turns of 4 tokens, not 8: with 8, seed 1 was
 at 0.84 over the last 10 of 80 steps. The policy soon echoes a turn's first letter; its errors

@@ -56,7 +56,7 @@ def test_tool_echo_takes_its_own_defaults_and_a_given_flag_wins() -> None:
 
     assert config() == DemoConfig()
     tool = config("--task", "tool_echo")
-    assert (tool.task, tool.max_new_tokens, tool.steps) == ("tool_echo", 4, 150)
+    assert (tool.task, tool.max_new_tokens, tool.steps) == ("tool_echo", 4, 200)
     assert (tool.filter, tool.entropy) == ("none", 0.03)
     assert {k: getattr(tool, k) for k in demo_tool.DEFAULTS} == demo_tool.DEFAULTS
     assert config("--task", "tool_echo", "--max-new-tokens", "8").max_new_tokens == 8
