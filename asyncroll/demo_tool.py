@@ -46,9 +46,9 @@ seeds 1 and 2 were solved in 60-85 steps in five runs of six, but the sixth (see
 a certain group's only gradient is then the bonus, which makes it uncertain again, and
 steps stay fast since nothing is dropped (~1 s). Seed 1 was solved at steps 71, 90 and 73,
 seed 2 at 139, 148 and 81: later than with the filter (the many all-zero groups of the early,
-random policy dilute each batch), but every run. With a bonus of 0.02, seed 2 was not solved in
-200 steps (0.76 over the last 10). `steps` is a ceiling with room for a slow run: the
-demo stops once solved (`DemoConfig.solved_reward`)."""
+random policy dilute each batch), but every run. With a bonus of 0.02 or 0.05, seed 2 was not
+solved in 200 steps (0.76 and 0.71 over the last 10). `steps` is a ceiling with room for a
+slow run: the demo stops once solved (`DemoConfig.solved_reward`)."""
 
 
 def episode_tokens(max_new_tokens: int) -> int:
