@@ -31,18 +31,24 @@ LETTERS = "abcdefgh"
 TURNS = 3  # policy turns per episode
 ANSWER_TOKENS = 2  # the tool's answer: a letter and a colon
 
-DEFAULTS: Final = {"max_new_tokens": 4, "steps": 150}
+DEFAULTS: Final = {"max_new_tokens": 4, "steps": 200, "filter": "none", "entropy": 0.03}
 """tool_echo's defaults where they differ from `DemoConfig`'s (the echo task's); the command
 line and `asyncroll.demo.demo_config` apply them. Turns of 4 tokens, not 8: with 8, seed 1 was
 at 0.84 over the last 10 of 80 steps. The policy soon echoes a turn's first letter; its errors
 come later in the turn, where it drifts back to the letter that fills the context (after
-"g: gggggggg h:" every sample of a group said "hhgggggg": a turn with no variance in its group,
-which GRPO has nothing to correct with). Shorter turns leave the old letter less room: with 4,
-seeds 1 and 2 were solved in 60-85 steps in five runs of six, but the sixth (seed 1) stalled
-so at 0.87, each batch needing hundreds of groups past the filter (21 s a step). An entropy
-bonus of 0.01 (`--entropy`) did no better: solved in 54-73 steps in four runs of five, the
-fifth (seed 1) stalled at 0.87 likewise; so it is not a default. `steps` is a ceiling with room
-for a slow run: the demo stops once solved (`DemoConfig.solved_reward`)."""
+"g: gggggggg h:" every sample of a group said "hhgggggg"). Such a group, every sample certain
+of the same mistake, has no variance: GRPO gives it no advantage and DAPO's filter
+(`nonzero_std`) drops it, so the stalled contexts never reached the trainer. With the filter,
+seeds 1 and 2 were solved in 60-85 steps in five runs of six, but the sixth (seed 1) stalled at
+0.87, each batch needing hundreds of groups past the filter (21 s a step); an entropy bonus of
+0.01 alone did no better (the fifth of five stalled so). So tool_echo keeps every group
+(`filter="none"`) and adds an entropy bonus of 0.03 (`--entropy`, `asyncroll.demo.mean_entropy`):
+a certain group's only gradient is then the bonus, which makes it uncertain again, and
+steps stay fast since nothing is dropped (~1 s). Seed 1 was solved at steps 71, 90 and 73,
+seed 2 at 139, 148 and 81: later than with the filter (the many all-zero groups of the early,
+random policy dilute each batch), but every run. With a bonus of 0.02 or 0.05, seed 2 was not
+solved in 200 steps (0.76 and 0.71 over the last 10). `steps` is a ceiling with room for a
+slow run: the demo stops once solved (`DemoConfig.solved_reward`)."""
 
 
 def episode_tokens(max_new_tokens: int) -> int:
