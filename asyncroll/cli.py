@@ -103,13 +103,11 @@ def _parser() -> argparse.ArgumentParser:
     for flag, text in DEMO_NUMBERS:
         name = flag.removeprefix("--").replace("-", "_")
         default = getattr(d, name)
-        tool = demo_tool.DEFAULTS.get(name, default)
-        also = f"; tool_echo: {tool}" if tool != default else ""
         demo.add_argument(
             flag,
             type=type(default),
             default=argparse.SUPPRESS,
-            help=f"{text} (default {default}{also})",
+            help=f"{text} ({_defaults(name, default)})",
         )
     demo.add_argument("--seed", type=int, default=d.seed, help="model, prompts and sampling seed")
     demo.add_argument(
@@ -132,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
         default=d.credit,
         help="tool_echo: GRPO advantages per policy turn (turn) or one per episode (episode); "
         "default %(default)s",
+    )
+    demo.add_argument(
+        "--filter",
+        default=argparse.SUPPRESS,  # demo_config fills in the task's
+        help="nonzero_std: drop groups whose samples all scored the same (GRPO gives them no "
+        f"advantage); none: train on every group ({_defaults('filter', d.filter)})",
     )
     demo.add_argument(
         "--correction",
@@ -179,6 +183,12 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--filter", default="nonzero_std", help="'nonzero_std' or 'none'")
     sim.add_argument("--seed", type=int, default=0, help="seed of the simulation")
     return parser
+
+
+def _defaults(name: str, default: object) -> str:
+    """Help text of an option's defaults: `DemoConfig`'s, and tool_echo's where it differs."""
+    tool = demo_tool.DEFAULTS.get(name, default)
+    return f"default {default}" + (f"; tool_echo: {tool}" if tool != default else "")
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ from asyncroll.types import Prompt, RolloutGroup
 LETTERS = "abcdefgh"
 TASKS = ("echo", "tool_echo")
 CREDITS = ("turn", "episode")
+FILTERS = ("nonzero_std", "none")  # --filter: an `asyncroll.filters` name, or keep every group
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The --lora demo's base model: the tiny model with weights drawn 5x larger. An adapter cannot
 # change the frozen embedding that the tied head scores with, nor the final norm: at the
@@ -74,6 +75,9 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     credit: str = "turn"
     # weight of the policy's mean entropy at the trained tokens, added to the objective (0: none)
     entropy: float = 0.0
+    # "nonzero_std": drop groups whose samples all scored the same (zero GRPO advantage);
+    # "none": train on them too (their only gradient is then the entropy bonus's)
+    filter: str = "nonzero_std"
     # Train a LoRA adapter of the attention and MLP projections instead of every weight, and
     # move only the adapter into vLLM each step (asyncroll.lora_train; README "LoRA").
     lora: bool = False
@@ -98,6 +102,8 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"--task must be one of {', '.join(TASKS)}")
         if self.credit not in CREDITS:
             raise ValueError(f"--credit must be one of {', '.join(CREDITS)}")
+        if self.filter not in FILTERS:
+            raise ValueError(f"--filter must be one of {', '.join(FILTERS)}")
         if not 1 <= self.lora_rank <= max(VLLM_MAX_RANKS):
             raise ValueError(f"--lora-rank must be in 1..{max(VLLM_MAX_RANKS)} (vLLM's largest)")
         if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
@@ -396,7 +402,7 @@ async def run_demo(
             batch_size=cfg.batch_groups,
             max_staleness=cfg.max_staleness,
             sampling=sampling,
-            filter="nonzero_std",
+            filter=None if cfg.filter == "none" else cfg.filter,
             reward_in_thread=False,  # a few numpy ops: cheaper inline than a thread hop
         )
         if cfg.resume:  # the engine gets the trainer's weights at the checkpoint's version

@@ -38,7 +38,7 @@ def test_help_says_what_each_command_does(capsys: pytest.CaptureFixture[str]) ->
 def test_a_demo_flag_out_of_its_choices_is_refused_by_name(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for flag, value in (("--credit", "token"), ("--task", "maze")):
+    for flag, value in (("--credit", "token"), ("--task", "maze"), ("--filter", "std")):
         with pytest.raises(SystemExit) as exit_:
             cli.main(["demo", flag, value])
         assert exit_.value.code == 2
@@ -61,6 +61,24 @@ def test_tool_echo_takes_its_own_defaults_and_a_given_flag_wins() -> None:
     assert config("--task", "tool_echo", "--max-new-tokens", "8").max_new_tokens == 8
     assert config("--max-new-tokens", "3").max_new_tokens == 3
     assert "(default 8; tool_echo: 4)" in " ".join(_demo_help(parser).split())  # both
+
+
+def test_the_demo_filter_is_an_option_and_a_task_default() -> None:
+    """`--filter none` trains on every group, zero-variance ones included (their only gradient
+    is the entropy bonus's); the echo task keeps DAPO's `nonzero_std`. Not given, tool_echo's
+    own default applies (the flag must not fill in `DemoConfig`'s over it)."""
+    parser = cli._parser()
+
+    def config(*flags: str) -> DemoConfig:
+        return cli._demo_config(parser.parse_args(["demo", *flags]))
+
+    assert config().filter == "nonzero_std"
+    assert config("--filter", "none").filter == "none"
+    tool = demo_tool.DEFAULTS.get("filter", "nonzero_std")
+    assert config("--task", "tool_echo").filter == tool
+    assert config("--task", "tool_echo", "--filter", "nonzero_std").filter == "nonzero_std"
+    with pytest.raises(ValueError, match="--filter must be one of nonzero_std, none"):
+        DemoConfig(filter="std")
 
 
 def _demo_help(parser: argparse.ArgumentParser) -> str:
