@@ -21,7 +21,7 @@ import psutil
 from tqdm import tqdm
 
 from asyncroll import __version__, demo_tool
-from asyncroll.demo import DemoConfig, demo_config, run_demo
+from asyncroll.demo import LORA_DEFAULTS, DemoConfig, demo_config, run_demo
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.engines.sim import SimConfig, SimEngine
 from asyncroll.producer import Producer
@@ -52,7 +52,8 @@ groups per second. It measures the producer only, never a model.
 """
 
 # The demo's numeric options and their help; each one's type and default are DemoConfig's (and
-# tool_echo's, demo_tool.DEFAULTS), so the command line cannot drift from the library's defaults.
+# tool_echo's, demo_tool.DEFAULTS, and --lora's, demo.LORA_DEFAULTS), so the command line cannot
+# drift from the library's defaults.
 # An option not given is left out of the parsed arguments: `demo_config` fills in the task's.
 DEMO_NUMBERS = (
     ("--steps", "training steps"),
@@ -186,9 +187,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _defaults(name: str, default: object) -> str:
-    """Help text of an option's defaults: `DemoConfig`'s, and tool_echo's where it differs."""
+    """Help text of an option's defaults: `DemoConfig`'s, and tool_echo's and --lora's where
+    they differ."""
     tool = demo_tool.DEFAULTS.get(name, default)
-    return f"default {default}" + (f"; tool_echo: {tool}" if tool != default else "")
+    lora = LORA_DEFAULTS.get(name, default)
+    return (
+        f"default {default}"
+        + (f"; tool_echo: {tool}" if tool != default else "")
+        + (f"; --lora: {lora}" if lora != default else "")
+    )
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import msgspec
@@ -193,3 +194,32 @@ def test_demo_trains_full_weights_unless_told_lora() -> None:
     assert DemoConfig().lora_config() is None
     config = DemoConfig(lora=True, lora_rank=16, lora_alpha=8.0).lora_config()
     assert config == LoraConfig(rank=16, alpha=8.0, target_modules=LORA_TARGETS)
+
+
+def test_demo_lora_takes_its_own_defaults_and_a_given_flag_wins() -> None:
+    """`asyncroll demo --lora` runs with `demo.LORA_DEFAULTS` (every group kept and an entropy
+    bonus: with the filter, a letter the policy answers with one wrong letter scores 0 in every
+    sample, its groups are dropped and it never learns; README "LoRA"); a flag given wins; full
+    fine-tuning and `DemoConfig(...)` keep their own defaults; tool_echo's apply with --lora."""
+    from asyncroll import cli, demo_tool
+    from asyncroll.demo import LORA_DEFAULTS, DemoConfig
+
+    parser = cli._parser()
+
+    def config(*flags: str) -> DemoConfig:
+        return cli._demo_config(parser.parse_args(["demo", *flags]))
+
+    assert LORA_DEFAULTS["entropy"] > 0
+    lora = config("--lora")
+    assert lora.lora and {k: getattr(lora, k) for k in LORA_DEFAULTS} == LORA_DEFAULTS
+    assert config("--lora", "--entropy", "0").entropy == 0.0
+    assert config("--lora", "--filter", "nonzero_std").filter == "nonzero_std"
+    assert (config().entropy, config().filter) == (0.0, "nonzero_std")
+    assert (DemoConfig(lora=True).entropy, DemoConfig(lora=True).filter) == (0.0, "nonzero_std")
+    tool = config("--lora", "--task", "tool_echo")
+    assert tool.entropy == LORA_DEFAULTS["entropy"]
+    assert tool.max_new_tokens == demo_tool.DEFAULTS["max_new_tokens"]
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    help_text = " ".join(commands.choices["demo"].format_help().split())
+    assert f"(default 0.0; --lora: {LORA_DEFAULTS['entropy']})" in help_text
+    assert "(default nonzero_std; --lora: none)" in help_text

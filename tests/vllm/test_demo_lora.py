@@ -1,7 +1,8 @@
-"""`asyncroll demo --lora` end to end, short: real vLLM serving the trainer's LoRA adapter, only
-the adapter moving each step, the producer's ledger balanced. That it learns (reward up by more
-than 0.5 for two seeds) takes a minute or two per seed: README's LoRA section has the figures,
-measured with `asyncroll demo --lora --seed 1` and `--seed 2`."""
+"""`asyncroll demo --lora` end to end, short, with --lora's defaults (every group kept, an
+entropy bonus): real vLLM serving the trainer's LoRA adapter, only the adapter moving each step,
+the producer's ledger balanced. That it learns (reward up by more than 0.5 for two seeds) takes
+about 3 minutes per seed: README's LoRA section has the figures, measured with
+`asyncroll demo --lora --seed 1` and `--seed 2`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncroll.demo import DemoConfig, run_demo
+from asyncroll.demo import LORA_DEFAULTS, demo_config, run_demo
 from asyncroll.engines.vllm import VLLMEngine
 from asyncroll.lora import LoraAdapter
 
@@ -28,10 +29,11 @@ async def test_demo_lora_moves_only_the_adapter_and_balances_the_ledger(
         await update(self, weights, version=version)
 
     monkeypatch.setattr(VLLMEngine, "update_weights", spy)
-    config = DemoConfig(
+    config = demo_config(
         lora=True, steps=3, group_size=4, batch_groups=4, out=str(tmp_path), solved_reward=0.0,
         batch_timeout_s=60.0,
     )  # fmt: skip
+    assert (config.filter, config.entropy) == (LORA_DEFAULTS["filter"], LORA_DEFAULTS["entropy"])
     records = await run_demo(config, progress=False)
     assert [r.version for r in records] == [0, 1, 2]
     assert sent[0] == (0, None)  # the producer's entry labels the base weights version 0
