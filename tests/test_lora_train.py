@@ -221,5 +221,9 @@ def test_demo_lora_takes_its_own_defaults_and_a_given_flag_wins() -> None:
     assert tool.max_new_tokens == demo_tool.DEFAULTS["max_new_tokens"]
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     help_text = " ".join(commands.choices["demo"].format_help().split())
-    assert f"(default 0.0; --lora: {LORA_DEFAULTS['entropy']})" in help_text
-    assert "(default nonzero_std; --lora: none)" in help_text
+    tool_defaults = demo_tool.DEFAULTS
+    assert (
+        f"(default 0.0; tool_echo: {tool_defaults['entropy']}; --lora: {LORA_DEFAULTS['entropy']})"
+        in (help_text)
+    )
+    assert f"(default nonzero_std; tool_echo: {tool_defaults['filter']}; --lora: none)" in help_text
