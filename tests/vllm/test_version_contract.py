@@ -26,12 +26,12 @@ async def test_an_update_cancelled_while_vllm_takes_the_label_reports_that_label
     that window every time."""
     llm: Any = engine._llm
     label = llm.update_weight_version
-    taken = asyncio.Event()
+    taken, answer = asyncio.Event(), asyncio.Event()
 
     async def late_answer(new_version: str) -> None:
         await label(new_version)  # vLLM's engine core has it now
         taken.set()
-        await asyncio.sleep(0.2)  # its answer still on the way
+        await answer.wait()  # its answer held until the update is cancelled
 
     monkeypatch.setattr(llm, "update_weight_version", late_answer)
     update = asyncio.create_task(engine.update_weights(None, version=4))
@@ -39,6 +39,7 @@ async def test_an_update_cancelled_while_vllm_takes_the_label_reports_that_label
         async with asyncio.timeout(DEADLINE_S):
             await taken.wait()
         update.cancel()
+        answer.set()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(update, DEADLINE_S)
         async with asyncio.timeout(DEADLINE_S):
@@ -89,13 +90,13 @@ async def test_an_update_cut_while_the_workers_load_serves_nothing_until_one_suc
     new ones are refused."""
     llm: Any = engine._llm
     rpc = llm.collective_rpc
-    loaded = asyncio.Event()
+    loaded, answer = asyncio.Event(), asyncio.Event()
 
     async def late_answer(method: str, *args: Any, **kwargs: Any) -> Any:
         reports = await rpc(method, *args, **kwargs)
         if method.startswith("asyncroll_load"):
             loaded.set()  # every worker has the weights now
-            await asyncio.sleep(0.2)  # its answer still on the way
+            await answer.wait()  # its answer held until the update is cancelled
         return reports
 
     prompt = ids(0, 5, 6, 7)
@@ -113,6 +114,7 @@ async def test_an_update_cut_while_the_workers_load_serves_nothing_until_one_suc
         async with asyncio.timeout(DEADLINE_S):
             await loaded.wait()
         update.cancel()
+        answer.set()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(update, DEADLINE_S)
         monkeypatch.undo()
