@@ -149,8 +149,8 @@ class Producer:
         # An engine that states how long its pause or resume can take (VLLMServerEngine:
         # per-replica deadlines) must fit inside the producer's own wait for it, or a pause
         # that is still going stops the run as a timeout and its undo waits behind it.
-        bound = getattr(engine, "pause_bound_s", None)
-        if isinstance(bound, int | float) and bound >= cfg.abort_timeout_s:
+        bound = engine.pause_bound_s
+        if bound is not None and bound >= cfg.abort_timeout_s:
             raise ValueError(
                 f"abort_timeout_s={cfg.abort_timeout_s} does not outlast the engine's pause "
                 f"bound ({type(engine).__name__}.pause_bound_s={bound}): raise abort_timeout_s "
@@ -406,15 +406,14 @@ class Producer:
         update and, unless it was cancelled, returns it (a caller must not repeat it). An
         engine reporting any other label after a cut stops the producer (`ProducerError`).
 
-        An adapter sent to an engine whose `adapter_updates_without_pause` is True is not
+        An adapter sent to an engine that serves adapters (`Engine.adapter_slots`) is not
         paused for: the engine binds an adapter to each request, so running groups finish
         under the version they started with (labelled so) while new ones take the new one."""
         self._require_running()
         core = self._core
         hold: contextlib.AbstractAsyncContextManager[None] = (
             contextlib.nullcontext()
-            if isinstance(weights, LoraAdapter)
-            and getattr(self.engine, "adapter_updates_without_pause", False) is True
+            if isinstance(weights, LoraAdapter) and self.engine.adapter_slots is not None
             else self._control.holding(Hold.UPDATE)
         )
         async with self._update_lock, hold:
@@ -570,8 +569,8 @@ def _check_adapter_slots(engine: Engine, max_staleness: int | None) -> None:
     """Updating adapters without a pause leaves the adapters of up to `max_staleness` older
     versions in use beside the new one: an engine that registers fewer (`adapter_slots`) would
     abort the groups of the oldest at each update."""
-    slots = getattr(engine, "adapter_slots", None)
-    if isinstance(slots, int) and max_staleness is not None and slots < max_staleness + 1:
+    slots = engine.adapter_slots
+    if slots is not None and max_staleness is not None and slots < max_staleness + 1:
         raise ValueError(
             f"max_staleness={max_staleness} lets groups of {max_staleness + 1} versions run at "
             f"once, but {type(engine).__name__} registers {slots} LoRA adapters: start it with "

@@ -117,6 +117,14 @@ class ChaosEngine:
     def version(self) -> int:
         return self.sim.version
 
+    @property
+    def adapter_slots(self) -> int | None:
+        return self.sim.adapter_slots
+
+    @property
+    def pause_bound_s(self) -> float | None:
+        return self.sim.pause_bound_s
+
     def payload_bytes(self, max_new_tokens: int) -> int:
         return self.sim.payload_bytes(max_new_tokens)
 

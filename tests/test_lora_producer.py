@@ -25,7 +25,7 @@ def adapter() -> LoraAdapter:
 
 class AdapterSim(SimEngine):
     """A simulated engine that binds adapters to requests, as `VLLMEngine(lora=...)` does:
-    it says so, and records how many requests ran as each update began."""
+    it reports its slots, and records how many requests ran as each update began."""
 
     def __init__(self, slots: int, **sim: Any) -> None:
         super().__init__(SimConfig(vocab_size=VOCAB, **sim))
@@ -33,11 +33,7 @@ class AdapterSim(SimEngine):
         self.running_at_update: list[int] = []
 
     @property
-    def adapter_updates_without_pause(self) -> bool:
-        return True
-
-    @property
-    def adapter_slots(self) -> int:
+    def adapter_slots(self) -> int:  # type: ignore[override]
         return self.slots
 
     async def update_weights(self, weights: Weights | LoraAdapter | None, *, version: int) -> None:

@@ -214,6 +214,28 @@ class Engine(Protocol):
         0 until the first `update_weights`."""
         ...
 
+    @property
+    def adapter_slots(self) -> int | None:
+        """How many LoRA adapters the engine keeps registered at once; None: it serves none
+        (an adapter given to `update_weights` raises `LoraError`).
+
+        An engine that serves adapters binds one to each request for the request's whole
+        life, which is what lets an adapter update skip the pause: requests already running
+        finish under the adapter they started with (each token labelled with its version),
+        new ones take the new adapter. So tokens sampled after `update_weights(adapter, k)`
+        returned may still carry older labels, always naming the weights that sampled them.
+        The producer relies on this: it does not pause for an adapter update, and refuses at
+        construction a `max_staleness` whose window needs more adapters than `adapter_slots`."""
+        ...
+
+    @property
+    def pause_bound_s(self) -> float | None:
+        """The longest `pause_generation` or `resume_generation` may take, where the engine
+        bounds it itself (`VLLMServerEngine`: its per-replica deadlines); None: no bound of its
+        own. The producer's wait for a pause must outlast it, or a pause still under way
+        would stop the run as a timeout; it refuses an `abort_timeout_s` that does not."""
+        ...
+
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
         """Generate the samples of `request` (see the class docstring for the contract)."""
         ...

@@ -172,6 +172,16 @@ class SimEngine:
     def version(self) -> int:
         return self._version
 
+    @property
+    def adapter_slots(self) -> None:
+        """The simulation serves no LoRA adapters."""
+        return None
+
+    @property
+    def pause_bound_s(self) -> None:
+        """A simulated pause is immediate: no bound of its own."""
+        return None
+
     def payload_bytes(self, max_new_tokens: int) -> int:
         return self.config.payload_bytes_per_sample
 

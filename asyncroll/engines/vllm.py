@@ -309,15 +309,15 @@ class VLLMEngine:
         return self._version
 
     @property
-    def adapter_updates_without_pause(self) -> bool:
-        """Whether an adapter update needs no pause (with LoRA: requests keep the adapter they
-        started with, so the producer need not stop generation for it)."""
-        return self.lora is not None
+    def adapter_slots(self) -> int | None:
+        """Adapters registered at once (`LoraSlots.slots`, vLLM's `max_loras`; None: no
+        LoRA). Each request keeps the adapter it started with (`Engine.adapter_slots`)."""
+        return None if self.lora is None else self.lora.slots
 
     @property
-    def adapter_slots(self) -> int | None:
-        """Adapters registered at once (None: no LoRA)."""
-        return None if self.lora is None else self.lora.slots
+    def pause_bound_s(self) -> None:
+        """No bound of its own: a pause waits on the engine core, under the caller's deadline."""
+        return None
 
     def payload_bytes(self, max_new_tokens: int) -> int:
         """Routed experts (one row of layers x top-k expert ids per token) when enabled."""

@@ -287,16 +287,11 @@ class VLLMServerEngine:
         return self._state.version
 
     @property
-    def adapter_updates_without_pause(self) -> bool:
-        """With LoRA, the producer need not pause for an adapter update: each request keeps
-        the adapter it was sent with, labelled with its version, and the update itself only
-        freezes the replicas (keep mode) while they load the adapter (`server_lora`)."""
-        return self._lora.slots is not None
-
-    @property
     def adapter_slots(self) -> int | None:
         """Adapters each replica holds at once (`LoraSlots.slots`, the replicas'
-        `--max-loras`; None: no LoRA)."""
+        `--max-loras`; None: no LoRA). Each request keeps the adapter it was sent with
+        (`Engine.adapter_slots`), so the producer need not pause for an adapter update: the
+        update itself only freezes the replicas (keep mode) while they load it (`server_lora`)."""
         return None if self._lora.slots is None else self._lora.slots.slots
 
     @property

@@ -29,7 +29,7 @@ async def test_adapter_updates_without_a_pause(tiny_model: Path) -> None:
     # the last 8 prompts start under version 3.
     slots = LoraSlots(max_rank=8, slots=4)
     async with VLLMEngine(tiny_model, max_model_len=MAX_MODEL_LEN, seed=0, lora=slots) as engine:
-        assert engine.adapter_updates_without_pause
+        assert engine.adapter_slots == 4
         producer = Producer(
             engine,
             prompts,
