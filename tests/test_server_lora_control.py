@@ -475,3 +475,26 @@ def test_a_producer_skips_its_pause_for_adapters_and_checks_the_slots() -> None:
     with pytest.raises(ValueError, match=r"registers 2 LoRA adapters: .*LoraSlots\(slots=3\)"):
         Producer(engine, [[1, 2]], lambda s: 0.0, group_size=2, batch_size=1, max_staleness=2)
     Producer(engine, [[1, 2]], lambda s: 0.0, group_size=2, batch_size=1, max_staleness=1)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a pause waits on the control lock for a whole adapter update (each load bounded by"
+    " control_timeout_s, not pause_bound_s), and Producer does not pause for adapter updates",
+)
+async def test_a_pause_during_an_adapter_update_keeps_the_pause_bound(tmp_path: Path) -> None:
+    """`adapter_updates_without_pause` lets a producer pause (a user's pause, a save) while
+    an adapter update runs. The pause must keep `pause_bound_s` (the producer's
+    `abort_timeout_s` is sized by it; a pause and the resume that undoes it past that stop the
+    run), but it waits on the control lock for the whole update: here a replica's load that
+    hangs (up to `control_timeout_s`, 120 s by default)."""
+    async with lora_scripted(2, tmp_path, pause_timeout_s=0.5) as (engine, stubs):
+        await engine.check_replicas()
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {LOAD}
+        update = asyncio.ensure_future(engine.update_weights(adapter(1), version=1))
+        try:
+            await stubs[1].progress.wait_until(lambda: LOAD in stubs[1].calls, 10.0)
+            await asyncio.wait_for(engine.pause_generation(), 10 * engine.pause_bound_s)
+        finally:
+            stubs[1].hang.set()
+            await asyncio.wait_for(update, 10.0)
