@@ -485,9 +485,12 @@ def test_a_producer_skips_its_pause_for_adapters_and_checks_the_slots() -> None:
 async def test_a_pause_during_an_adapter_update_keeps_the_pause_bound(tmp_path: Path) -> None:
     """`adapter_updates_without_pause` lets a producer pause (a user's pause, a save) while
     an adapter update runs. The pause must keep `pause_bound_s` (the producer's
-    `abort_timeout_s` is sized by it; a pause and the resume that undoes it past that stop the
-    run), but it waits on the control lock for the whole update: here a replica's load that
-    hangs (up to `control_timeout_s`, 120 s by default)."""
+    `abort_timeout_s` is sized by it), but it waits on the control lock for the whole update:
+    here a replica's load that hangs (up to `control_timeout_s`, 120 s by default). Through a
+    keep-mode `Producer` (abort_timeout_s=1, the same hang) the pause timed out, the resume
+    that undoes it waited on the same lock and timed out too, and the producer stopped
+    ("the engine could not be resumed (after a failed pause)") while the update went on to
+    commit."""
     async with lora_scripted(2, tmp_path, pause_timeout_s=0.5) as (engine, stubs):
         await engine.check_replicas()
         stubs[1].hang, stubs[1].hanging = asyncio.Event(), {LOAD}
