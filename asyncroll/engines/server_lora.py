@@ -162,13 +162,12 @@ class ServerAdapters:
             raise
         return record
 
-    async def load(self, replica: Replica, record: Adapter, *, check: bool = True) -> None:
-        """(`check`: have `replica`'s workers check `record` against the model, then) load it
-        there, each call within `control_timeout_s`: `LoraError` when the adapter is refused,
+    async def load(self, replica: Replica, record: Adapter) -> None:
+        """Have `replica`'s workers check `record` against the model, then load it there,
+        each call within `control_timeout_s`: `LoraError` when the adapter is refused,
         `ReplicaError` for any other failure. Loading it again (a retried call whose first
         try reached the server, or a re-sync) is harmless."""
-        if check:
-            await self._check_on(replica, record)
+        await self._check_on(replica, record)
         body = {"lora_name": record.name, "lora_path": str(record.folder)}
         try:
             await self._client.call(replica, "POST", LOAD, body, text=True)
