@@ -15,7 +15,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from asyncroll.engines.replicas import ReplicaError, ReplicaState
+from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, pick
 from asyncroll.engines.server_lora import LOAD, UNLOAD
 from asyncroll.engines.vllm_serve import serve_args
 from asyncroll.engines.vllm_server import VLLMServerEngine
@@ -50,7 +50,10 @@ class LoraStub(ScriptedStub):
     their paths; a generate naming an adapter it does not know gets vLLM's 404; `refusal`,
     when set, is the 500 message every load gets (vLLM refusing the adapter); `problem` what
     its workers' check of an adapter reports ("": none), `checked` what they were asked to
-    check; `models` lists the adapter each generate named (None: the base model)."""
+    check; `models` lists the adapter each generate named (None: the base model). Without
+    `lora_enabled` (no --enable-lora) the check and the load fail as vLLM's do; with
+    `dies_at_check` the process goes away when its workers are asked to check an adapter
+    (the connection is closed unanswered)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,6 +61,7 @@ class LoraStub(ScriptedStub):
         self.refusal: str | None = None
         self.problem = ""
         self.lora_enabled = True  # else its workers have no LoRA manager (no --enable-lora)
+        self.dies_at_check = False
         self.checked: list[dict[str, Any]] = []
         self.models: list[str | None] = []
 
@@ -67,8 +71,11 @@ class LoraStub(ScriptedStub):
         async def load(request: web.Request) -> web.Response:
             body = await request.json()
             name = body["lora_name"]
-            if self.refusal is not None:
-                error = {"error": {"message": self.refusal, "code": 500}}
+            refusal = self.refusal
+            if not self.lora_enabled:  # vLLM's LoRA model runner mixin
+                refusal = "LoRA is not enabled. Use --enable-lora to enable LoRA."
+            if refusal is not None:
+                error = {"error": {"message": refusal, "code": 500}}
                 return web.Response(status=500, text=json.dumps(error))
             if name in self.adapters:
                 return web.Response(status=400, text=f"'{name}' has already been loaded.")
@@ -87,6 +94,9 @@ class LoraStub(ScriptedStub):
             if request.path == "/collective_rpc":
                 body = await request.json()
                 if body["method"] == "asyncroll_lora_problem":
+                    if self.dies_at_check and request.transport is not None:
+                        request.transport.close()
+                        return web.Response()
                     if not self.lora_enabled:  # vLLM's answer to the workers' AttributeError
                         message = "'CPUModelRunner' object has no attribute 'lora_manager'"
                         return web.json_response({"error": {"message": message}}, status=500)
@@ -173,6 +183,94 @@ async def test_a_replica_that_restarted_loses_the_rotation_and_its_resync_loads_
         assert set(stub.adapters) == {name} and stub.label == "1"
         assert sample.versions.tolist() == [1, 1]
         assert stub.models == [name, name]
+
+
+def restart(stub: LoraStub) -> None:
+    """`stub`'s process restarted: no adapter, vLLM's initial label (and `calls` and
+    `models` count from the restart on)."""
+    stub.adapters.clear()
+    stub.label = "default"
+    stub.calls.clear()
+    stub.models.clear()
+
+
+def session_on(engine: VLLMServerEngine, replica: Replica) -> str:
+    """A session the engine routes to `replica` while every replica is in the rotation."""
+    return next(f"run-{k}" for k in range(1000) if pick(engine.replicas, f"run-{k}") is replica)
+
+
+RESTARTS = {  # a replica restarted with other arguments, and what its refusal says
+    "another model": ("problem", "the model has no LoRA layer model.layers.0.self_attn.q_proj"),
+    "a smaller --max-lora-rank": ("problem", "LoRA rank 4 is greater than max_lora_rank 1."),
+    "no --enable-lora": ("lora_enabled", "--enable-lora"),
+    "a load vLLM refuses": ("refusal", "LoRA rank 4 is greater than max_lora_rank 1."),
+}
+
+
+@pytest.mark.parametrize("how", list(RESTARTS))
+async def test_a_replica_restarted_unable_to_serve_the_adapter_stays_out_of_the_rotation(
+    tmp_path: Path, how: str
+) -> None:
+    """At a re-sync the adapter is already the policy: a replica that restarted with other
+    arguments and cannot serve it exactly fails its re-sync (that replica's failure, named,
+    not the caller's `LoraError`), stays out of the rotation and never serves the adapter's
+    label; the version stays, the other replica serves its sessions. Its workers check the
+    adapter as at the first load (a module the model lacks was loaded unchecked, and served
+    as another policy under the adapter's label)."""
+    async with lora_scripted(2, tmp_path) as (engine, stubs):
+        await engine.update_weights(adapter(1), version=1)
+        (name,) = stubs[1].adapters
+        restarted = engine.replicas[1]
+        session = session_on(engine, restarted)
+        restart(stubs[1])
+        attribute, words = RESTARTS[how]
+        setattr(stubs[1], attribute, False if attribute == "lora_enabled" else words)
+        with pytest.raises(ReplicaError, match=f"does not know the adapter {name}"):
+            await engine.generate(_request(f"{session}-0"))
+        assert restarted.state is ReplicaState.UNSYNCED
+        (sample,) = await engine.generate(_request(f"{session}-1"))  # its route re-syncs it
+        assert sample.versions.tolist() == [1, 1]
+        assert stubs[0].models == [name] and stubs[1].models == [name]  # the 404 only
+        assert restarted.state is ReplicaState.DOWN
+        error = restarted.error
+        assert error is not None and error.startswith(f"replica {restarted.url}:")
+        assert f"cannot serve the engine's adapter {name} (version 1)" in error
+        assert words in error and "LoraError" not in error
+        assert stubs[1].adapters == {}
+        await engine.check_replicas()  # probed again: refused again, nothing raised
+        assert restarted.state is ReplicaState.DOWN and stubs[1].adapters == {}
+        assert engine.version == 1 and engine.replicas[0].state is ReplicaState.UP
+
+
+@pytest.mark.parametrize("failure", ["no reply within", "ServerDisconnectedError"])
+async def test_a_resync_whose_adapter_check_fails_is_that_replicas_failure(
+    tmp_path: Path, failure: str
+) -> None:
+    """The re-sync's check hangs (bounded by `control_timeout_s`) or the replica dies while
+    its workers check the adapter: that replica stays out, named, and the other replica
+    serves meanwhile."""
+    async with lora_scripted(2, tmp_path, control_timeout_s=1.0) as (engine, stubs):
+        await engine.update_weights(adapter(1), version=1)
+        (name,) = stubs[0].adapters
+        up, restarted = engine.replicas
+        session = session_on(engine, up)
+        restart(stubs[1])
+        restarted.mark_unsynced("restarted")
+        if failure == "no reply within":
+            stubs[1].hang, stubs[1].hanging = asyncio.Event(), {"/collective_rpc"}
+        else:
+            stubs[1].dies_at_check = True
+        probe = asyncio.ensure_future(engine.check_replicas())
+        await stubs[1].progress.wait_until(lambda: "/collective_rpc" in stubs[1].calls, 10.0)
+        (sample,) = await engine.generate(_request(f"{session}-0"))
+        assert sample.versions.tolist() == [1, 1] and stubs[0].models == [name]
+        await asyncio.wait_for(probe, 10.0)
+        assert restarted.state is ReplicaState.DOWN
+        error = restarted.error
+        assert error is not None and error.startswith(f"replica {restarted.url}:")
+        assert failure in error and "/collective_rpc" in error
+        assert stubs[1].adapters == {} and LOAD not in stubs[1].calls
+        assert engine.version == 1 and up.state is ReplicaState.UP
 
 
 async def test_an_adapter_update_cut_off_by_its_caller_leaves_nothing_of_it(
@@ -377,3 +475,29 @@ def test_a_producer_skips_its_pause_for_adapters_and_checks_the_slots() -> None:
     with pytest.raises(ValueError, match=r"registers 2 LoRA adapters: .*LoraSlots\(slots=3\)"):
         Producer(engine, [[1, 2]], lambda s: 0.0, group_size=2, batch_size=1, max_staleness=2)
     Producer(engine, [[1, 2]], lambda s: 0.0, group_size=2, batch_size=1, max_staleness=1)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a pause waits on the control lock for a whole adapter update (each load bounded by"
+    " control_timeout_s, not pause_bound_s), and Producer does not pause for adapter updates",
+)
+async def test_a_pause_during_an_adapter_update_keeps_the_pause_bound(tmp_path: Path) -> None:
+    """`adapter_updates_without_pause` lets a producer pause (a user's pause, a save) while
+    an adapter update runs. The pause must keep `pause_bound_s` (the producer's
+    `abort_timeout_s` is sized by it), but it waits on the control lock for the whole update:
+    here a replica's load that hangs (up to `control_timeout_s`, 120 s by default). Through a
+    keep-mode `Producer` (abort_timeout_s=1, the same hang) the pause timed out, the resume
+    that undoes it waited on the same lock and timed out too, and the producer stopped
+    ("the engine could not be resumed (after a failed pause)") while the update went on to
+    commit."""
+    async with lora_scripted(2, tmp_path, pause_timeout_s=0.5) as (engine, stubs):
+        await engine.check_replicas()
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {LOAD}
+        update = asyncio.ensure_future(engine.update_weights(adapter(1), version=1))
+        try:
+            await stubs[1].progress.wait_until(lambda: LOAD in stubs[1].calls, 10.0)
+            await asyncio.wait_for(engine.pause_generation(), 10 * engine.pause_bound_s)
+        finally:
+            stubs[1].hang.set()
+            await asyncio.wait_for(update, 10.0)

@@ -40,7 +40,12 @@ unloaded wherever it loaded, the version unchanged, every replica still serving.
 (no answer, a 500 of another kind) is that replica's failure like a failed full-weight load: it
 leaves the rotation, named. A replica that answers a generate with "no such model" for the
 adapter lost it (it restarted behind the engine's back): it leaves the rotation until re-synced,
-and a re-sync loads the current adapter after the base weights and label.
+and a re-sync loads the current adapter after the base weights and label, checked as at its
+first load: a replica restarted with other arguments (another model, a smaller
+`--max-lora-rank`, no `--enable-lora`) would otherwise serve the adapter's label with another
+policy. There the adapter is already the policy, so a refusal is that replica's failure
+(`ReplicaError` naming it and the adapter: out of the rotation, probed again with backoff),
+never the caller's `LoraError`.
 """
 
 from __future__ import annotations
@@ -157,13 +162,12 @@ class ServerAdapters:
             raise
         return record
 
-    async def load(self, replica: Replica, record: Adapter, *, check: bool = True) -> None:
-        """(`check`: have `replica`'s workers check `record` against the model, then) load it
-        there, each call within `control_timeout_s`: `LoraError` when the adapter is refused,
+    async def load(self, replica: Replica, record: Adapter) -> None:
+        """Have `replica`'s workers check `record` against the model, then load it there,
+        each call within `control_timeout_s`: `LoraError` when the adapter is refused,
         `ReplicaError` for any other failure. Loading it again (a retried call whose first
         try reached the server, or a re-sync) is harmless."""
-        if check:
-            await self._check_on(replica, record)
+        await self._check_on(replica, record)
         body = {"lora_name": record.name, "lora_path": str(record.folder)}
         try:
             await self._client.call(replica, "POST", LOAD, body, text=True)
@@ -252,12 +256,27 @@ class ServerAdapters:
 
     async def catch_up(self, replica: Replica) -> None:
         """A re-synced replica (after its base weights and label) loads the current adapter:
-        one that restarted has none of this engine's adapters."""
+        one that restarted has none of this engine's adapters. Checked as at its first load:
+        a replica may have restarted with other arguments (another model, a smaller
+        `--max-lora-rank`, no `--enable-lora`), and unchecked it would serve the adapter's
+        label with another policy. The adapter is already the policy here, so a refusal is
+        this replica's failure (`ReplicaError`: it stays out of the rotation), not the
+        caller's `LoraError`."""
         record = self.current
         if record is None:
             return
         with self.holding(record):
-            await self.load(replica, record, check=False)  # checked when it was loaded first
+            try:
+                await self.load(replica, record)
+            except ValueError as exc:  # LoraError, or a replica without asyncroll's extension
+                error = ReplicaError(
+                    replica.url,
+                    f"cannot serve the engine's adapter {record.name} (version"
+                    f" {record.version}) that the other replicas serve: {exc}; restart it with"
+                    " their model and LoRA arguments",
+                )
+                log.warning("%s", error)
+                raise error from None
 
     def _collect(self, record: Adapter) -> None:
         if self._closed or record not in self._written:

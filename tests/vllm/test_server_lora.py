@@ -10,7 +10,9 @@ tied tiny model and the untied one with biases. The adapter that serves is the s
 Bad input raises `LoraError`, leaves the version unchanged and every replica serving: a
 server started without LoRA, a rank above the server's `--max-lora-rank` (vLLM's loader
 refuses it), a module the model lacks and a shape it does not have (vLLM's loader takes both;
-the workers' check refuses them before any request names the adapter).
+the workers' check refuses them before any request names the adapter). A replica that comes
+back with a smaller `--max-lora-rank` than the adapter that became the policy meanwhile
+fails its re-sync's check: that replica's failure, not a `LoraError`.
 
 The adapters, the reference cases and their prompts are the in-process parity test's
 (`test_lora_parity`, `test_weight_parity`). References are computed before any server
@@ -36,6 +38,8 @@ from asyncroll.engines.vllm_serve import ServerProcess
 from asyncroll.engines.vllm_server import VLLMServerEngine
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots
 from asyncroll.models import build_tiny_model
+from tests.stubs import served
+from tests.test_server_lora_control import LoraStub
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.server import server_engine_on
 from tests.vllm.test_lora_parity import CONFIG, TARGETS, Case, make_case, random_adapter
@@ -240,3 +244,37 @@ async def test_a_producer_updates_adapters_over_http_without_pausing(
                         seen.update(int(v) for v in versions)
             assert producer.progress.counters.aborted_groups == 0
         assert seen <= {0, 1, 2} and 2 in seen
+
+
+async def test_a_replica_back_with_a_smaller_max_lora_rank_stays_out_of_the_rotation(
+    tied_server: ServerProcess, cases: dict[str, Case], tmp_path: Path
+) -> None:
+    """A rank-16 adapter became the policy while the real replica was out of the rotation
+    (a scripted replica, `LoraStub`, served it); the real one is back, started with
+    `--max-lora-rank 8`. Its re-sync's check (its workers over `/collective_rpc`) refuses the
+    adapter: it stays out of the rotation, named, with nothing loaded, the version unchanged
+    and nothing raised to the caller. Unchecked, vLLM's load route would have been the only
+    guard (here it refuses too; a module the model lacks it would have taken). Last in the
+    module: it leaves the server paused, as any replica whose re-sync failed."""
+    model = cases["tied"].model
+    wide = other_adapter(model, 1, LoraConfig(rank=16, alpha=16.0, target_modules=TARGETS))
+    known = await adapters_on(tied_server.url)
+    stub = LoraStub()
+    async with (
+        served([stub.app()]) as (stub_url,),
+        server_engine_on(
+            [stub_url, tied_server.url], tmp_path, lora=LoraSlots(max_rank=16)
+        ) as engine,
+    ):
+        real = engine.replicas[1]
+        real.mark_down("restarting", float("inf"))  # out of the rotation during the update
+        await engine.update_weights(wide, version=1)
+        (name,) = stub.adapters
+        await engine.check_replicas()  # probes it now: the re-sync
+        assert real.state is ReplicaState.DOWN
+        error = real.error
+        assert error is not None and error.startswith(f"replica {real.url}:")
+        assert f"cannot serve the engine's adapter {name} (version 1)" in error
+        assert "LoRA rank 16 is greater than max_lora_rank 8" in error
+        assert await adapters_on(tied_server.url) == known
+        assert engine.version == 1 and engine.replicas[0].state is ReplicaState.UP
