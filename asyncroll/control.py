@@ -61,6 +61,17 @@ class Control:
             with anyio.CancelScope(shield=True):
                 await self.release(hold)
 
+    @contextlib.asynccontextmanager
+    async def steady(self) -> AsyncIterator[None]:
+        """Keep the gate as it is for the block: no pause or resume reaches the engine while
+        it runs. An adapter update needs no pause (requests keep their adapter), but the
+        engine may freeze its replicas while they load it (`VLLMServerEngine`), and a pause
+        sent meanwhile would wait inside its own `abort_timeout_s` for the whole load, then
+        fail, and so would the resume that undoes it. A pause asked for during the block
+        waits for it here instead (the block has the update's deadline)."""
+        async with self._lock:
+            yield
+
     async def acquire(self, hold: Hold) -> None:
         """Add a holder of the gate; the first closes it (drain, or freeze in "keep" mode).
         A close that fails is undone before the error is raised, in the engine too."""

@@ -408,11 +408,12 @@ class Producer:
 
         An adapter sent to an engine that serves adapters (`Engine.adapter_slots`) is not
         paused for: the engine binds an adapter to each request, so running groups finish
-        under the version they started with (labelled so) while new ones take the new one."""
+        under the version they started with (labelled so) while new ones take the new one. A
+        `pause` or `save` asked for meanwhile waits for the update (`Control.steady`)."""
         self._require_running()
         core = self._core
         hold: contextlib.AbstractAsyncContextManager[None] = (
-            contextlib.nullcontext()
+            self._control.steady()
             if isinstance(weights, LoraAdapter) and self.engine.adapter_slots is not None
             else self._control.holding(Hold.UPDATE)
         )

@@ -71,7 +71,7 @@ async def test_an_adapter_update_does_not_pause_generation() -> None:
     assert engine.adapter_updates == 2
 
 
-async def test_an_engine_without_the_property_is_paused_for_an_adapter() -> None:
+async def test_an_engine_without_adapter_slots_is_paused_for_an_adapter() -> None:
     """`SimEngine` itself does not say it binds adapters: the producer pauses for them."""
     engine = SimEngine(SimConfig(vocab_size=VOCAB, per_token_latency_s=0.05))
     producer = producer_on(engine)

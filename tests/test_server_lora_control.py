@@ -477,27 +477,46 @@ def test_a_producer_skips_its_pause_for_adapters_and_checks_the_slots() -> None:
     Producer(engine, [[1, 2]], lambda s: 0.0, group_size=2, batch_size=1, max_staleness=1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a pause waits on the control lock for a whole adapter update (each load bounded by"
-    " control_timeout_s, not pause_bound_s), and Producer does not pause for adapter updates",
-)
-async def test_a_pause_during_an_adapter_update_keeps_the_pause_bound(tmp_path: Path) -> None:
-    """`adapter_updates_without_pause` lets a producer pause (a user's pause, a save) while
-    an adapter update runs. The pause must keep `pause_bound_s` (the producer's
-    `abort_timeout_s` is sized by it), but it waits on the control lock for the whole update:
-    here a replica's load that hangs (up to `control_timeout_s`, 120 s by default). Through a
-    keep-mode `Producer` (abort_timeout_s=1, the same hang) the pause timed out, the resume
-    that undoes it waited on the same lock and timed out too, and the producer stopped
-    ("the engine could not be resumed (after a failed pause)") while the update went on to
-    commit."""
-    async with lora_scripted(2, tmp_path, pause_timeout_s=0.5) as (engine, stubs):
+async def test_a_producer_pause_during_an_adapter_update_waits_for_it(tmp_path: Path) -> None:
+    """The producer does not pause for an adapter, but the engine freezes its replicas while
+    they load it, and holds its control lock meanwhile (each load bounded by
+    `control_timeout_s`, 120 s by default; `pause_bound_s` holds only while no update runs).
+    A keep-mode pause (a user's, a save's) sent to the engine during the load waited there
+    past the producer's `abort_timeout_s`; the resume that undoes it waited on the same lock
+    and timed out too, and the producer stopped ("the engine could not be resumed (after a
+    failed pause)") while the update went on to commit. Now the pause waits in the producer
+    for the update to end, then pauses the engine."""
+    from asyncroll import Producer
+
+    async with lora_scripted(2, tmp_path, pause_timeout_s=0.3) as (engine, stubs):
+        for stub in stubs:  # both samples of a group
+            stub.stream = _stream(_choice([7, 8]), _choice([7, 8], index=1))
         await engine.check_replicas()
-        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {LOAD}
-        update = asyncio.ensure_future(engine.update_weights(adapter(1), version=1))
-        try:
+        pauses_while_updating: list[bool] = []
+        engine_pause = engine.pause_generation
+
+        async def pause_generation() -> None:
+            pauses_while_updating.append(not update.done())
+            await engine_pause()
+
+        engine.pause_generation = pause_generation  # type: ignore[method-assign]
+        producer = Producer(
+            engine, [[1, 2]] * 64, lambda g: [0.0, 0.0], group_size=2, batch_size=1,
+            max_staleness=1, pause_mode="keep", abort_timeout_s=1.0,
+        )  # fmt: skip
+        async with producer:
+            stubs[1].hang, stubs[1].hanging = asyncio.Event(), {LOAD}
+            update = asyncio.ensure_future(producer.update_weights(adapter(1)))
             await stubs[1].progress.wait_until(lambda: LOAD in stubs[1].calls, 10.0)
-            await asyncio.wait_for(engine.pause_generation(), 10 * engine.pause_bound_s)
-        finally:
+            pausing = asyncio.ensure_future(producer.pause())
+            # Three abort_timeout_s for the pause to reach the engine (or, as it did, to fail
+            # there); the pause that waits for the update does neither while the load hangs.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(pausing), 3.0)
+            assert pauses_while_updating == [] and not pausing.done()
             stubs[1].hang.set()
-            await asyncio.wait_for(update, 10.0)
+            assert await asyncio.wait_for(update, 10.0) == 1
+            await asyncio.wait_for(pausing, 10.0)
+            assert pauses_while_updating == [False] and producer.paused
+            await producer.resume()
+            assert producer.version == 1 and not producer.paused
