@@ -5,6 +5,7 @@ on it. Waits are on the producer's own signals; deadlines only guard against han
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -318,6 +319,48 @@ async def test_a_waiting_produce_batch_is_no_stall_while_update_or_save_run(
         prefetch.cancel()
         with pytest.raises(asyncio.CancelledError):
             await prefetch
+        producer.check_ledger()
+
+
+class HeldResumeEngine(SimEngine):
+    """A keep-mode engine whose resume waits until the test lets it finish."""
+
+    def __init__(self, **overrides: Any) -> None:
+        super().__init__(**overrides)
+        self.resuming = asyncio.Event()
+        self.finish_resume = asyncio.Event()
+
+    @property
+    def supports_keep_pause(self) -> bool:
+        return True
+
+    async def resume_generation(self) -> None:
+        self.resuming.set()
+        await self.finish_resume.wait()
+        await super().resume_generation()
+
+
+async def test_a_produce_batch_is_no_stall_while_the_engine_resumes_after_an_update() -> None:
+    """Keep mode, nothing in flight (max_staleness 0: the batch used the capacity up, the
+    update gives it back). While the update's closing resume ran, the gate was still closed
+    with no hold left: `produce_batch` raised `StalledError` "the buffer is full" with the
+    buffer empty (seen in the chaos run's events)."""
+    engine = HeldResumeEngine(vocab_size=VOCAB)
+    producer = Producer(
+        engine, prompts(8), ones, group_size=2, batch_size=2, max_staleness=0,
+        pause_mode="keep", sampling=SamplingConfig(max_new_tokens=4),
+    )  # fmt: skip
+    async with producer:
+        assert len((await producer.produce_batch()).groups) == 2
+        update = asyncio.create_task(producer.update_weights())
+        await asyncio.wait_for(engine.resuming.wait(), GUARD_S)
+        batch = asyncio.create_task(producer.produce_batch())
+        with contextlib.suppress(TimeoutError):  # a stall would be raised at once
+            await asyncio.wait_for(asyncio.shield(batch), 1.0)
+        assert not batch.done()
+        engine.finish_resume.set()
+        assert await asyncio.wait_for(update, GUARD_S) == 1
+        assert len((await asyncio.wait_for(batch, GUARD_S)).groups) == 2
         producer.check_ledger()
 
 
