@@ -260,6 +260,24 @@ async def test_aiohttps_own_timeout_is_a_transport_error_retried_not_the_deadlin
     assert "no reply within" not in str(raised.value)
 
 
+async def test_a_retried_control_call_keeps_one_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of a retried call's two tries had a `timeout_s` of its own: a connection dropped
+    late in the first left the second a whole `timeout_s` more, and a pause could take twice
+    its bound (`pause_bound_s`). Both tries now run under one deadline."""
+    deadlines: list[float] = []
+    timeout = asyncio.timeout
+
+    def spy(delay: float | None) -> asyncio.Timeout:
+        deadlines.append(float("inf") if delay is None else delay)
+        return timeout(delay)
+
+    monkeypatch.setattr(asyncio, "timeout", spy)
+    session = _Session(aiohttp.ServerDisconnectedError(), None)
+    with pytest.raises(ReplicaError, match=r"POST /pause: no reply within 0.5 s"):
+        await control_on(session, timeout_s=0.5)
+    assert session.calls == 2 and deadlines == [0.5]
+
+
 async def test_an_error_reply_is_read_only_as_far_as_it_is_quoted() -> None:
     """An error reply was read whole, then cut to 500 bytes: a replica (or a proxy) answering
     a 500 with a gigabyte held a gigabyte here."""

@@ -187,36 +187,53 @@ async def control(
     server's keep-alive timeout just as it was reused); any other (an NCCL step: a second join
     or receive would wait for a broadcast that never comes) is not."""
     url = f"{replica.url}{path}"
+    try:
+        async with asyncio.timeout(timeout_s):  # one deadline for both tries: a retry must
+            body = await _request(session, replica, method, path, url, json, idempotent)
+    except Exception as exc:  # not stretch a pause past its bound (`pause_bound_s`)
+        if session.closed or not _is_deadline(exc):
+            raise
+        message = f"{method} {path}: no reply within {timeout_s} s"
+        raise ReplicaError(replica.url, message) from None
+    if len(body) > REPLY_BYTES:
+        raise ReplicaError(replica.url, f"{method} {path} -> a reply over {REPLY_BYTES} B")
+    if text:
+        return body.decode(errors="replace")
+    try:
+        return msgspec.json.decode(body) if body.strip() else None
+    except msgspec.DecodeError:  # garbage (a proxy's error page) fails like any bad reply
+        head = body[:ERROR_BODY_BYTES].decode(errors="replace")
+        raise ReplicaError(replica.url, f"{method} {path} -> not JSON: {head}") from None
+
+
+async def _request(
+    session: aiohttp.ClientSession,
+    replica: Replica,
+    method: str,
+    path: str,
+    url: str,
+    json: Any,
+    idempotent: bool,
+) -> bytes:
+    """The tries of `control`, under its deadline: the reply's body (up to one byte past
+    `REPLY_BYTES`), or `ReplicaError`."""
     attempts = 2 if idempotent else 1
     for attempt in range(1, attempts + 1):
         try:
-            async with (
-                asyncio.timeout(timeout_s),
-                session.request(method, url, json=json, headers={"Connection": "close"}) as reply,
-            ):
+            async with session.request(
+                method, url, json=json, headers={"Connection": "close"}
+            ) as reply:
                 if reply.status != 200:
                     err = (await read_at_most(reply, ERROR_BODY_BYTES)).decode(errors="replace")
                     message = f"{method} {path} -> HTTP {reply.status}: {err}"
                     raise ReplicaHTTPError(replica.url, message, reply.status, err)
-                body = await read_at_most(reply, REPLY_BYTES + 1)
+                return await read_at_most(reply, REPLY_BYTES + 1)
         except Exception as exc:
-            if session.closed:
+            if session.closed or _is_deadline(exc):
                 raise
-            if _is_deadline(exc):
-                message = f"{method} {path}: no reply within {timeout_s} s"
-                raise ReplicaError(replica.url, message) from None
             if isinstance(exc, aiohttp.ClientConnectionError) and attempt < attempts:
                 continue
             raise replica_failure(replica, f"{method} {path}", exc) from None
-        if len(body) > REPLY_BYTES:
-            raise ReplicaError(replica.url, f"{method} {path} -> a reply over {REPLY_BYTES} B")
-        if text:
-            return body.decode(errors="replace")
-        try:
-            return msgspec.json.decode(body) if body.strip() else None
-        except msgspec.DecodeError:  # garbage (a proxy's error page) fails like any bad reply
-            head = body[:ERROR_BODY_BYTES].decode(errors="replace")
-            raise ReplicaError(replica.url, f"{method} {path} -> not JSON: {head}") from None
     raise AssertionError("unreachable")
 
 
