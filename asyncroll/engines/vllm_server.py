@@ -66,13 +66,14 @@ reference notes):
   only once every replica loaded them, and a folder is deleted only when no replica can be
   reading it (`server_weights`): an update cut off at its final resume keeps its weights.
 
-Files: this one is the `Engine` (admission, routing, generate, pause, resume, updates);
-`server_supervisor` the per-replica control plane; `server_client` HTTP to the replicas;
-`server_samples` what a request carries and brings back, parsed strictly; `server_lora` the
-LoRA adapters; `replica_load` how
-one replica loads a folder; `server_weights`
-which weights the replicas serve; `server_nccl` the NCCL group and its broadcast steps;
-`replicas` a replica's state and the wire format.
+Files: this one is the `Engine` (admission, routing, generate, pause, resume, and the calls
+on every replica that they and updates share); `server_updates` the weight updates (a
+folder, NCCL, a LoRA adapter: freeze, load, label, commit); `server_supervisor` the
+per-replica control plane; `server_client` HTTP to the replicas; `server_samples` what a
+request carries and brings back, parsed strictly; `server_lora` the LoRA adapters;
+`replica_load` how one replica loads a folder; `server_weights` which weights the replicas
+serve; `server_nccl` the NCCL group and its broadcast steps; `replicas` a replica's state
+and the wire format.
 
 aiohttp rather than httpx: it is already a vLLM dependency, and its connection pool is the
 cheaper of the two per request (`benchmarks/server_throughput.py` has the numbers).
@@ -85,8 +86,7 @@ import contextlib
 import enum
 import functools
 import os
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,11 +96,10 @@ import yarl
 from asyncroll._signal import Signal
 from asyncroll.engines import (
     nccl_transfer,
-    replica_load,
     server_lora,
+    server_updates,
     server_weights,
     vllm_groups,
-    weights_file,
 )
 from asyncroll.engines import replicas as rp
 from asyncroll.engines import server_samples as ss
@@ -120,8 +119,6 @@ from asyncroll.engines.server_samples import attempt_session
 from asyncroll.lora import LoraAdapter, LoraSlots
 
 __all__ = ["VLLMServerEngine", "attempt_session"]
-
-_checkpoint = server_weights.checkpoint
 
 _HOMES = frozenset({ReplicaState.UP, ReplicaState.UNSYNCED})  # where a session may live
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
@@ -223,7 +220,6 @@ class VLLMServerEngine:
         self.replicas = [Replica(u) for u in cleaned]
         self._vocab_size = vocab_size
         self._max_model_len = max_model_len
-        self.weights_dir = None if weights_dir is None else Path(weights_dir)
         self.session_of = session_of
         self.stream_interval = stream_interval
         self.request_timeout_s = request_timeout_s
@@ -234,8 +230,6 @@ class VLLMServerEngine:
         self.liveness_timeout_s = liveness_timeout_s
         self.pause_timeout_s = pause_timeout_s
         self.max_connections = max_connections
-        self.weight_transfer = weight_transfer
-        self.verify_weights = verify_weights
         self._state = sup.ControlState()
         self._client = ReplicaClient(
             max_connections=max_connections,
@@ -247,14 +241,37 @@ class VLLMServerEngine:
         self._folders = server_weights.WeightFolders()
         self._lora = server_lora.ServerAdapters(lora, self._client, self._unload_failed)
         self._group = NcclGroup(self._client, self._on_every, self._down, self._states)
+        fleet = server_updates.Fleet(
+            frozen=self._frozen,
+            pause_up=functools.partial(self._each_replica, "POST", sup.PAUSE),
+            on_every=self._on_every,
+            on_every_up=self._on_every_up,
+            down=self._down,
+            end_adapter_requests=self._end_adapter_requests,
+            states=self._states,
+        )
+        self._updates = server_updates.WeightUpdates(
+            self.replicas,
+            self._state,
+            self._client,
+            self._folders,
+            self._lora,
+            self._group,
+            fleet,
+            weights_dir=None if weights_dir is None else Path(weights_dir),
+            weight_transfer=weight_transfer,
+            verify_weights=verify_weights,
+            pause_timeout_s=pause_timeout_s,
+            health_timeout_s=health_timeout_s,
+        )
         self._supervisors = {
             r: sup.Supervisor(
                 r,
                 self._state,
                 self._client,
                 self._folders,
-                self._resync_load,
-                self._own_model,
+                self._updates.resync_load,
+                self._updates.own_model,
                 self._down,
                 self._leave_group,
             )
@@ -267,6 +284,28 @@ class VLLMServerEngine:
         self._open_streams = 0
         self._held = 0
         self._progress = Signal()
+
+    # -- what updates use (`server_updates.WeightUpdates` holds them) -----------------------------
+
+    @property
+    def weights_dir(self) -> Path | None:
+        """The folder `update_weights` writes new weights and adapters under."""
+        return self._updates.weights_dir
+
+    @property
+    def weight_transfer(self) -> nccl_transfer.WeightSender | None:
+        """The NCCL sender `update_weights` broadcasts tensors with (None: a folder)."""
+        return self._updates.weight_transfer
+
+    @property
+    def verify_weights(self) -> bool:
+        """Whether each replica proves it serves a loaded folder's tensors (`weight_check`);
+        may be switched between updates."""
+        return self._updates.verify_weights
+
+    @verify_weights.setter
+    def verify_weights(self, on: bool) -> None:
+        self._updates.verify_weights = on
 
     # -- Engine protocol -------------------------------------------------------------------------
 
@@ -421,30 +460,7 @@ class VLLMServerEngine:
         (`server_lora`; the engine needs `lora`)."""
         self._check_open()
         ss.check_version(version)
-        if isinstance(weights, LoraAdapter):
-            await self._update_lora(weights, version)
-            return
-        if weights is None:
-            await self._update(None, version)
-            return
-        if self.weight_transfer is not None:
-            named = await asyncio.to_thread(weights_file.detached, weights)
-            await self._update_nccl(self.weight_transfer, named, version)
-            return
-        if self.weights_dir is None:
-            raise ValueError(
-                "update_weights with tensors needs weights_dir (a folder every replica reads);"
-                " or write the checkpoint yourself and call update_weights_from_path"
-            )
-        folder = self.weights_dir / f"asyncroll-v{version}-{uuid.uuid4().hex[:8]}"
-        folder.mkdir()
-        self._folders.add(folder)
-        try:
-            await asyncio.to_thread(server_weights.write, list(weights), folder)
-            await self._update(folder, version)
-        finally:
-            if self._state.weights == folder:  # committed (even if cut off at its resume after)
-                self._folders.collect(self._state.weights)
+        await self._updates.weights(weights, version)
 
     async def update_weights_from_path(self, path: str | os.PathLike[str], *, version: int) -> None:
         """Load the safetensors checkpoint folder `path` (written by the trainer, readable by
@@ -453,7 +469,7 @@ class VLLMServerEngine:
         KV cache recomputed), their later tokens labelled `version`."""
         self._check_open()
         ss.check_version(version)
-        await self._update(server_weights.checkpoint(path), version)
+        await self._updates.folder(server_weights.checkpoint(path), version)
 
     async def close(self) -> None:
         """Stop serving: running `generate` calls raise `EngineDeadError` (their streams are
@@ -475,8 +491,8 @@ class VLLMServerEngine:
         await self._lora.close(self.control_timeout_s)
         await self._client.close()
         self._folders.remove_all()
-        if self.weight_transfer is not None:
-            self.weight_transfer.leave()
+        if self._updates.weight_transfer is not None:
+            self._updates.weight_transfer.leave()
 
     async def __aenter__(self) -> VLLMServerEngine:
         return self
@@ -638,29 +654,6 @@ class VLLMServerEngine:
             if not isinstance(result, BaseException)
         ]
 
-    async def _revive_for_broadcast(self) -> None:
-        """Before an NCCL update (under the control lock): new and stale replicas that answer
-        become members (their weights come with the broadcast, paused first like every
-        member); down ones wait for the next request's probe."""
-        for replica in self.replicas:
-            if replica.state not in (ReplicaState.UNSYNCED, ReplicaState.STALE):
-                continue
-            if replica.syncing.locked():  # its own sync runs: it takes the next broadcast
-                continue
-            async with replica.syncing:
-                try:
-                    await self._call(replica, "GET", "/health", timeout_s=self.health_timeout_s)
-                    await self._call(replica, "POST", sup.PAUSE, timeout_s=self.pause_timeout_s)
-                    replica.state = await sup.catch_up(
-                        replica,
-                        self._state.weights,
-                        self._state.version,
-                        self._resync_load,
-                        self._own_model,
-                    )
-                except (ReplicaError, ValueError) as exc:
-                    self._down(replica, exc)
-
     @contextlib.asynccontextmanager
     async def _frozen(self) -> AsyncIterator[None]:
         """A weight update's frame: under the control lock, admission held; afterwards (also
@@ -689,125 +682,6 @@ class VLLMServerEngine:
             self._admission = Admission.OPEN
             self._progress.notify()
 
-    async def _update(self, folder: Path | None, version: int) -> None:
-        """Hold admission, freeze every replica, load `folder` (None: keep the weights),
-        recompute running requests' KV cache, label `version`, resume (unless the caller
-        paused), release admission."""
-        if folder is None and version == self._state.version:
-            return
-        async with self._frozen():
-            if not self._state.paused:
-                await self._each_replica("POST", sup.PAUSE)
-            weights = folder if folder is not None else self._state.weights
-            if folder is not None:
-                await self._end_adapter_requests()
-            loading = [r for r in self.replicas if r.state is ReplicaState.UP]
-            with self._resync_if_interrupted(loading):
-                await self._on_every_up(lambda r: self._load_on(r, folder, version))
-            if folder is not None:
-                self._lora.commit(None, self._state.version)  # full weights are the policy again
-            else:
-                self._lora.relabelled(version)
-            self._state.weights = weights
-            self._state.version = version
-
-    @contextlib.contextmanager
-    def _resync_if_interrupted(self, replicas: list[Replica]) -> Iterator[None]:
-        """Around an update's loads and labels: if it ends by an exception other than a
-        replica's failure (a cancellation at the caller's deadline, above all), any of
-        `replicas` may already carry the new weights or label while the engine keeps the old
-        ones, and a roll back to the old version would be a no-op (`_update` skips an
-        unchanged one). Those still up leave the rotation until synced again with the
-        engine's weights and label (at once: the update's own resume syncs them)."""
-        try:
-            yield
-        except BaseException as exc:
-            for replica in replicas:
-                if replica.state is ReplicaState.UP:
-                    replica.mark_unsynced(f"an update was interrupted: {exc!r}")
-            raise
-
-    async def _update_nccl(
-        self, sender: nccl_transfer.WeightSender, named: list[tuple[str, Any]], version: int
-    ) -> None:
-        """`_update` with the tensors broadcast over NCCL: the members (the UP replicas and
-        the STALE ones that answer) are frozen, the group is (re)built when they changed,
-        then every member receives while the trainer sends, finishes, and takes the label."""
-        async with self._frozen():
-            await self._revive_for_broadcast()
-            members = [r for r in self.replicas if r.state in (ReplicaState.UP, ReplicaState.STALE)]
-            members = await self._on_every(
-                members, lambda r: self._call(r, "POST", sup.PAUSE, timeout_s=self.pause_timeout_s)
-            )
-            version_now = self._state.version
-            members = await self._on_every(
-                members, lambda r: self._group.leave_if_restarted(r, version_now)
-            )
-            if not members:
-                raise EngineDeadError(f"no replica is up: {self._states()}")
-            if self._group.members != tuple(members):
-                members = await self._group.form(sender, members)
-            await self._end_adapter_requests()
-            self._state.weights = server_weights.Broadcast.SENT  # the old ones go everywhere
-            await self._group.transfer(sender, members, named, version)
-            with self._resync_if_interrupted(members):
-                members = await self._on_every(members, lambda r: self._load_on(r, None, version))
-            if not members:
-                raise EngineDeadError(f"no replica is up: {self._states()}")
-            for replica in members:
-                replica.state = ReplicaState.UP
-            self._lora.commit(None, self._state.version)  # full weights are the policy again
-            self._state.version = version
-
-    async def _load_on(self, replica: Replica, folder: Path | None, version: int) -> None:
-        """Reload `folder` on one (paused or idle) replica, drop its KV cache (running requests
-        are recomputed under the new weights), and set its label to `version`."""
-        if folder is not None:
-            _checkpoint(folder)  # a reload of a missing path would kill the vLLM engine
-            replica.loaded = folder  # before it is sent: a cut-off call may still land
-            await replica_load.load(
-                functools.partial(self._call, replica), replica.url, folder, self.verify_weights
-            )
-        reply = await self._call(replica, "POST", "/reset_prefix_cache?reset_running_requests=true")
-        if not (isinstance(reply, dict) and reply.get("success")):
-            raise ReplicaError(replica.url, f"could not reset its prefix cache: {reply}")
-        await self._call(replica, "POST", "/update_weight_version", {"new_version": str(version)})
-
-    async def _own_model(self, replica: Replica) -> Path:
-        """The model folder `replica` was started from (`replica_load.own_model`)."""
-        return await replica_load.own_model(functools.partial(self._call, replica), replica.url)
-
-    async def _resync_load(self, replica: Replica, folder: Path | None, version: int) -> None:
-        """A re-sync's load (`Supervisor`, `catch_up`): the weights and label, then the
-        current LoRA adapter, which a replica that restarted lacks."""
-        await self._load_on(replica, folder, version)
-        await self._lora.catch_up(replica)
-
-    async def _update_lora(self, adapter: LoraAdapter, version: int) -> None:
-        """Make `adapter` the policy (`server_lora`): write it once, then, frozen like a
-        weight update, load it on every replica (a refusal of the adapter raises `LoraError`
-        before any label changes), label `version`, and commit: later requests carry it."""
-        self._lora.check(adapter)
-        if self.weights_dir is None:
-            raise ValueError(
-                "update_weights with a LoraAdapter needs weights_dir (a folder every replica"
-                " reads, where the adapter is written)"
-            )
-        record = await self._lora.write(adapter, self.weights_dir, version)
-        try:
-            async with self._frozen():
-                if not self._state.paused:
-                    await self._each_replica("POST", sup.PAUSE)
-                loading = [r for r in self.replicas if r.state is ReplicaState.UP]
-                await self._on_every_up(lambda r: self._lora.load(r, record))
-                with self._resync_if_interrupted(loading):
-                    await self._on_every_up(lambda r: self._label(r, version))
-                self._lora.commit(record, self._state.version)
-                self._state.version = version
-        finally:
-            if self._lora.current is not record:
-                self._lora.retire(record)  # unloaded wherever it loaded
-
     async def _end_adapter_requests(self) -> None:
         """Before new full weights (the replicas paused): abort the requests sent with an
         adapter. It was trained on the old base weights; over the new ones they would sample
@@ -819,9 +693,6 @@ class VLLMServerEngine:
             if any(p.adapter is not None for p in live.parts)
         ]
         await asyncio.gather(*(self.abort(rid) for rid in running))
-
-    async def _label(self, replica: Replica, version: int) -> None:
-        await self._call(replica, "POST", "/update_weight_version", {"new_version": str(version)})
 
     def _unload_failed(self, replica: Replica, exc: ReplicaError) -> None:
         """An adapter's unload failed: like a failed abort, the supervisor checks the
