@@ -285,7 +285,7 @@ class VLLMServerEngine:
         self._held = 0
         self._progress = Signal()
 
-    # -- what updates use (`server_updates.WeightUpdates` holds them) -----------------------------
+    # -- how updates reach the replicas (`server_updates.WeightUpdates` holds these) -------------
 
     @property
     def weights_dir(self) -> Path | None:
@@ -604,10 +604,15 @@ class VLLMServerEngine:
         if check is not None:
             await asyncio.shield(check)
 
+    def _unload_failed(self, replica: Replica, exc: ReplicaError) -> None:
+        """An adapter's unload failed: like a failed abort, the supervisor checks the
+        replica."""
+        self._supervisors[replica].failed(exc)
+
     def _states(self) -> str:
         return "; ".join(f"{r.url} {r.state.value} ({r.error})" for r in self.replicas)
 
-    # -- control calls ---------------------------------------------------------------------------
+    # -- the control plane: calls on every replica, the frame of a pause or update ---------------
 
     async def _call(
         self,
@@ -681,44 +686,6 @@ class VLLMServerEngine:
             self._state.paused = False
             self._admission = Admission.OPEN
             self._progress.notify()
-
-    async def _end_adapter_requests(self) -> None:
-        """Before new full weights (the replicas paused): abort the requests sent with an
-        adapter. It was trained on the old base weights; over the new ones they would sample
-        with a policy no version names. They return their samples so far, finish "abort"
-        (to be continued), labelled with their adapter's version, as `VLLMEngine` does."""
-        running = [
-            rid
-            for rid, live in self._live.items()
-            if any(p.adapter is not None for p in live.parts)
-        ]
-        await asyncio.gather(*(self.abort(rid) for rid in running))
-
-    def _unload_failed(self, replica: Replica, exc: ReplicaError) -> None:
-        """An adapter's unload failed: like a failed abort, the supervisor checks the
-        replica."""
-        self._supervisors[replica].failed(exc)
-
-    async def _abort_on(self, replica: Replica, server_ids: list[str]) -> None:
-        """Abort requests on `replica`, through the RL route that returns once vLLM has
-        aborted them (`/inference/v1/abort_requests` only starts a task that will). A failure
-        fails no request (the stream's own end or deadline still bounds it), but is a failed
-        call to the replica like any other: one whose engine core is not alive either leaves
-        the rotation. Often this abort is the last call a hung replica gets (its caller gave
-        up on the request), and nothing else would take it out. Within `pause_timeout_s`, and
-        not waiting for that check: a caller that gave up (the producer's
-        `generate_timeout_s`) is not held past it by a hung replica."""
-        ids = [_SERVER_PREFIX + s for s in server_ids]
-        try:
-            await self._call(
-                replica,
-                "POST",
-                "/abort_requests",
-                {"request_ids": ids},
-                timeout_s=self.pause_timeout_s,
-            )
-        except ReplicaError as exc:
-            self._supervisors[replica].failed(exc)  # the supervisor owns the check
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -870,6 +837,39 @@ class VLLMServerEngine:
             self._open_streams -= 1
             replica.streams -= 1
             self._progress.notify()
+
+    async def _abort_on(self, replica: Replica, server_ids: list[str]) -> None:
+        """Abort requests on `replica`, through the RL route that returns once vLLM has
+        aborted them (`/inference/v1/abort_requests` only starts a task that will). A failure
+        fails no request (the stream's own end or deadline still bounds it), but is a failed
+        call to the replica like any other: one whose engine core is not alive either leaves
+        the rotation. Often this abort is the last call a hung replica gets (its caller gave
+        up on the request), and nothing else would take it out. Within `pause_timeout_s`, and
+        not waiting for that check: a caller that gave up (the producer's
+        `generate_timeout_s`) is not held past it by a hung replica."""
+        ids = [_SERVER_PREFIX + s for s in server_ids]
+        try:
+            await self._call(
+                replica,
+                "POST",
+                "/abort_requests",
+                {"request_ids": ids},
+                timeout_s=self.pause_timeout_s,
+            )
+        except ReplicaError as exc:
+            self._supervisors[replica].failed(exc)  # the supervisor owns the check
+
+    async def _end_adapter_requests(self) -> None:
+        """Before new full weights (the replicas paused): abort the requests sent with an
+        adapter. It was trained on the old base weights; over the new ones they would sample
+        with a policy no version names. They return their samples so far, finish "abort"
+        (to be continued), labelled with their adapter's version, as `VLLMEngine` does."""
+        running = [
+            rid
+            for rid, live in self._live.items()
+            if any(p.adapter is not None for p in live.parts)
+        ]
+        await asyncio.gather(*(self.abort(rid) for rid in running))
 
     def _check_open(self) -> None:
         if self._state.closed:
