@@ -166,13 +166,13 @@ class VLLMEngine:
     `lora`: serve LoRA adapters (`update_weights` with a `asyncroll.lora.LoraAdapter`), with
     `LoraSlots(max_rank=, slots=)` as vLLM's `max_lora_rank` and `max_loras` (None: no LoRA,
     and an adapter update raises `LoraError`). Each adapter update registers the adapter in
-    vLLM's workers from memory, under a new id and name, and every request started after it
-    carries it (vLLM binds an adapter to a request for the request's life): requests already
-    running finish under the adapter they started with, every token of a request is labelled
-    with its adapter's version, and no request straddles two adapters. An adapter that is not
-    the policy is unloaded as soon as no running request uses it; when all `slots` hold adapters
-    in use, the requests of the oldest are aborted (their partial samples can be continued) to
-    make room.
+    vLLM's workers (a file in /dev/shm, as full weights), under a new id and name, and every
+    request started after it carries it (vLLM binds an adapter to a request for the request's
+    life): requests already running finish under the adapter they started with, every token
+    of a request is labelled with its adapter's version, and no request straddles two
+    adapters. An adapter that is not the policy is unloaded as soon as no running request uses
+    it; when all `slots` hold adapters in use, the requests of the oldest are aborted (their
+    partial samples can be continued) to make room (`asyncroll.engines.vllm_lora`).
     A full-weight update aborts the requests that run under an adapter (the base weights would
     change under it) and serves the new base weights without an adapter.
     """
@@ -263,7 +263,9 @@ class VLLMEngine:
         self._paused = False
         self._control = asyncio.Lock()
         self._closed = False
-        self._adapters = AdapterSet(self._llm, self._call, f"vLLM engine {self.model}")
+        self._adapters = AdapterSet(
+            self._llm, self._call, f"vLLM engine {self.model}", _WEIGHTS_DIR
+        )
 
     # -- Engine protocol -------------------------------------------------------------------------
 
