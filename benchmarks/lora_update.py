@@ -14,6 +14,7 @@ its timer and its memory baseline start; what they hold is in "MiB moved".
 
     python benchmarks/lora_update.py --out benchmarks/results
     python benchmarks/lora_update.py --quick          # the tiny model, in-process only
+    python benchmarks/lora_update.py --model llama-98M --path in-process   # one setting
 
 Prints a table and writes `lora_update.{md,json,png}` to `--out`.
 """
@@ -57,10 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="timed updates per setting")
     parser.add_argument("--quick", action="store_true", help="the tiny model, in-process only")
+    parser.add_argument("--model", choices=list(MODELS), help="only this model")
+    parser.add_argument("--path", choices=PATHS, help="only this engine path")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    names = ["tiny"] if args.quick else list(MODELS)
-    paths = PATHS[:1] if args.quick else PATHS
+    names = ["tiny"] if args.quick else [args.model] if args.model else list(MODELS)
+    paths = PATHS[:1] if args.quick else [args.path] if args.path else PATHS
     results: list[dict[str, Any]] = []
     for name in names:
         model = build_tiny_model(MODELS[name])

@@ -43,7 +43,6 @@ import tempfile
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,15 +58,8 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
-from asyncroll.lora import (
-    LoraAdapter,
-    LoraError,
-    LoraSlots,
-    adapter_name,
-    check_servable,
-    peft_config,
-    peft_tensors,
-)
+from asyncroll.engines.vllm_lora import Adapter, AdapterSet
+from asyncroll.lora import LoraAdapter, LoraSlots, check_servable
 
 log = logging.getLogger(__name__)
 
@@ -114,18 +106,6 @@ class _Part:
         self.indices = indices  # positions in the group's request.samples
 
 
-class _Adapter:
-    """A LoRA adapter registered in vLLM: the policy of `version`, bound to every request
-    started while it was the engine's policy (`users` of them still run)."""
-
-    __slots__ = ("request", "users", "version")
-
-    def __init__(self, version: int, request: Any) -> None:
-        self.version = version
-        self.request = request  # the vLLM LoRARequest every request of this policy carries
-        self.users = 0
-
-
 class _Live:
     """A running group: its vLLM requests, its samples as they stream in, the tasks
     streaming them (which `close` cancels, so that no `generate` outlives the engine), and
@@ -133,9 +113,7 @@ class _Live:
 
     __slots__ = ("aborted", "adapter", "parts", "samples", "tasks")
 
-    def __init__(
-        self, parts: list[_Part], samples: list[_Sample], adapter: _Adapter | None
-    ) -> None:
+    def __init__(self, parts: list[_Part], samples: list[_Sample], adapter: Adapter | None) -> None:
         self.parts = parts
         self.samples = samples
         self.adapter = adapter
@@ -188,13 +166,13 @@ class VLLMEngine:
     `lora`: serve LoRA adapters (`update_weights` with a `asyncroll.lora.LoraAdapter`), with
     `LoraSlots(max_rank=, slots=)` as vLLM's `max_lora_rank` and `max_loras` (None: no LoRA,
     and an adapter update raises `LoraError`). Each adapter update registers the adapter in
-    vLLM's workers from memory, under a new id and name, and every request started after it
-    carries it (vLLM binds an adapter to a request for the request's life): requests already
-    running finish under the adapter they started with, every token of a request is labelled
-    with its adapter's version, and no request straddles two adapters. An adapter that is not
-    the policy is unloaded as soon as no running request uses it; when all `slots` hold adapters
-    in use, the requests of the oldest are aborted (their partial samples can be continued) to
-    make room.
+    vLLM's workers (a file in /dev/shm, as full weights), under a new id and name, and every
+    request started after it carries it (vLLM binds an adapter to a request for the request's
+    life): requests already running finish under the adapter they started with, every token
+    of a request is labelled with its adapter's version, and no request straddles two
+    adapters. An adapter that is not the policy is unloaded as soon as no running request uses
+    it; when all `slots` hold adapters in use, the requests of the oldest are aborted (their
+    partial samples can be continued) to make room (`asyncroll.engines.vllm_lora`).
     A full-weight update aborts the requests that run under an adapter (the base weights would
     change under it) and serves the new base weights without an adapter.
     """
@@ -266,10 +244,6 @@ class VLLMEngine:
         self.verify_weights = verify_weights
         self.lora = lora
         self._weights = WeightsState.SERVED
-        self._adapters: dict[int, _Adapter] = {}  # registered in vLLM, by lora_int_id
-        self._policy: _Adapter | None = None  # what new requests run under (None: no adapter)
-        self._policy_tensors: LoraAdapter | None = None  # the policy's adapter, to relabel it
-        self._lora_serial = 0  # the last lora_int_id given
         args = AsyncEngineArgs(model=self.model, **engine_args)
         with _child_environment(on_cpu):
             self._llm: Any = AsyncLLM.from_engine_args(args)
@@ -289,6 +263,9 @@ class VLLMEngine:
         self._paused = False
         self._control = asyncio.Lock()
         self._closed = False
+        self._adapters = AdapterSet(
+            self._llm, self._call, f"vLLM engine {self.model}", _WEIGHTS_DIR
+        )
 
     # -- Engine protocol -------------------------------------------------------------------------
 
@@ -331,11 +308,9 @@ class VLLMEngine:
             raise ValueError(f"request id {rid!r} is already running")
         parts = self._split(request)
         samples = [_Sample() for _ in request.samples]
-        adapter = self._policy
+        adapter = self._adapters.acquire()
         live = self._live[rid] = _Live(parts, samples, adapter)
         live.aborted = self._recent.take_early_abort(rid)  # aborted before it got here
-        if adapter is not None:
-            adapter.users += 1
         try:
             async with asyncio.timeout(self.generate_timeout_s):
                 await self._run_parts(live, request.sampling)
@@ -348,14 +323,14 @@ class VLLMEngine:
         finally:
             del self._live[rid]
             self._recent.ended(rid)
+            retired_unused = adapter is not None and self._adapters.release(adapter)
             if adapter is not None:
-                adapter.users -= 1
                 self._progress.notify()  # an update may wait for an adapter's requests to end
         if adapter is None:
             return [self._output(s, rid, None) for s in samples]
-        if adapter.users == 0 and adapter is not self._policy:
+        if retired_unused:
             async with self._control:  # not while an update registers adapters
-                await self._unload_unused()
+                await self._adapters.unload_unused()
         return [self._output(s, rid, adapter.version) for s in samples]
 
     async def abort(self, request_id: str) -> None:
@@ -395,9 +370,9 @@ class VLLMEngine:
         self._check_alive()
         if weights is None and version == self._version:
             return
-        if isinstance(weights, LoraAdapter) or (weights is None and self._policy is not None):
-            adapter = weights if weights is not None else self._policy_tensors
-            await self._update_adapter(adapter, version)
+        policy = self._adapters.policy
+        if isinstance(weights, LoraAdapter) or (weights is None and policy is not None):
+            await self._update_adapter(weights if weights is not None else policy, version)
             return
         async with self._control:
             self._check_alive()
@@ -411,7 +386,7 @@ class VLLMEngine:
                 self._check_weights()
                 if not await self._call(self._llm.reset_prefix_cache(reset_running_requests=True)):
                     raise RuntimeError("vLLM could not reset its prefix cache after the update")
-                self._policy = self._policy_tensors = None  # the base weights serve from here
+                await self._adapters.end_policy()  # the base weights serve from here
                 await self._label(version)
             finally:
                 if pause_here and not self._dead():
@@ -683,81 +658,35 @@ class VLLMEngine:
         """Make `adapter` the policy of requests started from now on, labelled `version`.
         Checks first what needs no worker (LoRA on, the rank), then the model's modules in
         the worker, before anything changes."""
-        where = f"vLLM engine {self.model}"
-        adapter = check_servable(self.lora, adapter, where)
+        adapter = check_servable(self.lora, adapter, f"vLLM engine {self.model}")
         slots = self.lora.slots if self.lora is not None else 0  # check_servable: not None
         async with self._control:
             self._check_alive()
             self._check_weights()
-            modules = {m: _features(adapter, m) for m in adapter.modules}
-            config = peft_config(adapter.config)
-            problems = await self._call(
-                self._llm.collective_rpc("asyncroll_lora_problem", args=(modules, config))
-            )
-            self._refuse(problems, where)
-            await self._unload_unused()
-            await self._make_room(slots)
-            payload = await asyncio.to_thread(_safetensors_bytes, adapter)
-            self._lora_serial += 1
-            serial = self._lora_serial
-            args = (serial, payload, config)
-            self._refuse(
-                await self._call(self._llm.collective_rpc("asyncroll_add_lora", args=args)),
-                where,
-            )
-            from vllm.lora.request import LoRARequest
-
-            name = adapter_name(version, serial)
-            # The path is never read (the workers have the adapter by its id) but must be set,
-            # and vLLM keys the prefix cache by it too: a fresh one per registration.
-            request = LoRARequest(name, serial, f"asyncroll-memory://{name}")
-            self._policy = self._adapters[serial] = _Adapter(version, request)
-            self._policy_tensors = adapter
+            await self._adapters.check(adapter, self._version)
+            await self._adapters.unload_unused()
+            while (oldest := self._adapters.oldest_if_full(slots)) is not None:
+                await self._end_requests_under(oldest)
+                await self._adapters.unload(oldest)
+            await self._adapters.register(adapter, version, self._version)
             self._version = version
-            await self._unload_unused()  # the previous policy, unless requests still use it
+            await self._adapters.unload_unused()  # the previous policy, unless still in use
 
-    def _refuse(self, problems: Any, where: str) -> None:
-        """Raise `LoraError` with the first worker's problem, if any (nothing was loaded)."""
-        found = [p for p in problems or () if p]
-        if found:
-            raise LoraError(
-                f"{where}: {found[0]}. Nothing was loaded; the engine still serves version "
-                f"{self._version}"
-            )
-
-    async def _unload_unused(self) -> None:
-        """Unload every adapter that is not the policy and that no running request uses."""
-        for lora_id, adapter in list(self._adapters.items()):
-            if adapter is not self._policy and adapter.users == 0:
-                del self._adapters[lora_id]
-                await self._call(self._llm.remove_lora(lora_id))
-
-    async def _make_room(self, slots: int) -> None:
-        """With every slot held by an adapter in use, abort the requests of the oldest (they
-        end with their tokens so far, which can be continued under the new policy), wait for
-        them to end, and unload it."""
-        while len(self._adapters) >= slots:
-            lora_id = min(self._adapters)
-            oldest = self._adapters[lora_id]
-            for request_id, live in list(self._live.items()):
-                if live.adapter is oldest:
-                    await self.abort(request_id)
-            await self.wait_progress(partial(_unused, oldest), self.control_timeout_s)
-            del self._adapters[lora_id]
-            if oldest is self._policy:
-                self._policy = self._policy_tensors = None
-            await self._call(self._llm.remove_lora(lora_id))
+    async def _end_requests_under(self, adapter: Adapter) -> None:
+        """To make room: abort the requests that run under `adapter` (they end with their
+        tokens so far, which can be continued under the new policy) and wait for them to
+        end."""
+        for request_id, live in list(self._live.items()):
+            if live.adapter is adapter:
+                await self.abort(request_id)
+        await self.wait_progress(lambda: adapter.unused, self.control_timeout_s)
 
     async def _end_adapter_requests(self) -> None:
         """Before a full-weight update: abort the requests that run under an adapter (the
-        base weights must not change under them) and unload every adapter."""
+        base weights must not change under them)."""
         for request_id, live in list(self._live.items()):
             if live.adapter is not None:
                 await self.abort(request_id)
-        for lora_id, adapter in list(self._adapters.items()):
-            if adapter.users == 0:
-                del self._adapters[lora_id]
-                await self._call(self._llm.remove_lora(lora_id))
 
     # -- errors and deadlines --------------------------------------------------------------------
 
@@ -785,22 +714,6 @@ class VLLMEngine:
         if isinstance(exc, VLLMDeadError) or self._dead():
             return EngineDeadError(f"vLLM engine died: {type(exc).__name__}: {exc}")
         return exc
-
-
-def _features(adapter: LoraAdapter, module: str) -> list[int]:
-    """[out_features, in_features] of an adapted module."""
-    a, b = adapter.tensors[f"{module}.lora_A.weight"], adapter.tensors[f"{module}.lora_B.weight"]
-    return [int(b.shape[0]), int(a.shape[1])]
-
-
-def _unused(adapter: _Adapter) -> bool:
-    return adapter.users == 0
-
-
-def _safetensors_bytes(adapter: LoraAdapter) -> bytes:
-    from safetensors.torch import save
-
-    return bytes(save({k: t.cpu() for k, t in peft_tensors(adapter).items()}))
 
 
 def _aborted(live: _Live) -> bool:

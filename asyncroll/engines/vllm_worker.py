@@ -197,18 +197,23 @@ class WeightLoaderExtension:
                 )
         return ""
 
-    def asyncroll_add_lora(self, lora_id: int, payload: bytes, config: dict[str, Any]) -> str:
-        """Register a LoRA adapter from memory under `lora_id`, for requests whose
-        `LoRARequest` carries that id: `payload` is the adapter as safetensors bytes (PEFT's
-        names), `config` its adapter_config.json. No file is written or read: vLLM's worker
-        looks an adapter up by id before it would load one from its path. Returns "" once it
-        is registered, else why not (`asyncroll_lora_problem`; nothing is registered then)."""
-        from safetensors.torch import load
+    def asyncroll_add_lora(self, lora_id: int, path: str, config: dict[str, Any]) -> str:
+        """Register a LoRA adapter under `lora_id`, for requests whose `LoRARequest` carries
+        that id: `path` is a safetensors file of its tensors (PEFT's names; `VLLMEngine`
+        writes it to /dev/shm, so reading it is a memory copy), `config` its
+        adapter_config.json. vLLM's worker looks an adapter up by id before it would load one
+        from the request's path, so no adapter folder is needed. A file, not safetensors bytes
+        as an RPC argument: vLLM copies such bytes at each hop (msgpack to the engine core,
+        pickle through its message queue to the worker, a socket for messages over 16 MiB),
+        and 36.5 MiB took 0.3-1.8 s to arrive with ~180 MiB more RSS (benchmarks/README.md,
+        lora_update.py). Returns "" once it is registered, else why not
+        (`asyncroll_lora_problem`; nothing is registered then)."""
+        from safetensors.torch import load_file
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
         from vllm.lora.utils import parse_fine_tuned_lora_name
 
-        tensors = load(payload)
+        tensors = load_file(path)
         modules: dict[str, list[int]] = {}
         for name, tensor in tensors.items():
             module, is_a = parse_fine_tuned_lora_name(name)
