@@ -1,0 +1,375 @@
+"""Generation throughput while the trainer syncs the policy every step: LoRA adapter updates
+(no pause) against full-weight updates (a pause, in "abort" and in "keep" mode).
+
+A real `Producer` on a real in-process `VLLMEngine` generates groups without end; a trainer
+loop takes a batch of `--batch` groups, then (in the updating settings) calls
+`producer.update_weights` with fresh weights, and takes the next batch: one update per step,
+as an RL loop that syncs every step does. The trainer itself is simulated as free (a trainer
+on another device: `--train-s` seconds of `asyncio.sleep` per step, 0 by default), so updates
+come as often as generation allows, the most demanding case. Settings, for `--seconds` of wall
+time each after a warm-up batch (and a warm-up update):
+
+- base: an engine without LoRA, no updates (the reference for the next two);
+- full, abort / full, keep: the same engine, all the model's weights every step (two perturbed
+  copies, built before the run and alternated, so every update changes every tensor);
+- LoRA, 1 adapter: an engine started with LoRA, serving one rank-8 adapter, no updates (what
+  the LoRA kernels cost by themselves; the reference for the next);
+- LoRA, update: the same engine, a new rank-8 adapter (on all seven projections) every step;
+  the producer does not pause for it (`adapter_updates_without_pause`).
+
+The settings without updates run with `max_staleness` None (no version to be stale against),
+the updating ones with `max_staleness` 1, the usual async-RL bound. Every setting runs on the
+same workload: random prompts, `--group-size` samples of `--new-tokens` tokens each (eos
+ignored), `--batch` groups in flight at most. The engines stream each sample's tokens every
+16 tokens (`stream_interval`, the same for all settings), and a task stamps every arrival of
+tokens (`wait_generated`): that timeline gives generated tokens/s, the tokens/s over time, and
+the stall of each update: the longest gap with no token received that overlaps the
+`update_weights` call. "Kept" is the tokens in groups handed to the trainer; "wasted" is what
+the producer threw away (expired past the staleness bound, or failed). Aborted samples are not
+thrown away: the producer continues them from their tokens so far, after a re-prefill.
+
+    python benchmarks/lora_throughput.py --out benchmarks/results   # the ~98M Llama, ~9 min
+    python benchmarks/lora_throughput.py --quick                    # the tiny model, ~1.5 min
+
+Prints a table and writes `lora_throughput.{md,json,png}` to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from _common import DEFAULT_OUT, info_line, new_figure, print_section, run_info, save_outputs
+from lora_update import MODELS, random_adapter
+
+from asyncroll import Producer, SamplingConfig
+from asyncroll.lora import LoraAdapter, LoraSlots
+from asyncroll.models import build_tiny_model
+
+RANK = 8
+STREAM_INTERVAL = 16
+BIN_S = 2.0  # width of the tokens/s-over-time bins
+WAIT_S = 600.0  # deadline of every wait on the engine or the producer
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    engine: Literal["base", "lora"]
+    update: Literal["none", "full", "adapter"]
+    pause_mode: Literal["abort", "keep"] = "abort"
+    reference: str = ""  # the no-update setting of the same engine ("" for those themselves)
+
+
+SETTINGS = (
+    Setting("base", "base", "none"),
+    Setting("full, abort", "base", "full", "abort", reference="base"),
+    Setting("full, keep", "base", "full", "keep", reference="base"),
+    Setting("LoRA, 1 adapter", "lora", "none"),
+    Setting("LoRA, update", "lora", "adapter", reference="LoRA, 1 adapter"),
+)
+COLORS = {"base": "#555555", "full, abort": "#e6550d", "full, keep": "#fdae6b",
+          "LoRA, 1 adapter": "#3182bd", "LoRA, update": "#31a354"}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama-98M")
+    parser.add_argument("--seconds", type=float, default=30.0, help="measured wall time each")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each setting, alternated")
+    parser.add_argument("--batch", type=int, default=4, help="groups per step (and in flight)")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=2,
+        help="LoRA adapters registered at once "
+        "(2: the policy and the one before it, what max_staleness 1 needs)",
+    )
+    parser.add_argument("--train-s", type=float, default=0.0, help="simulated train time/step")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, 4 s per setting")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.seconds, args.rounds = "tiny", 4.0, 1
+    model = build_tiny_model(MODELS[args.model])
+    rounds = asyncio.run(_measure(model, args))
+    _report({name: _pool(runs) for name, runs in rounds.items()}, rounds, args)
+    return 0
+
+
+async def _measure(model: Path, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """Every setting `args.rounds` times, the settings of one engine taking turns round by
+    round (so load from other processes hits them alike); each setting starts from version 0
+    and the starting weights (or adapter)."""
+    from safetensors.torch import load_file
+
+    weights = list(load_file(model / "model.safetensors").items())
+    full = [_scaled_full(weights, s) for s in (1.001, 1.002)]  # alternated: each update changes
+    adapters = [_scaled_adapter(random_adapter(weights, RANK), s) for s in (1.0, 1.001, 1.002)]
+    runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in SETTINGS}
+    for kind in ("base", "lora"):
+        async with _engine(model, kind, args.slots) as engine:
+            if kind == "lora":  # the adapter the no-update setting serves, as version 0
+                await engine.update_weights(adapters[0], version=0)
+            for round_ in range(args.rounds):
+                for setting in (s for s in SETTINGS if s.engine == kind):
+                    updates = full if setting.update == "full" else adapters[1:]
+                    print(f"{setting.name}, round {round_ + 1}: {args.seconds:.0f} s",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    run = await _run(engine, setting, updates, args)
+                    if setting.update == "full":  # back to version 0 for the next setting
+                        await engine.update_weights(weights, version=0)
+                    elif setting.update == "adapter":
+                        await engine.update_weights(adapters[0], version=0)
+                    _print_run(setting.name, run)
+                    runs[setting.name].append(run)
+    return runs
+
+
+def _scaled_full(weights: list[tuple[str, Any]], scale: float) -> list[tuple[str, Any]]:
+    return [(n, t * scale) for n, t in weights]
+
+
+def _scaled_adapter(adapter: LoraAdapter, scale: float) -> LoraAdapter:
+    return LoraAdapter(adapter.config, {k: t * scale for k, t in adapter.tensors.items()})
+
+
+@asynccontextmanager
+async def _engine(model: Path, kind: str, slots: int) -> AsyncIterator[Any]:
+    from asyncroll.engines.vllm import VLLMEngine
+
+    lora = LoraSlots(max_rank=RANK, slots=slots) if kind == "lora" else None
+    async with VLLMEngine(
+        model, max_model_len=512, seed=0, lora=lora, stream_interval=STREAM_INTERVAL
+    ) as engine:
+        yield engine
+
+
+async def _run(
+    engine: Any, setting: Setting, updates: list[Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """One setting: warm up, then `args.seconds` of trainer steps; the timeline of token
+    arrivals, every update's (start, end), the producer's counters over the window."""
+    updating = setting.update != "none"
+    producer = Producer(
+        engine, _prompts(engine.vocab_size, args.prompt_len), _reward,
+        group_size=args.group_size, batch_size=args.batch,
+        max_staleness=1 if updating else None, max_inflight_groups=args.batch,
+        max_buffer_groups=4 * args.batch, pause_mode=setting.pause_mode,
+        sampling=SamplingConfig(max_new_tokens=args.new_tokens, ignore_eos=True),
+    )  # fmt: skip
+    weights = itertools.cycle(updates)
+    arrivals: list[tuple[float, int]] = []
+    update_spans: list[tuple[float, float]] = []
+    async with producer, asyncio.TaskGroup() as tasks:
+        recorder = tasks.create_task(_record(engine, arrivals))
+        await producer.produce_batch(timeout=WAIT_S)  # warm-up
+        if updating:
+            await producer.update_weights(next(weights))
+        start, before = time.monotonic(), producer.progress.counters.copy()
+        end = start + args.seconds
+        steps = 0
+        while time.monotonic() < end:
+            await producer.produce_batch(timeout=WAIT_S)
+            steps += 1
+            if args.train_s:
+                await asyncio.sleep(args.train_s)
+            if updating:
+                w = next(weights)
+                t0 = time.monotonic()
+                await producer.update_weights(w)
+                update_spans.append((t0, time.monotonic()))
+        stop = time.monotonic()
+        counters = producer.progress.counters.minus(before)
+        recorder.cancel()
+    return _summary(arrivals, update_spans, start, stop, counters, steps)
+
+
+def _prompts(vocab: int, length: int) -> Iterator[list[int]]:
+    rng = np.random.default_rng(0)
+    while True:
+        yield rng.integers(3, vocab, length).tolist()
+
+
+async def _reward(group: Any) -> list[float]:
+    return [0.0] * group.num_samples
+
+
+async def _record(engine: Any, arrivals: list[tuple[float, int]]) -> None:
+    """Stamp every arrival of tokens (the engine's counter, when it moves) until cancelled."""
+    seen = engine.generated_tokens
+    arrivals.append((time.monotonic(), seen))  # where the counter starts
+    while True:
+        try:
+            await engine.wait_generated(seen + 1, timeout=WAIT_S)
+        except TimeoutError:
+            continue  # nothing arrived for WAIT_S: a gap that long shows in the timeline
+        seen = engine.generated_tokens
+        arrivals.append((time.monotonic(), seen))
+
+
+def _summary(
+    arrivals: list[tuple[float, int]], spans: list[tuple[float, float]], start: float,
+    stop: float, counters: Any, steps: int,
+) -> dict[str, Any]:  # fmt: skip
+    times = np.array([start, *(t for t, _ in arrivals if start < t < stop), stop])
+    counts = np.array([c for _, c in arrivals])
+    at = np.array([t for t, _ in arrivals])
+
+    def count(t: float) -> int:  # the counter at time t: its value at the last arrival by t
+        return int(counts[max(0, int(np.searchsorted(at, t, side="right")) - 1)])
+
+    generated = count(stop) - count(start)
+    gaps = np.diff(times)
+
+    def stall(t0: float, t1: float) -> float:
+        """The longest gap between arrivals that overlaps [t0, t1]."""
+        overlapping = (times[1:] > t0) & (times[:-1] < t1)
+        return float(gaps[overlapping].max()) if overlapping.any() else t1 - t0
+
+    window = stop - start
+    inside = (at > start) & (at <= stop)
+    edges = np.arange(0.0, window + BIN_S, BIN_S)
+    per_bin = np.histogram(
+        at[inside] - start, edges, weights=np.diff(counts, prepend=counts[0])[inside]
+    )
+    widths = np.minimum(edges[1:], window) - edges[:-1]  # the last bin ends with the window
+    return {
+        "window_s": window,
+        "steps": steps,
+        "generated_tokens": generated,
+        "generated_tps": generated / window,
+        "kept_tokens": counters.consumed_tokens,
+        "kept_tps": counters.consumed_tokens / window,
+        "wasted_tokens": counters.wasted_tokens_expired + counters.wasted_tokens_failed,
+        "aborted_samples": counters.aborted_samples,
+        "failed_groups": counters.failed_groups,
+        "expired_groups": counters.expired_groups,
+        "updates": len(spans),
+        "update_s": [t1 - t0 for t0, t1 in spans],
+        "stall_s": [stall(t0, t1) for t0, t1 in spans],
+        "update_at_s": [t0 - start for t0, _ in spans],
+        "longest_gap_s": float(gaps.max()),
+        "median_gap_s": float(np.median(gaps)),
+        "bins_s": edges[:-1].tolist(),
+        "bins_tps": (per_bin[0] / widths).tolist(),
+    }
+
+
+def _pool(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A setting's rounds as one run: tokens over the sum of the windows, every update; the
+    timeline of the first round (what the figure draws)."""
+    window = sum(r["window_s"] for r in rounds)
+    out: dict[str, Any] = {"window_s": window, "rounds": len(rounds)}
+    for key in ("steps", "generated_tokens", "kept_tokens", "wasted_tokens", "aborted_samples",
+                "failed_groups", "expired_groups", "updates"):  # fmt: skip
+        out[key] = sum(r[key] for r in rounds)
+    for key in ("update_s", "stall_s"):
+        out[key] = [x for r in rounds for x in r[key]]
+    out["generated_tps"] = out["generated_tokens"] / window
+    out["kept_tps"] = out["kept_tokens"] / window
+    out["longest_gap_s"] = max(r["longest_gap_s"] for r in rounds)
+    out["median_gap_s"] = statistics.median(r["median_gap_s"] for r in rounds)
+    out |= {k: rounds[0][k] for k in ("bins_s", "bins_tps", "update_at_s")}
+    return out
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _print_run(name: str, r: dict[str, Any]) -> None:
+    print(
+        f"{name}: {r['generated_tps']:.0f} tok/s generated, {r['kept_tps']:.0f} kept, "
+        f"{r['updates']} updates, median update {_median(r['update_s']) * 1e3:.0f} ms, "
+        f"median stall {_median(r['stall_s']) * 1e3:.0f} ms",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _report(
+    runs: dict[str, dict[str, Any]], rounds: dict[str, list[dict[str, Any]]],
+    args: argparse.Namespace,
+) -> None:  # fmt: skip
+    info = run_info()
+    rows = []
+    for s in SETTINGS:
+        r = runs[s.name]
+        ref = runs.get(s.reference)
+        ratio = r["generated_tps"] / ref["generated_tps"] if ref else 1.0
+        kept = r["kept_tps"] / ref["kept_tps"] if ref else 1.0
+        vs_base = r["generated_tps"] / runs["base"]["generated_tps"]
+        ms = [1e3 * _median(r["update_s"]), 1e3 * max(r["update_s"], default=float("nan"))]
+        stall = [1e3 * _median(r["stall_s"]), 1e3 * max(r["stall_s"], default=float("nan"))]
+        rows.append([
+            s.name, r["generated_tps"], f"{ratio:.2f}", f"{vs_base:.2f}", r["kept_tps"],
+            f"{kept:.2f}", r["updates"], *ms, *stall, 1e3 * r["longest_gap_s"],
+            r["aborted_samples"], r["wasted_tokens"],
+        ])  # fmt: skip
+    model = MODELS[args.model]
+    text = "## LoRA throughput: generation across policy updates, adapter vs full weights\n\n"
+    text += info_line(info) + "\n\n"
+    text += (
+        f"Model {args.model} ({model.num_layers} layers, hidden {model.hidden_size}, float32), "
+        f"in-process VLLMEngine; {args.rounds} x {args.seconds:.0f} s per setting (the "
+        "settings of an engine taking turns), each after a warm-up; groups of "
+        f"{args.group_size} x {args.new_tokens} new tokens (eos ignored), {args.batch} groups "
+        f"per step and in flight, one update per step (train time {args.train_s} s); "
+        f"adapter rank {RANK} on all seven projections. tok/s: generated (every token sampled) "
+        "and kept (in groups handed to the trainer); ratio: vs the same engine without updates; "
+        "update ms: `producer.update_weights` as the trainer sees it; stall ms: the longest "
+        "gap with no token received that overlaps an update\n"
+    )
+    text += print_section(
+        "Tokens/s across updates",
+        ["setting", "gen tok/s", "ratio", "vs base", "kept tok/s", "kept ratio", "updates",
+         "update ms (median)", "update ms (max)", "stall ms (median)", "stall ms (max)",
+         "longest gap ms", "aborted samples", "wasted tokens"],
+        rows,
+    )  # fmt: skip
+    config = vars(args) | {"out": str(args.out)}
+    payload = {"info": info, "config": config, "pooled": runs, "rounds": rounds}
+    save_outputs(args.out, "lora_throughput", _plot(runs), payload, text)
+
+
+def _plot(runs: dict[str, dict[str, Any]]) -> Any:
+    fig, (ax_t, ax_b) = new_figure(1, 2, width=6.5, height=3.8)
+    top = max(max(r["bins_tps"], default=0.0) for r in runs.values()) or 1.0
+    for i, (name, r) in enumerate(runs.items()):
+        color = COLORS[name]
+        centers = np.asarray(r["bins_s"]) + BIN_S / 2
+        ax_t.plot(centers, r["bins_tps"], color=color, label=name, lw=1.4)
+        y = -0.04 * top * (i + 1)  # each setting's updates as ticks on a row below the lines
+        ax_t.plot(r["update_at_s"], [y] * len(r["update_at_s"]), "|", color=color, ms=6)
+    ax_t.set(xlabel="s since the warm-up", ylabel=f"generated tok/s ({BIN_S:.0f} s bins)",
+             title="tokens/s over time (ticks below: updates)")  # fmt: skip
+    ax_t.legend(fontsize=7, loc="lower right")
+    names = list(runs)
+    x = np.arange(len(names))
+    ax_b.bar(x - 0.2, [runs[n]["generated_tps"] for n in names], 0.4, label="generated",
+             color=[COLORS[n] for n in names])  # fmt: skip
+    ax_b.bar(x + 0.2, [runs[n]["kept_tps"] for n in names], 0.4, label="kept", color="#bbbbbb")
+    ax_b.set_xticks(x, names, fontsize=7, rotation=15)
+    ax_b.set(ylabel="tok/s", title="generated (colour) and kept (grey) tokens/s")
+    fig.suptitle("Generation across a policy update every step: LoRA adapter vs full weights")
+    return fig
+
+
+if __name__ == "__main__":  # vLLM starts its processes with spawn: the guard is required
+    sys.exit(main())
