@@ -20,13 +20,18 @@ time each after a warm-up batch (and a warm-up update):
 The settings without updates run with `max_staleness` None (no version to be stale against),
 the updating ones with `max_staleness` 1, the usual async-RL bound. Every setting runs on the
 same workload: random prompts, `--group-size` samples of `--new-tokens` tokens each (eos
-ignored), `--batch` groups in flight at most. The engines stream each sample's tokens every
-16 tokens (`stream_interval`, the same for all settings), and a task stamps every arrival of
+ignored), `--batch` groups in flight at most. The engines stream every token as it is sampled
+(`stream_interval` 1, the same for all settings: with less, tokens arrive in bursts over a
+second apart on the 98M model, too coarse to see a stall), and a task stamps every arrival of
 tokens (`wait_generated`): that timeline gives generated tokens/s, the tokens/s over time, and
-the stall of each update: the longest gap with no token received that overlaps the
-`update_weights` call. "Kept" is the tokens in groups handed to the trainer; "wasted" is what
-the producer threw away (expired past the staleness bound, or failed). Aborted samples are not
-thrown away: the producer continues them from their tokens so far, after a re-prefill.
+the stall at each step: the longest gap with no token received that overlaps the
+`update_weights` call, or in the settings without updates the gap around the moment the trainer
+got its batch. A step boundary stalls without any update too: the groups admitted as a batch
+leaves are prefilled then, and on CPU a LoRA prefill step takes seconds; what an update adds is
+its stall minus that of the same engine without updates. "Kept" is the tokens in groups handed
+to the trainer; "wasted" is what the producer threw away (expired past the staleness bound, or
+failed). Aborted samples are not thrown away: the producer continues them from their tokens so
+far, after a re-prefill.
 
     python benchmarks/lora_throughput.py --out benchmarks/results   # the ~98M Llama, ~9 min
     python benchmarks/lora_throughput.py --quick                    # the tiny model, ~1.5 min
@@ -57,7 +62,7 @@ from asyncroll.lora import LoraAdapter, LoraSlots
 from asyncroll.models import build_tiny_model
 
 RANK = 8
-STREAM_INTERVAL = 16
+STREAM_INTERVAL = 1
 BIN_S = 2.0  # width of the tokens/s-over-time bins
 WAIT_S = 600.0  # deadline of every wait on the engine or the producer
 
@@ -100,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         help="LoRA adapters registered at once "
         "(2: the policy and the one before it, what max_staleness 1 needs)",
     )
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=("base", "lora"),
+        default=["base", "lora"],
+        help="which engine's settings to run",
+    )
     parser.add_argument("--train-s", type=float, default=0.0, help="simulated train time/step")
     parser.add_argument("--quick", action="store_true", help="the tiny model, 4 s per setting")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -108,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.seconds, args.rounds = "tiny", 4.0, 1
     model = build_tiny_model(MODELS[args.model])
     rounds = asyncio.run(_measure(model, args))
-    _report({name: _pool(runs) for name, runs in rounds.items()}, rounds, args)
+    _report({name: _pool(runs) for name, runs in rounds.items() if runs}, rounds, args)
     return 0
 
 
@@ -122,7 +134,7 @@ async def _measure(model: Path, args: argparse.Namespace) -> dict[str, list[dict
     full = [_scaled_full(weights, s) for s in (1.001, 1.002)]  # alternated: each update changes
     adapters = [_scaled_adapter(random_adapter(weights, RANK), s) for s in (1.0, 1.001, 1.002)]
     runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in SETTINGS}
-    for kind in ("base", "lora"):
+    for kind in args.engines:
         async with _engine(model, kind, args.slots) as engine:
             if kind == "lora":  # the adapter the no-update setting serves, as version 0
                 await engine.update_weights(adapters[0], version=0)
@@ -194,6 +206,8 @@ async def _run(
                 t0 = time.monotonic()
                 await producer.update_weights(w)
                 update_spans.append((t0, time.monotonic()))
+            else:  # where the update would be: the stall a step boundary has without one
+                update_spans.append((time.monotonic(),) * 2)
         stop = time.monotonic()
         counters = producer.progress.counters.minus(before)
         recorder.cancel()
@@ -238,7 +252,8 @@ def _summary(
     gaps = np.diff(times)
 
     def stall(t0: float, t1: float) -> float:
-        """The longest gap between arrivals that overlaps [t0, t1]."""
+        """The longest gap between arrivals that overlaps [t0, t1] (t0 == t1: the gap around
+        that instant)."""
         overlapping = (times[1:] > t0) & (times[:-1] < t1)
         return float(gaps[overlapping].max()) if overlapping.any() else t1 - t0
 
@@ -260,10 +275,10 @@ def _summary(
         "aborted_samples": counters.aborted_samples,
         "failed_groups": counters.failed_groups,
         "expired_groups": counters.expired_groups,
-        "updates": len(spans),
-        "update_s": [t1 - t0 for t0, t1 in spans],
-        "stall_s": [stall(t0, t1) for t0, t1 in spans],
-        "update_at_s": [t0 - start for t0, _ in spans],
+        "updates": sum(t1 > t0 for t0, t1 in spans),
+        "update_s": [t1 - t0 for t0, t1 in spans if t1 > t0],
+        "stall_s": [stall(t0, t1) for t0, t1 in spans],  # one per step
+        "update_at_s": [t0 - start for t0, t1 in spans if t1 > t0],
         "longest_gap_s": float(gaps.max()),
         "median_gap_s": float(np.median(gaps)),
         "bins_s": edges[:-1].tolist(),
@@ -309,12 +324,13 @@ def _report(
 ) -> None:  # fmt: skip
     info = run_info()
     rows = []
-    for s in SETTINGS:
+    base = runs.get("base")
+    for s in (s for s in SETTINGS if s.name in runs):
         r = runs[s.name]
         ref = runs.get(s.reference)
         ratio = r["generated_tps"] / ref["generated_tps"] if ref else 1.0
         kept = r["kept_tps"] / ref["kept_tps"] if ref else 1.0
-        vs_base = r["generated_tps"] / runs["base"]["generated_tps"]
+        vs_base = r["generated_tps"] / base["generated_tps"] if base else float("nan")
         ms = [1e3 * _median(r["update_s"]), 1e3 * max(r["update_s"], default=float("nan"))]
         stall = [1e3 * _median(r["stall_s"]), 1e3 * max(r["stall_s"], default=float("nan"))]
         rows.append([
@@ -334,7 +350,8 @@ def _report(
         f"adapter rank {RANK} on all seven projections. tok/s: generated (every token sampled) "
         "and kept (in groups handed to the trainer); ratio: vs the same engine without updates; "
         "update ms: `producer.update_weights` as the trainer sees it; stall ms: the longest "
-        "gap with no token received that overlaps an update\n"
+        "gap with no token received that overlaps an update (without updates: around the "
+        "moment the trainer got its batch)\n"
     )
     text += print_section(
         "Tokens/s across updates",
