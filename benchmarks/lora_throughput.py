@@ -287,8 +287,7 @@ def _summary(
 
 
 def _pool(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """A setting's rounds as one run: tokens over the sum of the windows, every update; the
-    timeline of the first round (what the figure draws)."""
+    """A setting's rounds as one run: tokens over the sum of the windows, every update."""
     window = sum(r["window_s"] for r in rounds)
     out: dict[str, Any] = {"window_s": window, "rounds": len(rounds)}
     for key in ("steps", "generated_tokens", "kept_tokens", "wasted_tokens", "aborted_samples",
@@ -300,7 +299,6 @@ def _pool(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     out["kept_tps"] = out["kept_tokens"] / window
     out["longest_gap_s"] = max(r["longest_gap_s"] for r in rounds)
     out["median_gap_s"] = statistics.median(r["median_gap_s"] for r in rounds)
-    out |= {k: rounds[0][k] for k in ("bins_s", "bins_tps", "update_at_s")}
     return out
 
 
@@ -362,28 +360,29 @@ def _report(
     )  # fmt: skip
     config = vars(args) | {"out": str(args.out)}
     payload = {"info": info, "config": config, "pooled": runs, "rounds": rounds}
-    save_outputs(args.out, "lora_throughput", _plot(runs), payload, text)
+    save_outputs(args.out, "lora_throughput", _plot(runs, rounds), payload, text)
 
 
-def _plot(runs: dict[str, dict[str, Any]]) -> Any:
-    fig, (ax_t, ax_b) = new_figure(1, 2, width=6.5, height=3.8)
-    top = max(max(r["bins_tps"], default=0.0) for r in runs.values()) or 1.0
-    for i, (name, r) in enumerate(runs.items()):
+def _plot(runs: dict[str, dict[str, Any]], rounds: dict[str, list[dict[str, Any]]]) -> Any:
+    """One panel per setting: generated tokens/s over time in every round (solid: the first,
+    dashed: the next), its updates as vertical lines of the same style."""
+    fig, axes = new_figure(len(runs), 1, width=9.0, height=1.7)
+    top = max(max(r["bins_tps"], default=0.0) for rs in rounds.values() for r in rs) or 1.0
+    for ax, (name, pooled) in zip(axes, runs.items(), strict=True):
         color = COLORS[name]
-        centers = np.asarray(r["bins_s"]) + BIN_S / 2
-        ax_t.plot(centers, r["bins_tps"], color=color, label=name, lw=1.4)
-        y = -0.04 * top * (i + 1)  # each setting's updates as ticks on a row below the lines
-        ax_t.plot(r["update_at_s"], [y] * len(r["update_at_s"]), "|", color=color, ms=6)
-    ax_t.set(xlabel="s since the warm-up", ylabel=f"generated tok/s ({BIN_S:.0f} s bins)",
-             title="tokens/s over time (ticks below: updates)")  # fmt: skip
-    ax_t.legend(fontsize=7, loc="lower right")
-    names = list(runs)
-    x = np.arange(len(names))
-    ax_b.bar(x - 0.2, [runs[n]["generated_tps"] for n in names], 0.4, label="generated",
-             color=[COLORS[n] for n in names])  # fmt: skip
-    ax_b.bar(x + 0.2, [runs[n]["kept_tps"] for n in names], 0.4, label="kept", color="#bbbbbb")
-    ax_b.set_xticks(x, names, fontsize=7, rotation=15)
-    ax_b.set(ylabel="tok/s", title="generated (colour) and kept (grey) tokens/s")
+        for k, r in enumerate(rounds[name]):
+            style = "-" if k == 0 else "--"
+            ax.plot(np.asarray(r["bins_s"]) + BIN_S / 2, r["bins_tps"], style, color=color)
+            for t in r["update_at_s"]:
+                ax.axvline(t, color="k", ls=style, lw=0.6, alpha=0.5)
+        ax.set_ylim(0, 1.1 * top)
+        ax.set_ylabel("tok/s", fontsize=8)
+        ax.set_title(
+            f"{name}: {pooled['generated_tps']:.0f} tok/s generated, {pooled['kept_tps']:.0f} "
+            f"kept, {pooled['updates']} updates",
+            fontsize=9, loc="left",
+        )  # fmt: skip
+    axes[-1].set_xlabel(f"s since the warm-up ({BIN_S:.0f} s bins; vertical lines: updates)")
     fig.suptitle("Generation across a policy update every step: LoRA adapter vs full weights")
     return fig
 
