@@ -210,6 +210,8 @@ async def _run(
                 update_spans.append((time.monotonic(),) * 2)
         stop = time.monotonic()
         counters = producer.progress.counters.minus(before)
+        # One arrival after the window closes the gap the last step's stall is measured in.
+        await engine.wait_generated(engine.generated_tokens + 1, timeout=WAIT_S)
         recorder.cancel()
     return _summary(arrivals, update_spans, start, stop, counters, steps)
 
@@ -241,7 +243,9 @@ def _summary(
     arrivals: list[tuple[float, int]], spans: list[tuple[float, float]], start: float,
     stop: float, counters: Any, steps: int,
 ) -> dict[str, Any]:  # fmt: skip
-    times = np.array([start, *(t for t, _ in arrivals if start < t < stop), stop])
+    # From the window's start to the first arrival after it ends (see `_run`).
+    after = next(t for t, _ in arrivals if t >= stop)
+    times = np.array([start, *(t for t, _ in arrivals if start < t <= after)])
     counts = np.array([c for _, c in arrivals])
     at = np.array([t for t, _ in arrivals])
 
