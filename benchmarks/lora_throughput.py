@@ -189,7 +189,8 @@ async def _run(
     arrivals: list[tuple[float, int]] = []
     update_spans: list[tuple[float, float]] = []
     async with producer, asyncio.TaskGroup() as tasks:
-        recorder = tasks.create_task(_record(engine, arrivals))
+        tick = asyncio.Event()  # set at every arrival the recorder stamps
+        recorder = tasks.create_task(_record(engine, arrivals, tick))
         await producer.produce_batch(timeout=WAIT_S)  # warm-up
         if updating:
             await producer.update_weights(next(weights))
@@ -211,7 +212,10 @@ async def _run(
         stop = time.monotonic()
         counters = producer.progress.counters.minus(before)
         # One arrival after the window closes the gap the last step's stall is measured in.
-        await engine.wait_generated(engine.generated_tokens + 1, timeout=WAIT_S)
+        async with asyncio.timeout(WAIT_S):
+            while arrivals[-1][0] < stop:
+                tick.clear()
+                await tick.wait()
         recorder.cancel()
     return _summary(arrivals, update_spans, start, stop, counters, steps)
 
@@ -226,8 +230,9 @@ async def _reward(group: Any) -> list[float]:
     return [0.0] * group.num_samples
 
 
-async def _record(engine: Any, arrivals: list[tuple[float, int]]) -> None:
-    """Stamp every arrival of tokens (the engine's counter, when it moves) until cancelled."""
+async def _record(engine: Any, arrivals: list[tuple[float, int]], tick: asyncio.Event) -> None:
+    """Stamp every arrival of tokens (the engine's counter, when it moves) until cancelled;
+    set `tick` after each."""
     seen = engine.generated_tokens
     arrivals.append((time.monotonic(), seen))  # where the counter starts
     while True:
@@ -237,6 +242,7 @@ async def _record(engine: Any, arrivals: list[tuple[float, int]]) -> None:
             continue  # nothing arrived for WAIT_S: a gap that long shows in the timeline
         seen = engine.generated_tokens
         arrivals.append((time.monotonic(), seen))
+        tick.set()
 
 
 def _summary(
