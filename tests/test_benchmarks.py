@@ -97,8 +97,9 @@ def test_logprob_memory_quick_stays_under_a_quarter_of_the_logits(tmp_path: Path
 
 def test_lora_throughput_quick_runs(tmp_path: Path) -> None:
     """Real vLLM on the tiny model, ~2 min: every setting generated and handed out groups,
-    none failed, the updating settings updated (and timed each update), the others did not."""
-    proc = run_benchmark("lora_throughput.py", tmp_path, timeout=400)
+    none failed, the updating settings updated (and timed each update), the others did not.
+    The deadline allows for a LoRA engine's shutdown, seen to wait out vLLM's 300 s once."""
+    proc = run_benchmark("lora_throughput.py", tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     pooled = json.loads((tmp_path / "lora_throughput.json").read_text())["pooled"]
     assert set(pooled) == {"base", "full, abort", "full, keep", "LoRA, 1 adapter", "LoRA, update"}
