@@ -93,3 +93,21 @@ def test_logprob_memory_quick_stays_under_a_quarter_of_the_logits(tmp_path: Path
     results = json.loads((tmp_path / "logprob_memory.json").read_text())["results"]
     naive = next(r for r in results if r["filter"] == "naive log_softmax")
     assert naive["forward_share"] >= 1 and (tmp_path / "logprob_memory.png").exists()
+
+
+def test_lora_throughput_quick_runs(tmp_path: Path) -> None:
+    """Real vLLM on the tiny model, ~2 min: every setting generated and handed out groups,
+    none failed, the updating settings updated (and timed each update), the others did not.
+    The deadline allows for a LoRA engine's shutdown, seen to wait out vLLM's 300 s once."""
+    proc = run_benchmark("lora_throughput.py", tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    pooled = json.loads((tmp_path / "lora_throughput.json").read_text())["pooled"]
+    assert set(pooled) == {"base", "full, abort", "full, keep", "LoRA, 1 adapter", "LoRA, update"}
+    for name, run in pooled.items():
+        assert run["generated_tokens"] > 0 and run["kept_tokens"] > 0, name
+        assert run["failed_groups"] == 0, name
+        updates = 0 if name in ("base", "LoRA, 1 adapter") else run["steps"]
+        assert run["updates"] == len(run["update_s"]) == updates, name
+        assert len(run["stall_s"]) == run["steps"] > 0, name  # one per step, update or not
+        assert all(s > 0 for s in run["update_s"]) and min(run["stall_s"]) >= 0, name
+    assert (tmp_path / "lora_throughput.png").exists()
