@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class Tasks:
@@ -59,3 +61,22 @@ class Tasks:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+async def finish(
+    awaitable: Awaitable[T],
+) -> tuple[asyncio.Future[T], asyncio.CancelledError | None]:
+    """Await `awaitable` to its end even if the caller is cancelled meanwhile: its future
+    (done) and the cancellation absorbed (None: none), which the caller raises once it has
+    acted on the result. For calls whose effect lands whether their answer is awaited or not
+    (vLLM applies a label, or registers an adapter, once asked): a caller that stopped waiting
+    could not know what was done. The wait is the call's own deadline; anyio scopes cancel
+    again at each await, so every cancellation is absorbed until the call is done."""
+    call = asyncio.ensure_future(awaitable)
+    cancelled: asyncio.CancelledError | None = None
+    while not call.done():
+        try:
+            await asyncio.wait({call})  # cancelling this wait leaves `call` running
+        except asyncio.CancelledError as exc:
+            cancelled = cancelled or exc
+    return call, cancelled

@@ -3,8 +3,10 @@ and the PEFT folder layout are what vLLM and PEFT compute and read."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +282,57 @@ async def test_sim_engine_takes_an_adapter() -> None:
     await engine.update_weights(LoraAdapter(CONFIG, tensors()), version=4)
     assert (engine.adapter_updates, engine.version) == (1, 4)
     await engine.close()
+
+
+class Workers:
+    """vLLM's `AsyncLLM` as `AdapterSet` sees it: an RPC, once sent, runs in the workers
+    whatever its caller does; `asyncroll_add_lora` answers once `answer` is set."""
+
+    def __init__(self) -> None:
+        self.sent: list[asyncio.Future[Any]] = []
+        self.adding = asyncio.Event()
+        self.answer = asyncio.Event()
+        self.added: list[int] = []
+        self.removed: list[int] = []
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> Any:
+        work = asyncio.ensure_future(self._run(method, args))
+        self.sent.append(work)
+        return await asyncio.shield(work)
+
+    async def _run(self, method: str, args: tuple[Any, ...]) -> list[str]:
+        if method == "asyncroll_add_lora":
+            self.adding.set()
+            await self.answer.wait()
+            self.added.append(args[0])
+        return [""]
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self.removed.append(lora_id)
+        return True
+
+
+async def test_a_registration_cut_by_its_caller_leaves_no_adapter_in_the_workers(
+    tmp_path: Path,
+) -> None:
+    """vLLM's workers add an adapter once asked, whether the answer is awaited or not. A
+    `register` cancelled meanwhile (the producer's update deadline) left an adapter in the
+    workers that the engine did not know: it held one of vLLM's `max_loras` slots for good.
+    Now the cancelled call waits for the answer and removes what was added, then the
+    cancellation goes on; the engine serves what it served before."""
+    from asyncroll.engines.vllm_lora import AdapterSet
+
+    async def call(awaitable: Any) -> Any:
+        return await awaitable
+
+    workers = Workers()
+    adapters = AdapterSet(workers, call, "the engine", tmp_path)
+    register = asyncio.ensure_future(adapters.register(LoraAdapter(CONFIG, tensors()), 1, 0))
+    await asyncio.wait_for(workers.adding.wait(), 10.0)
+    register.cancel()
+    workers.answer.set()  # the workers answer after the caller gave up
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(register, 10.0)
+    await asyncio.wait_for(asyncio.gather(*workers.sent), 10.0)
+    assert workers.added == workers.removed == [1]
+    assert adapters.policy is None and os.listdir(tmp_path) == []

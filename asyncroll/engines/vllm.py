@@ -49,6 +49,7 @@ from typing import Any, Literal
 import numpy as np
 
 from asyncroll._signal import Signal
+from asyncroll._tasks import finish
 from asyncroll.engines import vllm_groups, weight_check, weights_file
 from asyncroll.engines.base import (
     EngineDeadError,
@@ -398,13 +399,7 @@ class VLLMEngine:
         not, so a caller cancelled meanwhile waits for the answer (within the call's own
         `control_timeout_s`) before the cancellation goes on. Otherwise `version` would keep
         the old label while vLLM stamps every new token with the new one."""
-        call = asyncio.ensure_future(self._call(self._llm.update_weight_version(str(version))))
-        cancelled: asyncio.CancelledError | None = None
-        while not call.done():
-            try:
-                await asyncio.wait({call})  # cancelling this wait leaves `call` running
-            except asyncio.CancelledError as exc:  # anyio scopes cancel again at each await
-                cancelled = cancelled or exc
+        call, cancelled = await finish(self._call(self._llm.update_weight_version(str(version))))
         if not call.cancelled() and call.exception() is None:
             self._version = version
         if cancelled is not None:

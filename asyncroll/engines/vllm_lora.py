@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from asyncroll._tasks import finish
 from asyncroll.engines import weights_file
 from asyncroll.lora import LoraAdapter, LoraError, adapter_name, peft_config, peft_tensors
 
 Call = Callable[[Awaitable[Any]], Awaitable[Any]]
+
+log = logging.getLogger("asyncroll.engines.vllm")
 
 
 class AdapterState(enum.Enum):
@@ -126,10 +130,21 @@ class AdapterSet:
         try:
             named = list(peft_tensors(adapter).items())
             await asyncio.to_thread(weights_file.write_safetensors, named, path)
-            added = await self._call(self._llm.collective_rpc("asyncroll_add_lora", args=args))
+            add = self._call(self._llm.collective_rpc("asyncroll_add_lora", args=args))
+            call, cancelled = await finish(add)  # once asked, the workers add it regardless
         finally:
             path.unlink(missing_ok=True)
-        self._refuse(added, current)
+        if cancelled is not None:  # cut by its caller: nothing changes, in the workers too
+            if not call.cancelled() and call.exception() is None and not _problems(call.result()):
+                removed, _ = await finish(self._call(self._llm.remove_lora(serial)))
+                if not removed.cancelled() and removed.exception() is not None:
+                    log.warning(
+                        "%s: adapter %d, added after its update was cut off, could not be "
+                        "removed (%r): it takes one of the workers' adapter slots",
+                        self._where, serial, removed.exception(),
+                    )  # fmt: skip
+            raise cancelled
+        self._refuse(call.result(), current)
         from vllm.lora.request import LoRARequest
 
         name = adapter_name(version, serial)
@@ -166,7 +181,7 @@ class AdapterSet:
 
     def _refuse(self, problems: Any, version: int) -> None:
         """Raise `LoraError` with the first worker's problem, if any (nothing was loaded)."""
-        found = [p for p in problems or () if p]
+        found = _problems(problems)
         if found:
             raise LoraError(
                 f"{self._where}: {found[0]}. Nothing was loaded; the engine still serves "
@@ -178,3 +193,8 @@ def _features(adapter: LoraAdapter, module: str) -> list[int]:
     """[out_features, in_features] of an adapted module."""
     a, b = adapter.tensors[f"{module}.lora_A.weight"], adapter.tensors[f"{module}.lora_B.weight"]
     return [int(b.shape[0]), int(a.shape[1])]
+
+
+def _problems(answers: Any) -> list[str]:
+    """The workers' objections to an adapter (each answers "" when it has none)."""
+    return [p for p in answers or () if p]
