@@ -56,6 +56,8 @@ class TurnEngine:
     vocab_size = VOCAB
     max_model_len: int | None = None
     supports_keep_pause = False
+    adapter_slots: int | None = None
+    pause_bound_s: float | None = None
 
     def __init__(self, hold: Sequence[int] = ()) -> None:
         self.version = 0
