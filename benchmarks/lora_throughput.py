@@ -15,7 +15,9 @@ time each after a warm-up batch (and a warm-up update):
 - LoRA, 1 adapter: an engine started with LoRA, serving one rank-8 adapter, no updates (what
   the LoRA kernels cost by themselves; the reference for the next);
 - LoRA, update: the same engine, a new rank-8 adapter (on all seven projections) every step;
-  the producer does not pause for it (`adapter_updates_without_pause`).
+  the producer does not pause for it (`adapter_updates_without_pause`);
+- LoRA, update, pause: the same, with the trainer pausing the producer ("keep" mode: the
+  running requests freeze in vLLM) around each adapter update, the choice a trainer has.
 
 The settings without updates run with `max_staleness` None (no version to be stale against),
 the updating ones with `max_staleness` 1, the usual async-RL bound. Every setting runs on the
@@ -74,6 +76,7 @@ class Setting:
     update: Literal["none", "full", "adapter"]
     pause_mode: Literal["abort", "keep"] = "abort"
     reference: str = ""  # the no-update setting of the same engine ("" for those themselves)
+    pause: bool = False  # the trainer pauses the producer around each (adapter) update
 
 
 SETTINGS = (
@@ -82,9 +85,11 @@ SETTINGS = (
     Setting("full, keep", "base", "full", "keep", reference="base"),
     Setting("LoRA, 1 adapter", "lora", "none"),
     Setting("LoRA, update", "lora", "adapter", reference="LoRA, 1 adapter"),
+    Setting("LoRA, update, pause", "lora", "adapter", "keep", "LoRA, 1 adapter", pause=True),
 )
 COLORS = {"base": "#555555", "full, abort": "#e6550d", "full, keep": "#fdae6b",
-          "LoRA, 1 adapter": "#3182bd", "LoRA, update": "#31a354"}  # fmt: skip
+          "LoRA, 1 adapter": "#3182bd", "LoRA, update": "#31a354",
+          "LoRA, update, pause": "#a1d99b"}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +210,11 @@ async def _run(
             if updating:
                 w = next(weights)
                 t0 = time.monotonic()
-                await producer.update_weights(w)
+                if setting.pause:  # the producer does not pause for an adapter by itself
+                    async with producer.pausing():
+                        await producer.update_weights(w)
+                else:
+                    await producer.update_weights(w)
                 update_spans.append((t0, time.monotonic()))
             else:  # where the update would be: the stall a step boundary has without one
                 update_spans.append((time.monotonic(),) * 2)

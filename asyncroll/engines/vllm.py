@@ -652,14 +652,23 @@ class VLLMEngine:
     async def _update_adapter(self, adapter: LoraAdapter | None, version: int) -> None:
         """Make `adapter` the policy of requests started from now on, labelled `version`.
         Checks first what needs no worker (LoRA on, the rank), then the model's modules in
-        the worker, before anything changes."""
+        the worker, before anything changes.
+
+        With a slot free that takes one call into vLLM, the registration, which checks the
+        adapter itself: vLLM runs such calls between engine steps, so each waits for the
+        step under way, and while requests generate that is often a LoRA prefill step
+        (0.4-2 s on CPU on the 98M model, against the call's 2-6 ms in the worker;
+        benchmarks/README.md, lora_throughput.py). Only an update that must end an old
+        adapter's requests to make room asks the workers first, so that a bad adapter
+        aborts nothing."""
         adapter = check_servable(self.lora, adapter, f"vLLM engine {self.model}")
         slots = self.lora.slots if self.lora is not None else 0  # check_servable: not None
         async with self._control:
             self._check_alive()
             self._check_weights()
-            await self._adapters.check(adapter, self._version)
             await self._adapters.unload_unused()
+            if self._adapters.oldest_if_full(slots) is not None:
+                await self._adapters.check(adapter, self._version)
             while (oldest := self._adapters.oldest_if_full(slots)) is not None:
                 await self._end_requests_under(oldest)
                 await self._adapters.unload(oldest)

@@ -11,8 +11,9 @@ The prompts, the sampled case and the comparison are `test_weight_parity`'s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,28 @@ async def lora_ids(engine: VLLMEngine) -> list[list[int]]:
     return list(await asyncio.wait_for(rpc, DEADLINE_S))
 
 
+@contextlib.contextmanager
+def worker_calls(engine: VLLMEngine) -> Iterator[list[str]]:
+    """The calls `engine` makes into vLLM's workers meanwhile (collective RPCs by method,
+    and `remove_lora`), in order."""
+    llm, calls = engine._llm, []
+    rpc, remove = llm.collective_rpc, llm.remove_lora
+
+    def spy_rpc(method: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(method)
+        return rpc(method, *args, **kwargs)
+
+    def spy_remove(lora_id: int) -> Any:
+        calls.append("remove_lora")
+        return remove(lora_id)
+
+    llm.collective_rpc, llm.remove_lora = spy_rpc, spy_remove
+    try:
+        yield calls
+    finally:
+        del llm.collective_rpc, llm.remove_lora  # the class's methods again
+
+
 def differs(a: list[SampleOutput], b: list[SampleOutput]) -> bool:
     return any(x.tokens.tolist() != y.tokens.tolist() for x, y in zip(a, b, strict=True))
 
@@ -128,7 +151,13 @@ async def test_in_process_parity(cases: dict[str, Case], name: str) -> None:
         assert differs(await serve(engine, "before"), case.reference)
         await engine.update_weights(other, version=VERSION)
         assert differs(await serve(engine, "parity"), case.reference)  # the same ids: seeds
-        await engine.update_weights(case.adapter, version=VERSION)
+        with worker_calls(engine) as calls:
+            await engine.update_weights(case.adapter, version=VERSION)
+        # With a slot free, one call into vLLM: each waits for the engine's step under way,
+        # which while requests generate is up to a LoRA prefill step (0.4-2 s on the 98M
+        # model); the registration checks the adapter itself. Then "other", retired and
+        # unused, is unloaded.
+        assert calls == ["asyncroll_add_lora", "remove_lora"]
         served = await serve(engine, "parity")
         difference = max_logprob_difference(served, case.reference)
         print(f"{name}: max |logprob - reference| = {difference:.3g}")
