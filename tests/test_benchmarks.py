@@ -102,7 +102,10 @@ def test_lora_throughput_quick_runs(tmp_path: Path) -> None:
     proc = run_benchmark("lora_throughput.py", tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     pooled = json.loads((tmp_path / "lora_throughput.json").read_text())["pooled"]
-    assert set(pooled) == {"base", "full, abort", "full, keep", "LoRA, 1 adapter", "LoRA, update"}
+    assert set(pooled) == {
+        "base", "full, abort", "full, keep",
+        "LoRA, 1 adapter", "LoRA, update", "LoRA, update, pause",
+    }  # fmt: skip
     for name, run in pooled.items():
         assert run["generated_tokens"] > 0 and run["kept_tokens"] > 0, name
         assert run["failed_groups"] == 0, name
