@@ -69,6 +69,12 @@ _FINISH_REASONS = frozenset({"stop", "length", "abort"})
 _INITIAL_LABEL = "default"  # vLLM's weight version label before any update: our version 0
 _WEIGHTS_DIR = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
 
+# How long vLLM's shutdown waits for its engine core to exit after SIGTERM before it kills it.
+# An idle engine core sometimes never runs its SIGTERM handler (CPython runs Python handlers
+# only when the main thread runs bytecode, and it sat blocked in `input_queue.get()`): with
+# `control_timeout_s` (300 s) as the grace, a close then took 300 s (seen in 1 of 6 LoRA engine
+# closes under load; benchmarks/README.md, lora_throughput). vLLM's own default grace is 5 s.
+SHUTDOWN_GRACE_S = 30.0
 _LORA_ARGS = frozenset({"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"})
 
 Transfer = Literal["auto", "file", "cuda_ipc"]
@@ -423,7 +429,7 @@ class VLLMEngine:
             handler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await handler
-        await asyncio.to_thread(llm.shutdown, self.control_timeout_s)
+        await asyncio.to_thread(llm.shutdown, min(self.control_timeout_s, SHUTDOWN_GRACE_S))
 
     async def __aenter__(self) -> VLLMEngine:
         return self
