@@ -544,13 +544,7 @@ async def test_a_hung_replica_leaves_the_rotation_when_its_caller_gives_up() -> 
         await engine.check_replicas()
         hung = engine.replicas[1]
         stubs[1].hang = asyncio.Event()  # never set while the engine runs
-        session = next(f"s{k}" for k in range(1000) if pick(engine.replicas, f"s{k}") is hung)
-        request = msgspec.structs.replace(_request("run-0-0"), session=session)
-        call = asyncio.ensure_future(engine.generate(request))
-        await engine.wait_progress(lambda: hung.streams == 1, 5.0)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
+        request = await _give_up_on_a_request_to(engine, hung)
         await engine.wait_progress(lambda: hung.state is ReplicaState.DOWN, 10.0)
         (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
         assert sample.tokens.tolist() == [7, 8]  # served by the other replica
