@@ -244,8 +244,7 @@ class Admission:
         if holds[Hold.USER]:
             return "produce_batch while paused would wait forever: resume() first"
         if (
-            holds
-            or self.control.gate is not Gate.OPEN
+            self.control.gate is not Gate.OPEN  # a hold, or the gate still opening
             or core.inflight
             or self.scheduler is _Scheduler.DRAWING
             or self.drained()
