@@ -260,3 +260,33 @@ def test_the_metrics_reference_lists_every_key_a_producer_reports() -> None:
 
     absent = [r.value for r in FailureReason if f"`{r.value}`" not in text]
     assert not absent, f"docs/metrics.md, 'Failure reasons': add {absent}"
+
+
+# -- the invariants ---------------------------------------------------------------------------
+
+
+def _design_invariants() -> dict[int, tuple[str, str]]:
+    """number -> (title, the whole row) from docs/design.md's table of invariants."""
+    text = (DOCS / "design.md").read_text().split("\n## Invariants\n", 1)[1]
+    rows = re.findall(r"^\| (\d+) \| \*\*(.+?)\.?\*\*(.*)$", text, flags=re.MULTILINE)
+    return {int(n): (title, rest) for n, title, rest in rows}
+
+
+def test_the_readme_lists_the_invariants_of_the_design_under_the_same_numbers() -> None:
+    readme = (ROOT / "README.md").read_text().split("\n## Guarantees\n", 1)[1]
+    listed = {
+        int(n): title.rstrip(".")
+        for n, title in re.findall(r"^(\d+)\. \*\*(.+?)\*\*", readme, flags=re.MULTILINE)
+    }
+    design = {n: title for n, (title, _) in _design_invariants().items()}
+    assert design and listed == design
+
+
+def test_every_test_the_design_names_exists() -> None:
+    tests = {p.name: p for p in (ROOT / "tests").rglob("test_*.py")}
+    for n, (_, row) in _design_invariants().items():
+        for path, name in re.findall(r"`(?:tests/(?:vllm/)?)?(test_\w+\.py)(?:::(\w+))?", row):
+            assert path in tests, f"invariant {n} names {path}, which does not exist"
+            if name:
+                source = tests[path].read_text()
+                assert f"def {name}(" in source, f"invariant {n} names {path}::{name}: gone"
