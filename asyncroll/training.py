@@ -377,7 +377,7 @@ CORRECTIONS: dict[str, Correction | None] = {
     "mask": Correction(token_band=(0.5, 2.0)),
     "seq-mask": Correction(truncate=2.0, sequence_band=(0.5, 2.0)),
 }
-"""Named presets (the demo's `--correction`); the README says which to pick when."""
+"""Named presets (the demo's `--correction`); docs/off-policy.md says which to pick when."""
 
 
 class BehaviourWeights(msgspec.Struct, frozen=True, kw_only=True):

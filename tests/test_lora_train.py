@@ -199,8 +199,9 @@ def test_demo_trains_full_weights_unless_told_lora() -> None:
 def test_demo_lora_takes_its_own_defaults_and_a_given_flag_wins() -> None:
     """`asyncroll demo --lora` runs with `demo.LORA_DEFAULTS` (every group kept and an entropy
     bonus: with the filter, a letter the policy answers with one wrong letter scores 0 in every
-    sample, its groups are dropped and it never learns; README "LoRA"); a flag given wins; full
-    fine-tuning and `DemoConfig(...)` keep their own defaults; tool_echo's apply with --lora."""
+    sample, its groups are dropped and it never learns; docs/lora-training.md); a flag given
+    wins; full fine-tuning and `DemoConfig(...)` keep their own defaults; tool_echo's apply with
+    --lora."""
     from asyncroll import cli, demo_tool
     from asyncroll.demo import LORA_DEFAULTS, DemoConfig
 
