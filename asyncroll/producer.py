@@ -527,6 +527,13 @@ class Producer:
         `max_model_len`) finish as "length", truncated to it; with a `rollout_fn`, partial
         groups restart from their prompt (`state.fit_to_run`).
 
+        Every other `ProducerConfig` field may differ from the saved run's, except
+        `group_size` (stored groups hold that many samples) and a `max_buffer_groups` below
+        the groups the checkpoint holds: those are refused, naming the field, before anything
+        loads. A new `batch_size` continues the staleness schedule from the checkpoint (the
+        groups it expected taken by its version), `batch_size` more per version from there
+        (`tests/test_resume_config.py` changes each field).
+
         A checkpoint past version 0 was trained on: `weights` are the trainer's weights at that
         version (`model.named_parameters()`), loaded into the engine on entry. Pass
         `weights=None` only when the engine already serves them; otherwise the base model's
