@@ -134,6 +134,12 @@ MATRIX: dict[str, list[tuple[Any, str]]] = {
         (SamplingConfig(max_new_tokens=2), "continue"),  # partials finish as "length"
         (SamplingConfig(max_new_tokens=16), "continue"),
         (SamplingConfig(max_new_tokens=8, temperature=0.5, seed=3), "continue"),
+        (
+            SamplingConfig(
+                max_new_tokens=8, top_p=0.9, top_k=5, stop_token_ids=(1,), ignore_eos=True
+            ),
+            "continue",
+        ),
     ],
     "batch_size": [(4, "continue"), (16, "continue")],
     "max_staleness": [(0, "continue"), (3, "continue"), (None, "continue")],
@@ -159,8 +165,18 @@ MATRIX: dict[str, list[tuple[Any, str]]] = {
     "episode_timeout_s": [(30.0, "continue")],
 }
 
+
+def short(value: Any) -> str:
+    """A cell's id: a SamplingConfig by the fields it changes."""
+    if isinstance(value, SamplingConfig):
+        default = SamplingConfig()
+        changed = [f for f in value.__struct_fields__ if getattr(value, f) != getattr(default, f)]
+        return ",".join(f"{f}={getattr(value, f)!r}" for f in changed).replace(" ", "")
+    return repr(value)
+
+
 CELLS = [
-    pytest.param(field, value, expected, id=f"{field}={value!r}".replace(" ", ""))
+    pytest.param(field, value, expected, id=f"{field}={short(value)}")
     for field, changes in MATRIX.items()
     for value, expected in changes
 ]
