@@ -133,7 +133,7 @@ class Producer:
     ) -> None:
         # Required members checked and optional ones read (or defaulted) once: an engine
         # written before a member was added runs, and one missing a member is named here.
-        self._engine_options = options_ = engine_options(engine)
+        self._engine_options = optional = engine_options(engine)
         self.config = cfg = make_config(config, options)
         if rollout_fn is not None and not (
             inspect.iscoroutinefunction(rollout_fn)
@@ -152,14 +152,14 @@ class Producer:
         # An engine that states how long its pause or resume can take (VLLMServerEngine:
         # per-replica deadlines) must fit inside the producer's own wait for it, or a pause
         # that is still going stops the run as a timeout and its undo waits behind it.
-        bound = options_.pause_bound_s
+        bound = optional.pause_bound_s
         if bound is not None and bound >= cfg.abort_timeout_s:
             raise ValueError(
                 f"abort_timeout_s={cfg.abort_timeout_s} does not outlast the engine's pause "
                 f"bound ({type(engine).__name__}.pause_bound_s={bound}): raise abort_timeout_s "
                 "above it, or lower the engine's pause_timeout_s"
             )
-        _check_adapter_slots(engine, options_.adapter_slots, cfg.max_staleness)
+        _check_adapter_slots(engine, optional.adapter_slots, cfg.max_staleness)
         payload = engine.payload_bytes(cfg.sampling.max_new_tokens)
         cfg.check_fits(payload, episodes=episodes)
         self.engine = engine
