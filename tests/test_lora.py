@@ -373,3 +373,17 @@ async def test_a_registration_cut_by_its_caller_leaves_no_adapter_in_the_workers
     await asyncio.wait_for(asyncio.gather(*workers.sent), 10.0)
     assert workers.added == workers.removed == [1]
     assert adapters.policy is None and os.listdir(tmp_path) == []
+
+
+def test_the_workers_lora_targets_name_top_level_modules_without_a_dot() -> None:
+    """vLLM's LoRA layers by name, a packed one standing for what it packs; a top-level
+    module (lm_head) once came out as ".lm_head" and was then "missing" from its own list."""
+    from asyncroll.engines.vllm_worker import _lora_modules
+
+    modules = {"lm_head": 0, "model.layers.0.self_attn.qkv_proj": 0}
+    assert _lora_modules(modules, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}) == {
+        "lm_head",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.k_proj",
+        "model.layers.0.self_attn.v_proj",
+    }
