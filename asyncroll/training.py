@@ -184,12 +184,13 @@ def token_logprobs(
     importance ratio is 0 and it gets no gradient.
 
     Computed as the chosen logit minus a logsumexp, in chunks of rows, by a custom autograd
-    function that keeps only `logits` and one float per position for backward and recomputes
-    the softmax there: no [B, L, V] float32 log_softmax is ever built (tens of GB at a 152k
+    function that keeps only `logits` and one float per position for backward and recomputes the
+    softmax there: no [B, L, V] float32 log_softmax is ever built (tens of GB at a 152k
     vocabulary). Each chunk works in place on one float32 copy of its rows (plus, with top-p, a
-    sort), so the extra memory of forward and of backward (the gradient of `logits` itself,
-    which backward must return, aside) is at most min(`CHUNK_BYTES`, the logits' size /
-    `CHUNK_SHARE`), or one row's worth when that is more.
+    sort; with top-k alone, a `topk` of at most half a row, counted in the chunk's size), so the
+    extra memory of forward and of backward (the gradient of `logits` itself, which backward
+    must return, aside) is at most min(`CHUNK_BYTES`, the logits' size / `CHUNK_SHARE`), or one
+    row's worth when that is more.
     """
     if not 0 < temperature < math.inf:  # NaN too: it would make every logprob NaN
         raise ValueError(
