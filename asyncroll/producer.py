@@ -444,7 +444,7 @@ class Producer:
                             f"update_weights to version {new} failed ({type(exc).__name__}: "
                             f"{exc}); the producer stays at version {old} and runs on: call "
                             "update_weights again"
-                        ) from None
+                        ) from exc  # the engine's reason (a LoraError, say) stays attached
                     case CutUpdate.UNNAMED:
                         raise ProducerError(core.error) from None
             self._flights.set_version(new)
