@@ -4,6 +4,7 @@ which thread the decode runs, and how a reward that raises or never returns ends
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,13 @@ from asyncroll import (
     SimConfig,
     SimEngine,
 )
-from asyncroll.chat import chat_prompts, decode_completions, text_reward, tiny_chat_tokenizer
+from asyncroll.chat import (
+    batch_decoder,
+    chat_prompts,
+    decode_completions,
+    text_reward,
+    tiny_chat_tokenizer,
+)
 from asyncroll.engines import SamplingConfig
 from asyncroll.types import Status
 
@@ -295,3 +302,37 @@ async def test_a_text_reward_that_never_returns_hits_the_deadline(tiny: Any, kin
     assert drops[0].prompt_id == "default/1"
     assert "reward_timeout_s=0.5" in (drops[0].error or "")
     assert all(g.status is Status.COMPLETED for g in batch.groups)
+
+
+def test_the_rust_decode_gives_what_batch_decode_gives(qwen3: Any, tiny: Any) -> None:
+    """Real text, special tokens mid-sequence, a character split across sequences, an empty
+    sample: the GIL-free `decode_batch` path agrees with transformers' `batch_decode`."""
+    for tok in (qwen3, tiny):
+        ids = tok.encode(
+            "Grüße, 世界! <think>\nok\n</think> 12 + 30 = 42", add_special_tokens=False
+        )
+        text_ids = tok.encode("日本語のテキスト", add_special_tokens=False)
+        specials = list(tok.all_special_ids)[:3]
+        batch = [ids, [*ids[:3], *specials, *ids[3:]], text_ids[:1], text_ids[1:], [], specials]
+        for skip in (True, False):
+            fast = batch_decoder(tok, skip_special_tokens=skip)
+            assert fast.__name__ == "decode"  # the Rust path was taken
+            assert fast(batch) == tok.batch_decode(batch, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_changes_its_decode_is_called_as_it_is(tiny: Any) -> None:
+    """A subclass with its own `_decode`, or one that cleans up spaces, goes through
+    `batch_decode`: the Rust path would skip what it adds."""
+
+    class Shouting(type(tiny)):  # type: ignore[misc]
+        def _decode(self, token_ids: Any, **kwargs: Any) -> str:
+            return str(super()._decode(token_ids, **kwargs)).upper()
+
+    loud = copy.copy(tiny)
+    loud.__class__ = Shouting
+    group = group_of(loud, ["yes"], ROWS[0])
+    assert decode_completions(group, loud) == ["YES"]
+    assert batch_decoder(loud).__name__ == "decode_slow"
+    cleaned = copy.copy(tiny)
+    cleaned.clean_up_tokenization_spaces = True
+    assert batch_decoder(cleaned).__name__ == "decode_slow"

@@ -24,7 +24,10 @@ the same deadline; one that raises or passes the deadline fails its group with t
 Decoding stays off the event loop: a sync function's group is decoded in its worker thread
 (with ``reward_in_thread=False`` both run on the loop); an async function's group is decoded in
 a worker thread once it holds `thread_min_tokens` tokens or more, below which a thread hop would
-cost more than the decode (see `benchmarks/text_reward.py`).
+cost the loop more than the decode. A thread is only off the loop if it lets go of the GIL:
+transformers' `batch_decode` holds it throughout, so where it computes exactly that, the Rust
+tokenizer's `decode_batch` is called instead (`batch_decoder`; `benchmarks/text_reward.py`
+measures both).
 """
 
 from __future__ import annotations
@@ -50,14 +53,61 @@ class DecodeTokenizer(Protocol):
     def batch_decode(self, sequences: Any, **kwargs: Any) -> Any: ...
 
 
+Decoder = Callable[[list[list[int]]], list[str]]
+"""Token id lists to texts, one per list."""
+
+# Where transformers defines the decode path of its Rust-backed ("fast") tokenizers: version 5's
+# TokenizersBackend and version 4's PreTrainedTokenizerFast, under PreTrainedTokenizerBase.
+_TRANSFORMERS_DECODE = frozenset(
+    {
+        "transformers.tokenization_utils_base",
+        "transformers.tokenization_utils_tokenizers",
+        "transformers.tokenization_utils_fast",
+    }
+)
+
+
+def batch_decoder(tokenizer: DecodeTokenizer, *, skip_special_tokens: bool = True) -> Decoder:
+    """How a group's samples are decoded: `tokenizer.batch_decode(ids, skip_special_tokens=...)`,
+    or, where that is exactly what it computes, the Rust tokenizer's own `decode_batch`.
+
+    transformers decodes a batch one sequence at a time in Python, each through the Rust
+    tokenizer's `decode` (which holds the GIL), then cleans up spaces if the tokenizer asks for
+    it. `tokenizers.Tokenizer.decode_batch` runs the same `decode` on each sequence with the GIL
+    released, so a decode in a worker thread no longer stalls the event loop (measured in
+    `benchmarks/text_reward.py`). It is taken only for a tokenizer whose decode path is
+    transformers' own, unchanged by its class, and that does not clean up spaces; any other
+    tokenizer is called through `batch_decode` as it is."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    cls = type(tokenizer)
+    if (
+        callable(getattr(backend, "decode_batch", None))
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        and all(
+            getattr(getattr(cls, name, None), "__module__", None) in _TRANSFORMERS_DECODE
+            for name in ("batch_decode", "decode", "_decode")
+        )
+    ):
+        fast: Any = backend
+
+        def decode(ids: list[list[int]]) -> list[str]:
+            return list(fast.decode_batch(ids, skip_special_tokens=skip_special_tokens))
+
+        return decode
+
+    def decode_slow(ids: list[list[int]]) -> list[str]:
+        return list(tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens))
+
+    return decode_slow
+
+
 def decode_completions(
     group: RolloutGroup, tokenizer: DecodeTokenizer, *, skip_special_tokens: bool = True
 ) -> list[str]:
-    """Each sample's tokens as text, in sample order, decoded as TRL decodes completions."""
-    texts = tokenizer.batch_decode(
-        [s.tokens.tolist() for s in group.samples], skip_special_tokens=skip_special_tokens
-    )
-    return list(texts)
+    """Each sample's tokens as text, in sample order, decoded as TRL decodes completions (see
+    `batch_decoder`)."""
+    decode = batch_decoder(tokenizer, skip_special_tokens=skip_special_tokens)
+    return decode([s.tokens.tolist() for s in group.samples])
 
 
 class _TextCall:
@@ -81,38 +131,32 @@ class _TextCall:
             raise ValueError(f"thread_min_tokens={thread_min_tokens}: must be >= 0")
         self.fn = fn
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.decode = batch_decoder(tokenizer, skip_special_tokens=skip_special_tokens)
         self.thread_min_tokens = thread_min_tokens
         self.takes = _accepted_names(fn)
         name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
         self.__qualname__ = f"text_reward({name})"  # what reward errors name
 
-    def decoded(self, group: RolloutGroup) -> tuple[list[str], Any]:
-        """The completions' texts and the prompt (as the dataset gave it, else decoded)."""
-        texts = decode_completions(
-            group, self.tokenizer, skip_special_tokens=self.skip_special_tokens
-        )
-        metadata = group.metadata
-        if "messages" in metadata:
-            prompt = metadata["messages"]
-        elif "prompt" in metadata:
-            prompt = metadata["prompt"]
-        else:
+    def arguments(self, group: RolloutGroup) -> dict[str, Any]:
+        """The keyword arguments for `group`: its samples decoded, its prompt and metadata."""
+        ids = [s.tokens.tolist() for s in group.samples]
+        texts = self.decode(ids)
+        metadata, n = group.metadata, len(ids)
+        prompt_field = "messages" if "messages" in metadata else "prompt"
+        if prompt_field in metadata:
+            prompt = metadata[prompt_field]
+        else:  # a group of token ids alone: its prompt as text, special tokens kept
             prompt = self.tokenizer.batch_decode([group.prompt_tokens.tolist()])[0]
-        return texts, prompt
-
-    def kwargs(self, group: RolloutGroup, texts: list[str], prompt: Any) -> dict[str, Any]:
-        n = group.num_samples
-        chat = not isinstance(prompt, str)
         kwargs: dict[str, Any] = {
             "prompts": [prompt] * n,
-            "completions": [[{"role": "assistant", "content": t}] for t in texts]
-            if chat
-            else texts,
-            "completion_ids": [s.tokens.tolist() for s in group.samples],
+            "completions": (
+                texts
+                if isinstance(prompt, str)
+                else [[{"role": "assistant", "content": t}] for t in texts]
+            ),
+            "completion_ids": ids,
         }
-        prompt_field = "messages" if "messages" in group.metadata else "prompt"
-        for key, value in group.metadata.items():
+        for key, value in metadata.items():
             if key != prompt_field and key not in kwargs:
                 kwargs[key] = [value] * n
         if self.takes is not None:
@@ -124,8 +168,7 @@ class _SyncTextReward(_TextCall):
     """A sync text reward: the producer runs it (decode included) in a reward worker thread."""
 
     def __call__(self, group: RolloutGroup) -> Any:
-        texts, prompt = self.decoded(group)
-        return self.fn(**self.kwargs(group, texts, prompt))
+        return self.fn(**self.arguments(group))
 
 
 class _AsyncTextReward(_TextCall):
@@ -133,12 +176,10 @@ class _AsyncTextReward(_TextCall):
 
     async def __call__(self, group: RolloutGroup) -> Any:
         if group.num_tokens >= self.thread_min_tokens:
-            texts, prompt = await anyio.to_thread.run_sync(
-                self.decoded, group, abandon_on_cancel=True
-            )
+            kwargs = await anyio.to_thread.run_sync(self.arguments, group, abandon_on_cancel=True)
         else:
-            texts, prompt = self.decoded(group)
-        result = self.fn(**self.kwargs(group, texts, prompt))
+            kwargs = self.arguments(group)
+        result = self.fn(**kwargs)
         while inspect.isawaitable(result):
             result = await result
         return result
