@@ -6,7 +6,8 @@ the user's function; a token reward reads the ids as they are. Four measurements
 
 - **call**: µs per group of one reward call, by tokenizer and group shape: a token reward (is
   the last token the end of turn?), the same check as a text reward (does the text end with
-  the answer?), and the decode alone. Token ids come from encoding real text (this repo's
+  the answer?), and the decode alone (as `text_reward` decodes, and through transformers'
+  `batch_decode`). Token ids come from encoding real text (this repo's
   docs), so decode costs what it costs on words, not on random ids.
 - **prompts**: µs per prompt of `PromptBuilder.build` (chat template + tokenize + metadata
   check), which runs where the producer draws the prompt unless the prompts are built first.
@@ -116,6 +117,17 @@ def make_group(tokenizer: Any, ids: np.ndarray, samples: int, tokens: int) -> Ro
     )
 
 
+class ViaBatchDecode:
+    """A tokenizer seen only through `batch_decode`: text rewards then decode as transformers
+    does, one sequence at a time holding the GIL (the reference for the Rust path)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def batch_decode(self, sequences: Any, **kwargs: Any) -> Any:
+        return self.tokenizer.batch_decode(sequences, **kwargs)
+
+
 def token_reward(eos: int) -> Any:
     def reward(group: RolloutGroup) -> list[float]:
         return [float(len(s.tokens) > 0 and s.tokens[-1] == eos) for s in group.samples]
@@ -152,6 +164,7 @@ def bench_call(
                 "token_us": partial(by_token, group),
                 "text_us": partial(by_text, group),
                 "decode_us": partial(decode_completions, group, tok),
+                "batch_decode_us": partial(decode_completions, group, ViaBatchDecode(tok)),
             }
             row: dict[str, Any] = {"tokenizer": name, "samples": samples, "tokens": tokens}
             for key, call in calls.items():
@@ -167,6 +180,7 @@ def call_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
         "token reward µs",
         "text reward µs",
         "decode µs",
+        "batch_decode µs",
         "decode share",
         "text / token",
         "text µs per token",
@@ -178,6 +192,7 @@ def call_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
             r["token_us"],
             r["text_us"],
             r["decode_us"],
+            r["batch_decode_us"],
             f"{r['decode_us'] / r['text_us']:.0%}",
             f"{r['text_us'] / r['token_us']:.0f}x",
             r["text_us"] / (r["samples"] * r["tokens"]),
@@ -202,7 +217,13 @@ def bench_prompts(toks: dict[str, Any], min_time_s: float) -> list[dict[str, Any
 
 # -- producer ------------------------------------------------------------------------------------
 
-VARIANTS = ("token reward", "text, sync in thread", "text, async", "text, sync on loop")
+VARIANTS = (
+    "token reward",
+    "text, sync in thread",
+    "text, async",
+    "text, sync on loop",
+    "text, sync in thread, batch_decode",
+)
 
 
 async def _run(producer: Producer, batch: int) -> tuple[int, float, list[float]]:
@@ -245,6 +266,7 @@ def bench_producer(
         "text, sync in thread": (text_reward(verifier, tok), True),
         "text, async": (text_reward(averifier, tok), True),
         "text, sync on loop": (text_reward(verifier, tok), False),
+        "text, sync in thread, batch_decode": (text_reward(verifier, ViaBatchDecode(tok)), True),
     }
     rows = []
     for variant, (reward, in_thread) in rewards.items():
@@ -413,7 +435,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for k, v in th["decode_us_per_token"].items()
         ],
     )
-    save_outputs(args.out, "text_reward", plot(results, info), {"info": info, **results}, report)
+    save_outputs(
+        args.out,
+        "text_reward",
+        plot(results, info),
+        {"info": info, "variants": list(VARIANTS), **results},
+        report,
+    )
     return 0
 
 

@@ -189,7 +189,7 @@ def test_sync_and_async_rewards_are_called_as_such(tiny: Any) -> None:
     assert inspect.iscoroutinefunction(type(text_reward(asyncf, tiny)).__call__)
     assert inspect.iscoroutinefunction(type(text_reward(Judge(), tiny)).__call__)
     assert text_reward(sync, tiny).__qualname__.startswith("text_reward(")
-    with pytest.raises(ValueError, match="needs a callable"):
+    with pytest.raises(ValueError, match="needs callables"):
         text_reward(3, tiny)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="batch_decode"):
         text_reward(sync, object())  # type: ignore[arg-type]
@@ -336,3 +336,50 @@ def test_a_tokenizer_that_changes_its_decode_is_called_as_it_is(tiny: Any) -> No
     cleaned = copy.copy(tiny)
     cleaned.clean_up_tokenization_spaces = True
     assert batch_decoder(cleaned).__name__ == "decode_slow"
+
+
+async def test_several_functions_add_up_with_weights_as_in_trl(tiny: Any) -> None:
+    group = group_of(tiny, ["5", "five", "6"], ROWS[4])  # answer "5"
+    calls: list[str] = []
+
+    def correct(completions: Any, answer: Any) -> list[float]:
+        calls.append("correct")
+        return [float(c[0]["content"] == a) for c, a in zip(completions, answer, strict=True)]
+
+    def digits(completions: Any) -> list[float | None]:  # None: does not apply (TRL's rule)
+        calls.append("digits")
+        return [None if not c[0]["content"].isdigit() else 1.0 for c in completions]
+
+    fn = text_reward([correct, digits], tiny, weights=[1.0, 0.25])
+    assert fn(group) == [1.25, 0.0, 0.25] and calls == ["correct", "digits"]
+    assert text_reward([correct, digits], tiny)(group) == [2.0, 0.0, 1.0]  # weights of 1
+
+    async def acorrect(completions: Any, answer: Any) -> list[float]:
+        return correct(completions, answer)
+
+    async def adigits(completions: Any) -> list[float | None]:
+        return digits(completions)
+
+    assert await text_reward([acorrect, adigits], tiny, weights=[1.0, 0.25])(group) == [
+        1.25,
+        0.0,
+        0.25,
+    ]
+
+    def none(completions: Any) -> list[None]:
+        return [None] * len(completions)
+
+    with pytest.raises(ValueError, match="no reward function scored sample 0"):
+        text_reward([none, none], tiny)(group)
+
+    def short(completions: Any) -> list[float]:
+        return [1.0]
+
+    with pytest.raises(ValueError, match="short returned 1 rewards for 3"):
+        text_reward([correct, short], tiny)(group)
+    with pytest.raises(ValueError, match="all sync or all async"):
+        text_reward([correct, adigits], tiny)
+    with pytest.raises(ValueError, match="2 weights for 1 functions"):
+        text_reward([correct], tiny, weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="at least one"):
+        text_reward([], tiny)

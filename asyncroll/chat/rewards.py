@@ -17,9 +17,11 @@ sample order (TRL's convention, so a TRL reward function works unchanged)::
 * every other metadata field (``answer``, ``tools``...) under its own name.
 
 A function that takes ``**kwargs`` gets them all; one that does not gets only those it names.
-It may be sync or async, and is called as the producer calls any reward: a sync one in a reward
-worker thread with `reward_timeout_s` as its deadline, an async one on the event loop within
-the same deadline; one that raises or passes the deadline fails its group with the reason.
+Several functions (TRL's ``reward_funcs`` list, with ``weights``) share one decode and add up.
+A function may be sync or async, and is called as the producer calls any reward: a sync one in
+a reward worker thread with `reward_timeout_s` as its deadline, an async one on the event loop
+within the same deadline; one that raises or passes the deadline fails its group with the
+reason.
 
 Decoding stays off the event loop: a sync function's group is decoded in its worker thread
 (with ``reward_in_thread=False`` both run on the loop); an async function's group is decoded in
@@ -111,31 +113,31 @@ def decode_completions(
 
 
 class _TextCall:
-    """What a text reward is called with: the decode, then the keyword arguments."""
+    """What text rewards are called with (the decode, then the keyword arguments), and how the
+    rewards of several functions add up."""
 
     def __init__(
         self,
-        fn: TextRewardFn,
+        fns: Sequence[TextRewardFn],
+        weights: Sequence[float] | None,
         tokenizer: DecodeTokenizer,
         *,
         skip_special_tokens: bool,
         thread_min_tokens: int,
     ) -> None:
-        if not callable(fn):
-            raise ValueError(f"text_reward needs a callable, got {type(fn).__name__}")
         if not callable(getattr(tokenizer, "batch_decode", None)):
             raise ValueError(
                 f"text_reward needs a tokenizer with batch_decode, got {type(tokenizer).__name__}"
             )
         if thread_min_tokens < 0:
             raise ValueError(f"thread_min_tokens={thread_min_tokens}: must be >= 0")
-        self.fn = fn
+        self.fns = [(fn, _accepted_names(fn)) for fn in fns]
+        self.weights = None if weights is None else [float(w) for w in weights]
+        self.names = [getattr(fn, "__qualname__", None) or type(fn).__qualname__ for fn in fns]
         self.tokenizer = tokenizer
         self.decode = batch_decoder(tokenizer, skip_special_tokens=skip_special_tokens)
         self.thread_min_tokens = thread_min_tokens
-        self.takes = _accepted_names(fn)
-        name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-        self.__qualname__ = f"text_reward({name})"  # what reward errors name
+        self.__qualname__ = f"text_reward({', '.join(self.names)})"  # what reward errors name
 
     def arguments(self, group: RolloutGroup) -> dict[str, Any]:
         """The keyword arguments for `group`: its samples decoded, its prompt and metadata."""
@@ -159,45 +161,110 @@ class _TextCall:
         for key, value in metadata.items():
             if key != prompt_field and key not in kwargs:
                 kwargs[key] = [value] * n
-        if self.takes is not None:
-            kwargs = {k: v for k, v in kwargs.items() if k in self.takes}
         return kwargs
+
+    @staticmethod
+    def call(fn: TextRewardFn, takes: frozenset[str] | None, kwargs: dict[str, Any]) -> Any:
+        if takes is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in takes}
+        return fn(**kwargs)
+
+    def combined(self, results: list[Any], n: int) -> Any:
+        """One function's result as it is (the producer checks it); several functions' as their
+        weighted sum per sample, where a None (the function does not apply to that sample, as
+        in TRL) adds nothing."""
+        if len(results) == 1 and self.weights is None:
+            return results[0]
+        weights = self.weights or [1.0] * len(results)
+        total = [0.0] * n
+        scored = [False] * n
+        for name, weight, values in zip(self.names, weights, results, strict=True):
+            values = list(values)
+            if len(values) != n:
+                raise ValueError(f"reward function {name} returned {len(values)} rewards for {n}")
+            for i, value in enumerate(values):
+                if value is not None:
+                    total[i] += weight * float(value)
+                    scored[i] = True
+        if not all(scored):
+            raise ValueError(
+                f"no reward function scored sample {scored.index(False)} (each returned None)"
+            )
+        return total
 
 
 class _SyncTextReward(_TextCall):
-    """A sync text reward: the producer runs it (decode included) in a reward worker thread."""
+    """Sync text rewards: the producer runs them (decode included) in a reward worker thread."""
 
     def __call__(self, group: RolloutGroup) -> Any:
-        return self.fn(**self.arguments(group))
+        kwargs = self.arguments(group)
+        results = [self.call(fn, takes, kwargs) for fn, takes in self.fns]
+        if any(inspect.isawaitable(r) for r in results):  # a sync wrapper of an async judge
+            return self._awaited(results, group.num_samples)
+        return self.combined(results, group.num_samples)
+
+    async def _awaited(self, results: list[Any], n: int) -> Any:
+        for i, result in enumerate(results):
+            while inspect.isawaitable(result):
+                result = await result
+            results[i] = result
+        return self.combined(results, n)
 
 
 class _AsyncTextReward(_TextCall):
-    """An async text reward: awaited on the loop, its large groups decoded in a thread."""
+    """Async text rewards: awaited on the loop in order, large groups decoded in a thread."""
 
     async def __call__(self, group: RolloutGroup) -> Any:
         if group.num_tokens >= self.thread_min_tokens:
             kwargs = await anyio.to_thread.run_sync(self.arguments, group, abandon_on_cancel=True)
         else:
             kwargs = self.arguments(group)
-        result = self.fn(**kwargs)
-        while inspect.isawaitable(result):
-            result = await result
-        return result
+        results = []
+        for fn, takes in self.fns:
+            result = self.call(fn, takes, kwargs)
+            while inspect.isawaitable(result):
+                result = await result
+            results.append(result)
+        return self.combined(results, group.num_samples)
 
 
 def text_reward(
-    fn: TextRewardFn,
+    fn: TextRewardFn | Sequence[TextRewardFn],
     tokenizer: DecodeTokenizer,
     *,
+    weights: Sequence[float] | None = None,
     skip_special_tokens: bool = True,
     thread_min_tokens: int = THREAD_MIN_TOKENS,
 ) -> Callable[[RolloutGroup], Any]:
     """The producer's reward function (`RewardFn`) for a reward on text:
     ``Producer(engine, prompts, text_reward(fn, tokenizer))``. See the module docstring for
-    what `fn` is called with."""
-    cls = _AsyncTextReward if _is_async(fn) else _SyncTextReward
+    what `fn` is called with.
+
+    Several functions (TRL's ``reward_funcs=[...]``, ``reward_weights=[...]``) share one decode
+    and give each sample the weighted sum of their rewards (`weights`: one per function, 1.0 by
+    default). They must be all sync or all async, since one group's call runs either in a
+    worker thread or on the loop."""
+    fns = list(fn) if isinstance(fn, Sequence) else [fn]
+    if not fns:
+        raise ValueError("text_reward needs at least one reward function")
+    for f in fns:
+        if not callable(f):
+            raise ValueError(f"text_reward needs callables, got {type(f).__name__}")
+    if weights is not None and len(weights) != len(fns):
+        raise ValueError(f"text_reward got {len(weights)} weights for {len(fns)} functions")
+    kinds = {_is_async(f) for f in fns}
+    if len(kinds) > 1:
+        raise ValueError(
+            "text_reward's functions must be all sync or all async: write the sync ones as "
+            "async def (or the async ones as sync functions)"
+        )
+    cls = _AsyncTextReward if kinds == {True} else _SyncTextReward
     return cls(
-        fn, tokenizer, skip_special_tokens=skip_special_tokens, thread_min_tokens=thread_min_tokens
+        fns,
+        weights,
+        tokenizer,
+        skip_special_tokens=skip_special_tokens,
+        thread_min_tokens=thread_min_tokens,
     )
 
 
