@@ -22,6 +22,7 @@ from asyncroll import (
     SimEngine,
 )
 from asyncroll.chat import (
+    THREAD_MIN_TOKENS,
     batch_decoder,
     chat_prompts,
     decode_completions,
@@ -195,11 +196,15 @@ def test_sync_and_async_rewards_are_called_as_such(tiny: Any) -> None:
         text_reward(sync, object())  # type: ignore[arg-type]
 
 
-def producer_for(tiny: Any, reward: Any, drops: list[DropRecord], **options: Any) -> Producer:
+def producer_for(
+    tiny: Any, reward: Any, drops: list[DropRecord], *, decode_thread: bool = False, **options: Any
+) -> Producer:
+    """A producer over ROWS scored by `reward` on text; `decode_thread`: an async reward decodes
+    every group in a worker thread (groups here are far below `THREAD_MIN_TOKENS`)."""
     return Producer(
         SimEngine(SimConfig(vocab_size=len(tiny), eos_token_id=tiny.eos_token_id)),
         chat_prompts(ROWS, tiny),
-        text_reward(reward, tiny),
+        text_reward(reward, tiny, thread_min_tokens=0 if decode_thread else THREAD_MIN_TOKENS),
         group_size=4,
         sampling=SamplingConfig(max_new_tokens=6),
         on_drop=drops.append,
@@ -207,7 +212,7 @@ def producer_for(tiny: Any, reward: Any, drops: list[DropRecord], **options: Any
     )
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["sync", "async", "async, decode in thread"])
 async def test_text_rewards_score_groups_in_a_producer(tiny: Any, kind: str) -> None:
     """The decoded completions the function sees are the sampled ids decoded (SimEngine, a
     simulation: random ids, so the check is the decode, not the model)."""
@@ -224,7 +229,9 @@ async def test_text_rewards_score_groups_in_a_producer(tiny: Any, kind: str) -> 
         return score(completions, completion_ids, answer)
 
     drops: list[DropRecord] = []
-    producer = producer_for(tiny, score if kind == "sync" else ascore, drops)
+    producer = producer_for(
+        tiny, score if kind == "sync" else ascore, drops, decode_thread="thread" in kind
+    )
     async with producer:
         batch = await producer.produce_batch(8)
     assert not drops and len(batch.groups) == 8
@@ -240,7 +247,7 @@ async def test_text_rewards_score_groups_in_a_producer(tiny: Any, kind: str) -> 
         assert all(t is loop_thread for t in threads)
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["sync", "async", "async, decode in thread"])
 async def test_a_text_reward_that_raises_fails_its_group_with_the_reason(
     tiny: Any, kind: str
 ) -> None:
@@ -253,7 +260,9 @@ async def test_a_text_reward_that_raises_fails_its_group_with_the_reason(
         return broken(completions, answer)
 
     drops: list[DropRecord] = []
-    producer = producer_for(tiny, broken if kind == "sync" else abroken, drops)
+    producer = producer_for(
+        tiny, broken if kind == "sync" else abroken, drops, decode_thread="thread" in kind
+    )
     async with producer:
         batch = await producer.produce_batch(7)
     assert len(batch.groups) == 7 and len(drops) == 1
@@ -276,7 +285,7 @@ async def test_a_reward_missing_a_field_fails_its_group_saying_which(tiny: Any) 
     assert all("missing 1 required positional argument: 'level'" in (d.error or "") for d in drops)
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["sync", "async", "async, decode in thread"])
 async def test_a_text_reward_that_never_returns_hits_the_deadline(tiny: Any, kind: str) -> None:
     release = threading.Event()
     forever = asyncio.Event()
@@ -292,7 +301,8 @@ async def test_a_text_reward_that_never_returns_hits_the_deadline(tiny: Any, kin
         return [0.0] * len(completions)
 
     drops: list[DropRecord] = []
-    producer = producer_for(tiny, hangs if kind == "sync" else ahangs, drops, reward_timeout_s=0.5)
+    hang = hangs if kind == "sync" else ahangs
+    producer = producer_for(tiny, hang, drops, decode_thread="thread" in kind, reward_timeout_s=0.5)
     try:
         async with producer:
             batch = await producer.produce_batch(7)
