@@ -45,7 +45,7 @@ from asyncroll.types import RolloutGroup
 TextRewardFn = Callable[..., Sequence[float] | Awaitable[Sequence[float]]]
 """A reward on text: keyword arguments as described in this module, one reward per sample."""
 
-THREAD_MIN_TOKENS = 4096
+THREAD_MIN_TOKENS = 256
 """Below this many tokens in a group, an async text reward decodes on the event loop."""
 
 
