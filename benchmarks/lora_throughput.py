@@ -36,7 +36,7 @@ failed). Aborted samples are not thrown away: the producer continues them from t
 far, after a re-prefill.
 
     python benchmarks/lora_throughput.py --out benchmarks/results   # the ~98M Llama, ~9 min
-    python benchmarks/lora_throughput.py --quick                    # the tiny model, ~1.5 min
+    python benchmarks/lora_throughput.py --quick                    # the tiny model, ~1 min
 
 Prints a table and writes `lora_throughput.{md,json,png}` to `--out`.
 """
@@ -118,11 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         help="which engine's settings to run",
     )
     parser.add_argument("--train-s", type=float, default=0.0, help="simulated train time/step")
-    parser.add_argument("--quick", action="store_true", help="the tiny model, 4 s per setting")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, 1 s per setting")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.seconds, args.rounds = "tiny", 4.0, 1
+        # One step per setting checks what the smoke test asserts (tokens generated and kept,
+        # an update per step where the setting updates); short requests keep it ~1 min.
+        args.model, args.seconds, args.rounds, args.new_tokens = "tiny", 1.0, 1, 16
     model = build_tiny_model(MODELS[args.model])
     rounds = asyncio.run(_measure(model, args))
     _report({name: _pool(runs) for name, runs in rounds.items() if runs}, rounds, args)

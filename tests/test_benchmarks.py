@@ -14,6 +14,10 @@ test runs 10,000 groups (~45 s): asyncroll must stay under 1% of the baseline's 
 project's target; ~3.6 MiB/1k, 25x the noise seen), and the baseline must grow by at least half
 of the payload it hoards (~350 MiB/1k; it peaks at ~3.9 GiB), so a baseline that silently
 stopped hoarding cannot make the comparison pass.
+
+The CPU-only runs start together as the module starts (`RUNS`, `Background`) and each test
+waits for its own: the soak mostly waits on timers and the others keep one core each busy,
+so together they take about as long as the longest. The vLLM run goes alone, last.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,26 +38,91 @@ BENCH = ROOT / "benchmarks"
 pytestmark = pytest.mark.slow
 
 
-def run_benchmark(
-    script: str, out: Path, *args: str, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
+def _command(script: str, out: Path, *args: str) -> tuple[list[str], dict[str, str]]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    return subprocess.run(
-        [sys.executable, str(BENCH / script), "--quick", "--out", str(out), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return [sys.executable, str(BENCH / script), "--quick", "--out", str(out), *args], env
 
 
-def test_memory_profile_asyncroll_flat_baseline_grows(tmp_path: Path) -> None:
-    proc = run_benchmark("memory_profile.py", tmp_path, "--groups", "10000", timeout=600)
+def run_benchmark(
+    script: str, out: Path, *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    command, env = _command(script, out, *args)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+class Background:
+    """A benchmark run started as this module starts, so that the runs overlap: the soak
+    mostly waits on timers (~5 s of CPU in its ~60 s) and the others mostly run one process
+    on one core, while the machine has two. Each asserts on what its own process measured
+    (peak RSS, RSS slope, its checks), which nothing beside it changes. Output goes to files
+    (a full pipe would block it); `result` waits for its end."""
+
+    def __init__(self, script: str, out: Path, *args: str, timeout: float) -> None:
+        command, env = _command(script, out, *args)
+        self.out, self.deadline = out, time.monotonic() + timeout
+        with (out / "stdout.txt").open("w") as stdout, (out / "stderr.txt").open("w") as stderr:
+            self.process = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr)
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        try:
+            code = self.process.wait(max(0.0, self.deadline - time.monotonic()))
+        finally:
+            self.stop()  # (a no-op once it has exited)
+        stdout, stderr = ((self.out / f"{f}.txt").read_text() for f in ("stdout", "stderr"))
+        return subprocess.CompletedProcess(self.process.args, code, stdout, stderr)
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+# The module's CPU-only benchmark runs by test: script, arguments, deadline from the start.
+RUNS: dict[str, tuple[str, tuple[str, ...], float]] = {
+    "test_memory_profile_asyncroll_flat_baseline_grows": (
+        "memory_profile.py", ("--groups", "10000"), 600
+    ),
+    "test_throughput_quick_runs": ("throughput.py", (), 240),
+    "test_text_reward_quick_runs": ("text_reward.py", (), 240),
+    "test_soak_quick_passes_every_check": ("soak.py", (), 240),  # its watchdog fires at 150 s
+    "test_episodes_benchmark_quick_runs": ("episodes.py", (), 240),
+    "test_logprob_memory_quick_stays_under_a_quarter_of_the_logits": (
+        "logprob_memory.py", (), 600
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def started(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Background]]:
+    """`RUNS`' runs whose tests are to run, all started at once (by the module's first
+    test, every one of which asks for this)."""
+    selected = {item.name for item in request.session.items}
+    runs: dict[str, Background] = {}
+    try:
+        for test, (script, args, timeout) in RUNS.items():
+            if test in selected:
+                out = tmp_path_factory.mktemp(script.removesuffix(".py"))
+                runs[test] = Background(script, out, *args, timeout=timeout)
+        yield runs
+    finally:
+        for run in runs.values():
+            run.stop()
+
+
+@pytest.fixture
+def run(started: dict[str, Background], request: pytest.FixtureRequest) -> Background:
+    """This test's benchmark run, started with the module."""
+    return started[request.node.name]
+
+
+def test_memory_profile_asyncroll_flat_baseline_grows(run: Background) -> None:
+    proc = run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / "memory_profile.json").read_text())
+    result = json.loads((run.out / "memory_profile.json").read_text())
     ours = result["summary"]["asyncroll"]["slope_mib_per_1k"]
     base = result["summary"]["baseline"]["slope_mib_per_1k"]
     w = result["workload"]
@@ -61,49 +132,49 @@ def test_memory_profile_asyncroll_flat_baseline_grows(tmp_path: Path) -> None:
     assert ours <= 0.01 * base, f"asyncroll slope {ours:.2f} MiB/1k vs baseline {base:.1f}"
 
 
-def test_throughput_quick_runs(tmp_path: Path) -> None:
-    proc = run_benchmark("throughput.py", tmp_path)
+def test_throughput_quick_runs(run: Background) -> None:
+    proc = run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "throughput.png").exists()
+    assert (run.out / "throughput.png").exists()
 
 
-def test_text_reward_quick_runs(tmp_path: Path) -> None:
-    proc = run_benchmark("text_reward.py", tmp_path)
+def test_text_reward_quick_runs(run: Background) -> None:
+    proc = run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / "text_reward.json").read_text())
+    result = json.loads((run.out / "text_reward.json").read_text())
     assert [r["variant"] for r in result["producer"]] == result["variants"]
     assert len(result["variants"]) == 5
     assert all(r["groups"] > 0 for r in result["producer"] + result["paced"])
     assert all(r["text_us"] > r["decode_us"] > 0 for r in result["call"])
-    assert (tmp_path / "text_reward.png").exists()
+    assert (run.out / "text_reward.png").exists()
 
 
-def test_soak_quick_passes_every_check(tmp_path: Path) -> None:
+def test_soak_quick_passes_every_check(run: Background) -> None:
     """The chaos soak (~60 s): its exit status is the verdict; the table says which check
     failed. Lost and duplicated prompts are asserted here as well, being the headline."""
-    proc = run_benchmark("soak.py", tmp_path, timeout=240)  # its watchdog fires at 150 s
+    proc = run.result()
     assert proc.returncode == 0, proc.stdout[:5000] + proc.stderr[-2000:]  # checks table first
-    summary = json.loads((tmp_path / "soak.json").read_text())["summary"]
+    summary = json.loads((run.out / "soak.json").read_text())["summary"]
     assert summary["drained"] and summary["lost"] == 0 and summary["duplicated"] == 0
-    assert (tmp_path / "soak.png").exists()
+    assert (run.out / "soak.png").exists()
 
 
-def test_episodes_benchmark_quick_runs(tmp_path: Path) -> None:
-    proc = run_benchmark("episodes.py", tmp_path)
+def test_episodes_benchmark_quick_runs(run: Background) -> None:
+    proc = run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / "episodes.json").read_text())
-    assert result["ratio"] > 0 and (tmp_path / "episodes.png").exists()
+    result = json.loads((run.out / "episodes.json").read_text())
+    assert result["ratio"] > 0 and (run.out / "episodes.png").exists()
 
 
-def test_logprob_memory_quick_stays_under_a_quarter_of_the_logits(tmp_path: Path) -> None:
+def test_logprob_memory_quick_stays_under_a_quarter_of_the_logits(run: Background) -> None:
     """Real peak RSS (2 x 256 x 32,000 bf16): its exit status is the verdict, every filter's
     extra memory under 0.25x the logits; the naive float32 log_softmax must show >= 1x, so a
     measurement that saw nothing cannot pass."""
-    proc = run_benchmark("logprob_memory.py", tmp_path, timeout=600)
+    proc = run.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    results = json.loads((tmp_path / "logprob_memory.json").read_text())["results"]
+    results = json.loads((run.out / "logprob_memory.json").read_text())["results"]
     naive = next(r for r in results if r["filter"] == "naive log_softmax")
-    assert naive["forward_share"] >= 1 and (tmp_path / "logprob_memory.png").exists()
+    assert naive["forward_share"] >= 1 and (run.out / "logprob_memory.png").exists()
 
 
 def test_lora_throughput_quick_runs(tmp_path: Path) -> None:

@@ -8,12 +8,13 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import asyncroll
 from asyncroll import cli, demo_tool
-from asyncroll.demo import DemoConfig
+from asyncroll.demo import DemoConfig, run_demo
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -145,3 +146,15 @@ def test_verbose_redirects_nothing(tmp_path: Path, capfd: pytest.CaptureFixture[
     out, err = capfd.readouterr()
     assert "child stdout" in out and "child stderr" in err
     assert not (tmp_path / "e.log").exists()
+
+
+async def test_run_demo_refuses_a_given_engine_past_version_0(tmp_path: Path) -> None:
+    """An engine given to `run_demo` (the tests share one) must serve the demo's model at
+    version 0, as a fresh engine does: one left at another version is refused by name."""
+
+    class Used:
+        version = 3
+
+    used: Any = Used()
+    with pytest.raises(ValueError, match="the engine given serves version 3: give it at 0"):
+        await run_demo(DemoConfig(steps=1, out=str(tmp_path)), progress=False, engine=used)

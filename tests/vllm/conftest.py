@@ -1,22 +1,32 @@
-"""One real vLLM engine (the tiny local model on CPU, or a GPU) shared by every test here.
+"""One real vLLM engine (the tiny local model on CPU, or a GPU) shared by every test here,
+and one with LoRA for the LoRA tests.
 
-Starting vLLM takes 15-20 s on 2 cores, so the engine is session-scoped (`vllm_engine`, in
-`tests/conftest.py`, shared with the engine conformance suite); the `engine` fixture
-hands it to each test with the original weights and version 0 restored afterwards, so tests do
-not depend on each other's order. Tests that kill the engine use `engine_to_kill` and run last.
+Starting vLLM takes 15-20 s on 2 cores (with LoRA 20-35 s), so the engines are
+session-scoped (`vllm_engine`, in `tests/conftest.py`, shared with the engine conformance
+suite, and `vllm_lora_engine`); the `engine` and `lora_engine` fixtures hand them to each test
+with the original weights and version 0 restored (and, with LoRA, no adapter), so tests do not
+depend on each other's order. Tests that kill the engine use `engine_to_kill` and run last;
+the LoRA engine is closed before them. The references of the LoRA parity tests (`lora_cases`:
+a fresh engine per model) are computed once, for the in-process and the server tests.
 """
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import pytest_asyncio
 
 from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.lora import LoraSlots
 from tests.conftest import VLLM_DEADLINE_S, VLLM_MAX_MODEL_LEN
+
+if TYPE_CHECKING:
+    from tests.vllm.test_lora_parity import Case
 
 try:
     import vllm  # noqa: F401
@@ -57,8 +67,54 @@ async def engine(vllm_engine: VLLMEngine, tiny_model: Path) -> AsyncIterator[VLL
         await vllm_engine.update_weights(original_weights(tiny_model), version=0)
 
 
+# The session's LoRA engine: the largest rank and the most slots any LoRA test asks for (the
+# producer test: a slot per update in flight).
+LORA_SLOTS = LoraSlots(max_rank=8, slots=4)
+_closing_first: list[VLLMEngine] = []  # shared engines `engine_to_kill` closes before its test
+# The last adapter id each LoRA engine had registered when `lora_engine` handed it out: tests
+# count the ids vLLM's workers hold from there (`test_lora_parity.lora_ids`).
+LORA_ID_BASE: weakref.WeakKeyDictionary[VLLMEngine, int] = weakref.WeakKeyDictionary()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def vllm_lora_engine(tiny_model: Path) -> AsyncIterator[VLLMEngine]:
+    """The session's in-process engine with LoRA (`LORA_SLOTS`) on the tied tiny model."""
+    engine = VLLMEngine(tiny_model, max_model_len=MAX_MODEL_LEN, seed=0, lora=LORA_SLOTS)
+    _closing_first.append(engine)
+    try:
+        yield engine
+    finally:
+        await asyncio.wait_for(engine.close(), DEADLINE_S)
+
+
+@pytest_asyncio.fixture
+async def lora_engine(vllm_lora_engine: VLLMEngine, tiny_model: Path) -> VLLMEngine:
+    """The session's LoRA engine serving the original weights at version 0, no adapter
+    loaded: what an earlier test left ends with a full update (a second or so)."""
+    engine = vllm_lora_engine
+    if engine._paused:  # an earlier test failed between a pause and its resume
+        await engine.resume_generation()
+    # Always: a test may have left other base weights at version 0 (the LoRA demo's model).
+    await engine.update_weights(original_weights(tiny_model), version=0)
+    LORA_ID_BASE[engine] = engine._adapters._serial
+    return engine
+
+
+@pytest_asyncio.fixture(scope="session")
+async def lora_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+    """`test_lora_parity`'s cases (tied and untied, each with its fresh engine's reference),
+    made once for the in-process and the server LoRA parity tests."""
+    from tests.vllm.test_lora_parity import make_cases
+
+    return await make_cases(tmp_path_factory.mktemp("lora-parity"))
+
+
 @pytest_asyncio.fixture
 async def engine_to_kill(vllm_engine: VLLMEngine) -> VLLMEngine:
+    """The session's engine, the only one left running in this process: its death is
+    looked for among this process's engine cores."""
+    for shared in _closing_first:
+        await asyncio.wait_for(shared.close(), DEADLINE_S)
     return vllm_engine
 
 

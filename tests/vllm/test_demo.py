@@ -1,23 +1,48 @@
 """The short demo as an end-to-end test: real vLLM rollouts on CPU, GRPO in torch, weight sync
 every step. The reward can only rise if generation, scoring, the trainer and the weight sync
-all work (with a broken sync vLLM keeps sampling the random initial policy)."""
+all work (with a broken sync vLLM keeps sampling the random initial policy).
+
+The demos run on the session's engine (`demo_engine`; `lora_engine` under --lora), given the
+demo's model at version 0 before each run as a fresh engine would start (`load_demo_model`):
+each engine start `run_demo` makes by itself costs 11-20 s on 2 cores. `asyncroll demo`
+itself, which starts its engine, runs in tests/vllm/test_demo_cli.py."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
+import pytest_asyncio
 
 from asyncroll import demo_tool
-from asyncroll.demo import DemoConfig, StepRecord, demo_config, run_demo
+from asyncroll.demo import DemoConfig, StepRecord, demo_config, demo_model, run_demo
+from asyncroll.engines.vllm import VLLMEngine
+from tests.vllm.conftest import original_weights
 
 
-async def run_from_random(config: DemoConfig) -> tuple[list[StepRecord], float, float]:
+async def load_demo_model(engine: VLLMEngine, config: DemoConfig) -> VLLMEngine:
+    """`engine` serving the model `config` trains, at version 0 (what `run_demo` starts on)."""
+    await engine.update_weights(original_weights(demo_model(config)), version=0)
+    return engine
+
+
+@pytest_asyncio.fixture
+async def demo_engine(engine: VLLMEngine, tiny_model: Path) -> AsyncIterator[VLLMEngine]:
+    """The session's engine; its own weights back afterwards, whatever the demo left (another
+    seed's model at version 0 too)."""
+    yield engine
+    await engine.update_weights(original_weights(tiny_model), version=0)
+
+
+async def run_from_random(
+    config: DemoConfig, engine: VLLMEngine
+) -> tuple[list[StepRecord], float, float]:
     """Run the demo for all of `config.steps` and check it starts from a random policy; its
     records and the mean reward of its first and last five steps, for the caller to judge what
     was learnt."""
-    records = await run_demo(config, progress=False)
+    records = await run_demo(config, progress=False, engine=await load_demo_model(engine, config))
     assert len(records) == config.steps
     first = float(np.mean([r.reward for r in records[:5]]))
     last = float(np.mean([r.reward for r in records[-5:]]))
@@ -25,9 +50,9 @@ async def run_from_random(config: DemoConfig) -> tuple[list[StepRecord], float, 
     return records, first, last
 
 
-async def test_demo_learns_the_echo_task(tmp_path: Path) -> None:
+async def test_demo_learns_the_echo_task(tmp_path: Path, demo_engine: VLLMEngine) -> None:
     config = DemoConfig(steps=40, out=str(tmp_path), solved_reward=0.0, batch_timeout_s=60.0)
-    records, first, last = await run_from_random(config)
+    records, first, last = await run_from_random(config, demo_engine)
     assert last > 0.2 and last > 5 * first, (first, last)
     assert [r.version for r in records] == list(range(40))  # one weight update per step
     assert max(r.staleness_mean for r in records) <= config.max_staleness
@@ -55,7 +80,9 @@ def test_offpolicy_benchmark_quick_runs(tmp_path: Path) -> None:
     assert (tmp_path / "offpolicy.png").exists()
 
 
-async def test_demo_learns_the_multi_turn_tool_echo_task(tmp_path: Path) -> None:
+async def test_demo_learns_the_multi_turn_tool_echo_task(
+    tmp_path: Path, demo_engine: VLLMEngine
+) -> None:
     """Multi-turn: a tool answers each policy turn with a letter to echo on the next turn.
     The reward counts only policy tokens and `to_batch` trains only them, and the trainer
     gives each turn its own advantage from `turn_ends`, so it rises only if episodes, loss
@@ -71,21 +98,26 @@ async def test_demo_learns_the_multi_turn_tool_echo_task(tmp_path: Path) -> None
         batch_timeout_s=60.0, filter="nonzero_std", entropy=0.0,
     )  # fmt: skip
     assert config.max_new_tokens == demo_tool.DEFAULTS["max_new_tokens"]
-    _, first, last = await run_from_random(config)
+    _, first, last = await run_from_random(config, demo_engine)
     assert last > 0.2 and last > 4 * first, (first, last)
     summary = (tmp_path / "summary.txt").read_text()
     assert "policy / environment tokens, turns per episode" in summary
     assert ", 5.0" in summary  # 3 policy turns and 2 tool answers per episode
 
 
-async def test_demo_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+async def test_demo_resumes_from_its_checkpoint(tmp_path: Path, demo_engine: VLLMEngine) -> None:
     """`asyncroll demo --resume` continues a run from its checkpoint: the trainer's step and
     weights, the producer's version and prompts. The producer needs the trainer's weights past
-    version 0 (`load(weights=...)`); the demo once passed none and could not resume at all."""
+    version 0 (`load(weights=...)`); the demo once passed none and could not resume at all.
+    The resumed run starts as a fresh engine would: the model's weights at version 0."""
     small = {"group_size": 4, "batch_groups": 4, "out": str(tmp_path), "solved_reward": 0.0}
-    first = await run_demo(DemoConfig(steps=2, checkpoint_every=2, **small), progress=False)
+    config = DemoConfig(steps=2, checkpoint_every=2, **small)
+    engine = await load_demo_model(demo_engine, config)
+    first = await run_demo(config, progress=False, engine=engine)
     assert [r.version for r in first] == [0, 1]
-    resumed = await run_demo(DemoConfig(steps=4, resume=True, **small), progress=False)
+    config = DemoConfig(steps=4, resume=True, **small)
+    engine = await load_demo_model(demo_engine, config)
+    resumed = await run_demo(config, progress=False, engine=engine)
     assert [(r.step, r.version) for r in resumed] == [(3, 2), (4, 3)]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]

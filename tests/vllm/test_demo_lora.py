@@ -16,11 +16,19 @@ import torch
 from asyncroll.demo import LORA_DEFAULTS, demo_config, run_demo
 from asyncroll.engines.vllm import VLLMEngine
 from asyncroll.lora import LoraAdapter
+from tests.vllm.test_demo import load_demo_model
 
 
 async def test_demo_lora_moves_only_the_adapter_and_balances_the_ledger(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lora_engine: VLLMEngine
 ) -> None:
+    """On the session's LoRA engine (`LoraSlots(max_rank=8, slots=4)`: the demo's rank 8,
+    more slots than its 2), given the demo's base model at version 0."""
+    config = demo_config(
+        lora=True, steps=3, group_size=4, batch_groups=4, out=str(tmp_path), solved_reward=0.0,
+        batch_timeout_s=60.0,
+    )  # fmt: skip
+    engine = await load_demo_model(lora_engine, config)  # before the spy: not the demo's call
     sent: list[tuple[int, Any]] = []
     update = VLLMEngine.update_weights
 
@@ -29,12 +37,8 @@ async def test_demo_lora_moves_only_the_adapter_and_balances_the_ledger(
         await update(self, weights, version=version)
 
     monkeypatch.setattr(VLLMEngine, "update_weights", spy)
-    config = demo_config(
-        lora=True, steps=3, group_size=4, batch_groups=4, out=str(tmp_path), solved_reward=0.0,
-        batch_timeout_s=60.0,
-    )  # fmt: skip
     assert (config.filter, config.entropy) == (LORA_DEFAULTS["filter"], LORA_DEFAULTS["entropy"])
-    records = await run_demo(config, progress=False)
+    records = await run_demo(config, progress=False, engine=engine)
     assert [r.version for r in records] == [0, 1, 2]
     assert sent[0] == (0, None)  # the producer's entry labels the base weights version 0
     assert [v for v, _ in sent[1:]] == [1, 2, 3]  # then one update per step, nothing else

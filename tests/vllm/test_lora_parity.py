@@ -20,14 +20,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-import pytest_asyncio
 
 from asyncroll.engines import SampleOutput
 from asyncroll.engines.vllm import VLLMEngine
 from asyncroll.engines.weights_file import write_safetensors
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots, merged_weights
 from asyncroll.models import build_tiny_model
-from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
+from tests.vllm.conftest import DEADLINE_S, LORA_ID_BASE, MAX_MODEL_LEN, original_weights
 from tests.vllm.helpers import ids, request
 from tests.vllm.test_weight_parity import UNTIED, VERSION, assert_parity, serve
 
@@ -81,13 +80,33 @@ async def make_case(model: Path, folder: Path) -> Case:
     return Case(model, adapter, reference, str(refused.value))
 
 
-@pytest_asyncio.fixture(scope="module")
-async def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
-    root = tmp_path_factory.mktemp("lora-parity")
+async def make_cases(root: Path) -> dict[str, Case]:
+    """The tied model (the session engines') and an untied one with biases."""
     made = {}
     for name, overrides in (("tied", {}), ("untied", UNTIED)):
         made[name] = await make_case(build_tiny_model(**overrides), root / name)
     return made
+
+
+@pytest.fixture(scope="module")
+def cases(lora_cases: dict[str, Case]) -> dict[str, Case]:
+    """Made once a session (`lora_cases`), for this module and `test_server_lora`."""
+    return lora_cases
+
+
+@pytest.fixture
+def shared_lora_engine(request: pytest.FixtureRequest, name: str) -> VLLMEngine | None:
+    """The session's LoRA engine (`lora_engine`) for the tied model, None for another (the
+    test starts one of its own)."""
+    return request.getfixturevalue("lora_engine") if name == "tied" else None
+
+
+def lora_engine_on(
+    shared: VLLMEngine | None, model: Path
+) -> contextlib.AbstractAsyncContextManager[VLLMEngine]:
+    if shared is not None:
+        return contextlib.nullcontext(shared)
+    return VLLMEngine(model, max_model_len=MAX_MODEL_LEN, seed=0, lora=SLOTS)
 
 
 def test_engine_without_lora_refuses_an_adapter(cases: dict[str, Case]) -> None:
@@ -105,9 +124,11 @@ def test_every_target_is_adapted(cases: dict[str, Case]) -> None:
 
 
 async def lora_ids(engine: VLLMEngine) -> list[list[int]]:
-    """The adapter ids each vLLM worker holds."""
+    """The adapter ids each vLLM worker holds, counted from the test's start (the session's
+    LoRA engine registered adapters for earlier tests: `LORA_ID_BASE`)."""
     rpc = engine._llm.collective_rpc("asyncroll_lora_ids")
-    return list(await asyncio.wait_for(rpc, DEADLINE_S))
+    base = LORA_ID_BASE.get(engine, 0)
+    return [[i - base for i in held] for held in await asyncio.wait_for(rpc, DEADLINE_S)]
 
 
 @contextlib.contextmanager
@@ -141,13 +162,15 @@ def max_logprob_difference(a: list[SampleOutput], b: list[SampleOutput]) -> floa
 
 
 @pytest.mark.parametrize("name", ["tied", "untied"])
-async def test_in_process_parity(cases: dict[str, Case], name: str) -> None:
+async def test_in_process_parity(
+    cases: dict[str, Case], name: str, shared_lora_engine: VLLMEngine | None
+) -> None:
     """Another adapter first, under the same version number: the second update must serve
     its own adapter, not a cached one of the same version (vLLM caches adapters by id and the
     prefix cache by name), and the first adapter is unloaded once unused."""
     case = cases[name]
     other = random_adapter(dict(original_weights(case.model)), seed=6)
-    async with VLLMEngine(case.model, max_model_len=MAX_MODEL_LEN, seed=0, lora=SLOTS) as engine:
+    async with lora_engine_on(shared_lora_engine, case.model) as engine:
         assert differs(await serve(engine, "before"), case.reference)
         await engine.update_weights(other, version=VERSION)
         assert differs(await serve(engine, "parity"), case.reference)  # the same ids: seeds
@@ -199,7 +222,9 @@ LONG = 64
 PROMPT = ids(0, 9, 8, 7)
 
 
-async def test_requests_keep_the_adapter_they_started_with(cases: dict[str, Case]) -> None:
+async def test_requests_keep_the_adapter_they_started_with(
+    cases: dict[str, Case], lora_engine: VLLMEngine
+) -> None:
     """vLLM binds an adapter to a request for its life, so the labels follow the request:
     frozen across an update (keep mode), a request finishes under its adapter, every token
     labelled with its version; aborted (abort mode), its tokens keep their version and its
@@ -207,31 +232,29 @@ async def test_requests_keep_the_adapter_they_started_with(cases: dict[str, Case
     case = cases["tied"]
     first = random_adapter(dict(original_weights(case.model)), seed=6)
     greedy = {"temperature": 0.0}
-    async with VLLMEngine(case.model, max_model_len=MAX_MODEL_LEN, seed=0, lora=SLOTS) as engine:
-        await engine.update_weights(first, version=1)
-        async with asyncio.timeout(4 * DEADLINE_S):  # three requests and an update
-            (alone,) = await engine.generate(request("alone", PROMPT, 1, LONG, **greedy))
-            cut = asyncio.ensure_future(engine.generate(request("cut", PROMPT, 1, LONG, **greedy)))
-            await engine.wait_progress(lambda: engine.samples_started("cut") > 0, DEADLINE_S)
-            await engine.abort("cut")
-            (aborted,) = await cut
-            kept = asyncio.ensure_future(
-                engine.generate(request("kept", PROMPT, 1, LONG, **greedy))
-            )
-            await engine.wait_progress(lambda: engine.samples_started("kept") > 0, DEADLINE_S)
-            await engine.pause_generation()
-            await engine.update_weights(case.adapter, version=VERSION)
-            await engine.resume_generation()
-            (frozen,) = await kept
-            continued = request("cont", PROMPT, 1, 8, prefixes=[aborted.tokens], **greedy)
-            (after,) = await engine.generate(continued)
-        assert alone.versions.tolist() == [1] * LONG
-        n = len(aborted.tokens)
-        assert aborted.finish_reason == "abort" or n == LONG
-        assert aborted.tokens.tolist() == alone.tokens[:n].tolist()
-        assert aborted.versions.tolist() == [1] * n
-        assert frozen.tokens.tolist() == alone.tokens.tolist()  # all of it under the first
-        assert frozen.versions.tolist() == [1] * LONG
-        assert after.versions.tolist() == [VERSION] * 8
-        assert_parity(await serve(engine, "parity"), case.reference)
-        assert await lora_ids(engine) == [[2]]
+    engine = lora_engine  # the tied model's
+    await engine.update_weights(first, version=1)
+    async with asyncio.timeout(4 * DEADLINE_S):  # three requests and an update
+        (alone,) = await engine.generate(request("alone", PROMPT, 1, LONG, **greedy))
+        cut = asyncio.ensure_future(engine.generate(request("cut", PROMPT, 1, LONG, **greedy)))
+        await engine.wait_progress(lambda: engine.samples_started("cut") > 0, DEADLINE_S)
+        await engine.abort("cut")
+        (aborted,) = await cut
+        kept = asyncio.ensure_future(engine.generate(request("kept", PROMPT, 1, LONG, **greedy)))
+        await engine.wait_progress(lambda: engine.samples_started("kept") > 0, DEADLINE_S)
+        await engine.pause_generation()
+        await engine.update_weights(case.adapter, version=VERSION)
+        await engine.resume_generation()
+        (frozen,) = await kept
+        continued = request("cont", PROMPT, 1, 8, prefixes=[aborted.tokens], **greedy)
+        (after,) = await engine.generate(continued)
+    assert alone.versions.tolist() == [1] * LONG
+    n = len(aborted.tokens)
+    assert aborted.finish_reason == "abort" or n == LONG
+    assert aborted.tokens.tolist() == alone.tokens[:n].tolist()
+    assert aborted.versions.tolist() == [1] * n
+    assert frozen.tokens.tolist() == alone.tokens.tolist()  # all of it under the first
+    assert frozen.versions.tolist() == [1] * LONG
+    assert after.versions.tolist() == [VERSION] * 8
+    assert_parity(await serve(engine, "parity"), case.reference)
+    assert await lora_ids(engine) == [[2]]

@@ -29,7 +29,6 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-import pytest_asyncio
 
 from asyncroll import Producer, SamplingConfig
 from asyncroll.engines import SampleOutput
@@ -37,26 +36,22 @@ from asyncroll.engines.replicas import ReplicaState
 from asyncroll.engines.vllm_serve import ServerProcess
 from asyncroll.engines.vllm_server import VLLMServerEngine
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots
-from asyncroll.models import build_tiny_model
 from tests.stubs import served
 from tests.test_server_lora_control import LoraStub
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.server import server_engine_on
-from tests.vllm.test_lora_parity import CONFIG, TARGETS, Case, make_case, random_adapter
-from tests.vllm.test_weight_parity import STEPS, UNTIED, VERSION, assert_parity, serve
+from tests.vllm.test_lora_parity import CONFIG, TARGETS, Case, random_adapter
+from tests.vllm.test_weight_parity import STEPS, VERSION, assert_parity, serve
 
 pytestmark = pytest.mark.slow
 
 SLOTS = LoraSlots(max_rank=CONFIG.rank)
 
 
-@pytest_asyncio.fixture(scope="module")
-async def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
-    root = tmp_path_factory.mktemp("server-lora-parity")
-    made = {}
-    for name, overrides in (("tied", {}), ("untied", UNTIED)):
-        made[name] = await make_case(build_tiny_model(**overrides), root / name)
-    return made
+@pytest.fixture(scope="module")
+def cases(lora_cases: dict[str, Case]) -> dict[str, Case]:
+    """`test_lora_parity`'s, made once a session."""
+    return lora_cases
 
 
 def other_adapter(model: Path, seed: int, config: LoraConfig = CONFIG) -> LoraAdapter:
@@ -138,25 +133,22 @@ async def check_v1_then_v2(engine: VLLMServerEngine, case: Case, url: str) -> No
 
 
 async def test_a_server_started_without_lora_refuses_it_and_keeps_serving(
-    cases: dict[str, Case], tmp_path: Path
+    cases: dict[str, Case], tmp_path: Path, vllm_server: ServerProcess
 ) -> None:
-    """An engine built for LoRA on a server started without it: `LoraError` naming what to
-    start the server with, the version unchanged, the replica serving the base weights."""
-    server = ServerProcess.start(cases["tied"].model, max_model_len=MAX_MODEL_LEN)
-    try:
-        async with lora_engine(server.url, tmp_path) as engine:
-            before = await serve(engine, "before")
-            with pytest.raises(LoraError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
-                await engine.update_weights(cases["tied"].adapter, version=VERSION)
-            assert engine.version == 0
-            assert engine.replicas[0].state is ReplicaState.UP
-            after = await serve(engine, "before")
-            assert [o.tokens.tolist() for o in after] == [o.tokens.tolist() for o in before]
-            assert all((o.versions == 0).all() for o in after)
-            await engine._lora.settled()
-            assert names_in(tmp_path) == []  # the adapter's folder is gone
-    finally:
-        server.stop()
+    """An engine built for LoRA on a server started without it (the session's: the tied
+    model with more positions): `LoraError` naming what to start the server with, the version
+    unchanged, the replica serving the base weights."""
+    async with lora_engine(vllm_server.url, tmp_path) as engine:
+        before = await serve(engine, "before")
+        with pytest.raises(LoraError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+            await engine.update_weights(cases["tied"].adapter, version=VERSION)
+        assert engine.version == 0
+        assert engine.replicas[0].state is ReplicaState.UP
+        after = await serve(engine, "before")
+        assert [o.tokens.tolist() for o in after] == [o.tokens.tolist() for o in before]
+        assert all((o.versions == 0).all() for o in after)
+        await engine._lora.settled()
+        assert names_in(tmp_path) == []  # the adapter's folder is gone
 
 
 async def test_untied_v1_then_v2_serves_v2_as_merged_weights(
