@@ -1,0 +1,1 @@
+"""Chat episodes over the token-level episode API (see asyncroll.chat.episode)."""
