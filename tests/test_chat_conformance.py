@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from asyncroll.chat.template import ChatError, ChatFormat
 from tests.chat.templates import TRL_TEMPLATES, qwen3_tokenizer, trl_tokenizer
 
-WORDS = ["hello", "2 + 2", "the answer", "über", "数字", "x", "a b c", "42", "{\"k\": 1}", "ok."]
+WORDS = ["hello", "2 + 2", "the answer", "über", "数字", "x", "a b c", "42", '{"k": 1}', "ok."]
 TOOLS = [
     {"type": "function", "function": {"name": name, "description": f"{name} numbers",
      "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
@@ -60,10 +60,8 @@ def conversations(
             reply["reasoning_content"] = draw(text)
         calls = draw(st.lists(call, max_size=2)) if tools else []
         if string_arguments:
-            calls = [
-                {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
-                for c in calls
-            ]  # fmt: skip
+            calls = [{**c, "function": {**c["function"], "arguments": json.dumps(
+                c["function"]["arguments"])}} for c in calls]  # fmt: skip
         if calls:
             reply["tool_calls"] = calls
         msgs.append(reply)

@@ -115,9 +115,7 @@ class RenderersParser:
         finish = "stop" if ids and ids[-1] in self.stop_ids else "length"
         parsed = self.renderer.parse_response(ids, tools=self.tools, prompt_ids=list(prompt_ids))
         calls = tuple(
-            ToolCall(
-                name=c.name, arguments=c.arguments, raw=c.raw, status=str(c.status), id=c.id
-            )
+            ToolCall(name=c.name, arguments=c.arguments, raw=c.raw, status=str(c.status), id=c.id)
             for c in parsed.tool_calls
         )
         return Reply(parsed.content, parsed.reasoning_content, calls, tuple(ids), finish)

@@ -21,7 +21,9 @@ TRL_TEMPLATES = (
 )  # fmt: skip
 """trl's text templates (its vision and training variants left out)."""
 
-_SPECIAL = re.compile(r"<\|[^|<>\s]{1,40}\|>|<｜[^｜<>]{1,40}｜>|</?[a-z_]{2,30}>|<[a-z_]+\|>|<\|[a-z_]+>")
+_SPECIAL = re.compile(
+    r"<\|[^|<>\s]{1,40}\|>|<｜[^｜<>]{1,40}｜>|</?[a-z_]{2,30}>|<[a-z_]+\|>|<\|[a-z_]+>"
+)
 
 
 def qwen3_dir() -> Path:
@@ -49,8 +51,11 @@ def trl_tokenizer(name: str) -> Any:
 
     template = trl_template(name)
     specials = sorted(set(_SPECIAL.findall(template)) - {"<think>", "</think>"})
-    bos = next((s for s in specials if re.search("begin_of_text|begin▁of▁sentence|BOS", s)), "<bos>")
-    eos = next((s for s in specials if re.search("end_of_text|eos|end▁of▁sentence|endoftext|EOS", s)), "<eos>")  # fmt: skip
+    bos = next(
+        (s for s in specials if re.search("begin_of_text|begin▁of▁sentence|BOS", s)), "<bos>"
+    )
+    eos_names = "end_of_text|eos|end▁of▁sentence|endoftext|EOS"
+    eos = next((s for s in specials if re.search(eos_names, s)), "<eos>")
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
