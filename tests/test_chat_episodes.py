@@ -80,7 +80,7 @@ def fmt() -> ChatFormat:
 
 @pytest.fixture(scope="module")
 def parser() -> RenderersParser:
-    import renderers
+    renderers = pytest.importorskip("renderers")
 
     return RenderersParser(qwen3_tokenizer(), renderers.Qwen3RendererConfig(), tools=TOOLS)
 

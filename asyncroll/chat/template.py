@@ -20,6 +20,7 @@ render would give there.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -120,15 +121,13 @@ class ChatFormat:
         base: list[Message] = [{"role": "user", "content": "."}]
         before = self.render_text(base, generation_prompt=True)
         after = self.render_text([*base, stand_in, *new_messages], generation_prompt=True)
-        if not after.startswith(before):
-            raise ChatError(
-                "the chat template renders a conversation differently once a reply and these "
-                "messages follow it: cannot tell which tokens the messages add"
-            )
         # The reply's end: after its content where the template writes it (some drop the
-        # content of a turn with tool calls: then after the assistant's header).
-        at = after.find(_SENTINEL, len(before))
-        rest = after[at + len(_SENTINEL) :] if at >= 0 else after[len(before) :]
+        # content of a turn with tool calls: then after where the two renders part; DeepSeek's
+        # generation prompt opens a `<think>` that history closes at once, so they part
+        # inside the generation prompt, not after it).
+        parted = len(os.path.commonprefix([before, after]))  # noqa: RUF071 (text, not paths)
+        at = after.find(_SENTINEL, parted)
+        rest = after[at + len(_SENTINEL) :] if at >= 0 else after[parted:]
         ends = [(i, s) for s in self.end_of_turn if (i := rest.find(s)) >= 0]
         if not ends:
             raise ChatError(
