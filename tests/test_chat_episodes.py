@@ -274,8 +274,10 @@ async def test_a_tool_loop_parses_reasoning_and_calls_and_appends_the_results(
         replies.append(await chat.reply())
         episode.extra["messages"] = [m["role"] for m in chat.messages]
 
-    drops, groups, _ = await run_one(fmt, [(call, "stop"), (final, "stop")], agent)
+    drops, groups, engine = await run_one(fmt, [(call, "stop"), (final, "stop")], agent)
     assert not drops, drops
+    # Each turn stops at <|im_end|> (added to the producer's stop tokens).
+    assert all(r.sampling.stop_token_ids == (151645,) for r in engine.requests)
     first, last = replies
     assert first.reasoning == "add it" and first.content == ""
     assert [(c.name, c.arguments) for c in first.tool_calls] == [("add", {"a": 1})]

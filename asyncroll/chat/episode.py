@@ -81,7 +81,8 @@ class ChatEpisode:
             )
         turn = await self.episode.generate(max_new_tokens, sampling=self.sampling)
         ids = [int(i) for i in turn.tokens]
-        prompt = [*self.episode.prompt_tokens.tolist(), *self.episode.tokens[: -len(ids) or None]]
+        before = self.episode.tokens[: len(self.episode.tokens) - len(ids)]
+        prompt = [*self.episode.prompt_tokens.tolist(), *before.tolist()]
         parsed = self.parser.parse(ids, prompt_ids=prompt)
         reply = msgspec.structs.replace(parsed, ids=tuple(ids), finish_reason=turn.finish_reason)
         self.last = reply
