@@ -289,3 +289,25 @@ async def test_a_tool_loop_parses_reasoning_and_calls_and_appends_the_results(
     messages = [*FIRST, first.message(), {"role": "tool", "content": "2"}]
     expected = fmt.encode(fmt.render_text(messages, generation_prompt=True))
     assert [*fmt.prompt_ids(FIRST), *sample.tokens.tolist()][: len(expected)] == expected
+
+
+def test_template_kwargs_reach_the_bridge_s_generation_prompt() -> None:
+    fmt = ChatFormat(qwen3_tokenizer(), template_kwargs={"enable_thinking": False})
+    text = fmt.tokenizer.decode(fmt.bridge({"role": "assistant", "content": "a"}, FIRST))
+    assert (
+        text
+        == "\n<|im_start|>user\nadd 1<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert fmt.prompt_ids(FIRST)[-4:] == fmt.encode("<think>\n\n</think>\n\n")
+
+
+def test_an_end_of_turn_that_is_not_one_token_is_refused() -> None:
+    with pytest.raises(ChatError, match="end_of_turn 'stop here' is 2 tokens, not one"):
+        ChatFormat(qwen3_tokenizer(), end_of_turn=["stop here"])
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused() -> None:
+    tok = qwen3_tokenizer()
+    bare = type("Bare", (), {"chat_template": None, "encode": tok.encode})()
+    with pytest.raises(ChatError, match="no chat_template"):
+        ChatFormat(bare)
