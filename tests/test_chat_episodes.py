@@ -14,7 +14,7 @@ import pytest
 
 from asyncroll import Episode, Producer, SamplingConfig
 from asyncroll.chat.episode import ChatEpisode
-from asyncroll.chat.parse import RenderersParser, ToolCallError
+from asyncroll.chat.parse import RenderersParser, TextParser, ToolCallError
 from asyncroll.chat.template import ChatError, ChatFormat
 from asyncroll.engines.base import GenerateRequest, SampleOutput, Weights
 from asyncroll.outcomes import FailureReason
@@ -311,3 +311,26 @@ def test_a_tokenizer_without_a_chat_template_is_refused() -> None:
     bare = type("Bare", (), {"chat_template": None, "encode": tok.encode})()
     with pytest.raises(ChatError, match="no chat_template"):
         ChatFormat(bare)
+
+
+async def test_another_end_of_turn_than_the_template_s_is_kept_and_said() -> None:
+    """GLM ends a turn with the next role's token: a policy that says <|user|> and then gets
+    tool results keeps its <|user|> (trained as sampled); `differences` records it."""
+    glm = ChatFormat(trl_tokenizer("glm4moe"), end_of_turn=("<|observation|>", "<|user|>"))
+    reply_ids = [*glm.encode("2"), *glm.encode("<|user|>")]
+    notes: list[str] = []
+
+    async def agent(episode: Episode) -> None:
+        chat = ChatEpisode(episode, glm, TextParser(glm.tokenizer, glm.stop_token_ids))
+        await chat.reply()
+        chat.add([{"role": "tool", "content": "3"}])
+        notes.extend(chat.differences)
+
+    drops, groups, _ = await run_one(glm, [(reply_ids, "stop")], agent)
+    assert not drops, drops
+    assert notes == [
+        "after reply 1: the policy ended its turn with '<|user|>' (kept and trained), where "
+        "the template writes '<|observation|>'"
+    ]
+    (sample,) = groups[0].samples
+    assert sample.tokens[: len(reply_ids)].tolist() == reply_ids
