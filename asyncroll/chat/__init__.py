@@ -6,8 +6,20 @@
 * `text_reward`: a reward function on decoded completions (TRL's `reward_funcs` convention),
   sync or async, as the producer's `RewardFn`.
 * `TINY_CHAT_TEMPLATE` / `tiny_chat_tokenizer`: a small chat template for the tiny test model.
+* `ChatFormat` / `ChatEpisode`: multi-turn chat over the exact sampled token stream: each turn
+  adds only the new messages' ids (the bridge), never re-rendering what was sampled; replies
+  are parsed (`RenderersParser`) into content, reasoning and tool calls.
 """
 
+from asyncroll.chat.episode import ChatEpisode
+from asyncroll.chat.parse import (
+    RenderersParser,
+    Reply,
+    ReplyParser,
+    TextParser,
+    ToolCall,
+    ToolCallError,
+)
 from asyncroll.chat.prompts import (
     CHAT_ROLES,
     RESERVED_FIELDS,
@@ -25,6 +37,7 @@ from asyncroll.chat.rewards import (
     decode_completions,
     text_reward,
 )
+from asyncroll.chat.template import ChatError, ChatFormat
 from asyncroll.chat.tiny import TINY_CHAT_TEMPLATE, tiny_chat_tokenizer
 
 __all__ = [
@@ -32,12 +45,21 @@ __all__ = [
     "RESERVED_FIELDS",
     "THREAD_MIN_TOKENS",
     "TINY_CHAT_TEMPLATE",
+    "ChatEpisode",
+    "ChatError",
+    "ChatFormat",
     "ChatTokenizer",
     "DecodeTokenizer",
     "Decoder",
     "PromptBuilder",
     "PromptError",
+    "RenderersParser",
+    "Reply",
+    "ReplyParser",
+    "TextParser",
     "TextRewardFn",
+    "ToolCall",
+    "ToolCallError",
     "batch_decoder",
     "chat_prompts",
     "decode_completions",

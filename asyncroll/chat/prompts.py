@@ -30,7 +30,8 @@ from asyncroll.codec import CodecError, encode_value
 from asyncroll.types import Int32Array, Prompt
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
-"""The roles of OpenAI-format messages that chat templates render."""
+"""The roles of OpenAI-format messages that chat templates render, for prompts and episodes
+alike. Not "developer": Qwen3's template drops such a message without a word."""
 
 RESERVED_FIELDS = frozenset({"prompts", "completions", "completion_ids"})
 """Row fields a text reward passes under its own names, so a row may not hold them."""

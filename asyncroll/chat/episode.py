@@ -1,0 +1,129 @@
+"""Chat episodes: messages in, parsed replies out, over the exact token stream.
+
+```python
+fmt = ChatFormat(tokenizer, tools=TOOLS)
+parser = RenderersParser(tokenizer, renderers.Qwen3RendererConfig(), tools=TOOLS)
+
+async def agent(episode: Episode) -> None:  # the producer's rollout_fn; its prompt is
+    chat = ChatEpisode(episode, fmt, parser)  # fmt.prompt_ids(messages)
+    for _ in range(4):
+        reply = await chat.reply(max_new_tokens=256)
+        if reply.truncated or not reply.tool_calls:
+            break
+        results = [run_tool(c) for c in reply.checked_tool_calls()]  # ToolCallError if bad
+        chat.add([{"role": "tool", "content": r} for r in results])
+```
+
+What is trained, and where it differs from the template (docs/chat-episodes.md has more):
+
+* `reply()` is one policy turn (`Episode.generate`) that stops at the format's end-of-turn
+  tokens. Its ids, the end-of-turn token included, are trained (`loss_mask` 1) exactly as
+  sampled, and stay in the stream as sampled: they are never decoded and encoded again.
+* `add(messages)` appends what the template writes after the reply's end-of-turn token for
+  those messages (`ChatFormat.bridge`): separators the model never samples, the messages, the
+  next assistant header. Untrained (`loss_mask` 0).
+* Where the policy ended its turn with another end-of-turn token than the one the template
+  writes there (e.g. GLM's `<|user|>` before tool results), the sampled token stays and
+  `differences` says so.
+* Where the template would render history differently (Qwen3 drops earlier turns' reasoning
+  once a user message follows; gpt-oss writes `<|end|>` where `<|return|>` was sampled; a
+  non-canonical BPE split would re-encode differently), the stream keeps what the policy saw
+  when it sampled: each turn's prompt is the previous prompt, the sampled reply and the new
+  messages' tokens. A full re-render of `messages` can therefore differ from the stream in the
+  earlier assistant turns, and only there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from asyncroll.chat.parse import Reply, ReplyParser
+from asyncroll.chat.template import ChatError, ChatFormat, Message, check_roles
+from asyncroll.engines.base import SamplingConfig
+from asyncroll.episode import Episode
+
+__all__ = ["ChatEpisode"]
+
+
+class ChatEpisode:
+    """A chat view of one `Episode`. `messages` are the prompt's messages (kept in
+    `self.messages` with each reply and added message, for the rollout function and its
+    reward); `sampling` is what each reply samples with (pass the producer's), the format's
+    end-of-turn ids added to its stop tokens."""
+
+    def __init__(
+        self,
+        episode: Episode,
+        fmt: ChatFormat,
+        parser: ReplyParser,
+        *,
+        messages: Sequence[Message] = (),
+        sampling: SamplingConfig | None = None,
+    ) -> None:
+        check_roles(messages)
+        self.episode = episode
+        self.fmt = fmt
+        self.parser = parser
+        self.messages: list[dict[str, Any]] = [dict(m) for m in messages]
+        base = sampling or SamplingConfig()
+        stops = tuple(dict.fromkeys((*base.stop_token_ids, *fmt.stop_token_ids)))
+        self.sampling = msgspec.structs.replace(base, stop_token_ids=stops)
+        self.last: Reply | None = None
+        self.differences: list[str] = []
+        """Where the stream differs from the template at a turn's end (gpt-oss ends a reply
+        with `<|return|>` that history writes as `<|end|>`; GLM ends it with the next role's
+        token, which may not be the role that follows): the sampled token stays."""
+        self._needs_messages = False  # a reply was sampled: the next turn needs messages
+
+    async def reply(self, max_new_tokens: int | None = None) -> Reply:
+        """Sample one policy turn and parse it. Refused (`ChatError`) right after another
+        reply: add the messages that answer it first."""
+        if self._needs_messages:
+            raise ChatError(
+                "reply() right after a reply: add() the tool results or the user's message "
+                "first (two assistant turns in a row have no template rendering)"
+            )
+        turn = await self.episode.generate(max_new_tokens, sampling=self.sampling)
+        ids = [int(i) for i in turn.tokens]
+        before = self.episode.tokens[: len(self.episode.tokens) - len(ids)]
+        prompt = [*self.episode.prompt_tokens.tolist(), *before.tolist()]
+        parsed = self.parser.parse(ids, prompt_ids=prompt)
+        reply = msgspec.structs.replace(parsed, ids=tuple(ids), finish_reason=turn.finish_reason)
+        self.last = reply
+        self._needs_messages = True
+        self.messages.append(reply.message())
+        return reply
+
+    def add(self, messages: Sequence[Message]) -> list[int]:
+        """Append `messages` (tool results, a user message) after the last reply as the
+        template renders them there; returns the ids appended (untrained). `ChatError` if
+        there is no reply to follow, the last one did not end at an end-of-turn token (cut by
+        the length limit: the stream has no end of turn to continue from), or the template
+        rejects the messages."""
+        last = self.last
+        if last is None or not self._needs_messages:
+            raise ChatError(
+                "add() before a reply: the prompt's messages are rendered into the prompt; "
+                "new messages follow a reply"
+            )
+        if last.truncated or not last.ids or last.ids[-1] not in self.fmt.stop_token_ids:
+            raise ChatError(
+                f"the last reply ended with finish reason {last.finish_reason!r}, not at an "
+                f"end-of-turn token {list(self.fmt.stop_token_ids)}: there is no end of turn "
+                "to continue from, so the episode must end here (raise max_new_tokens?)"
+            )
+        end, text = self.fmt.after_reply(last.message(), messages)
+        ids = self.fmt.encode(text)
+        sampled_end = str(self.fmt.tokenizer.decode([last.ids[-1]]))
+        if sampled_end != end:
+            self.differences.append(
+                f"after reply {self.episode.policy_turns}: the policy ended its turn with "
+                f"{sampled_end!r} (kept and trained), where the template writes {end!r}"
+            )
+        self.episode.append(ids)
+        self.messages.extend(dict(m) for m in messages)
+        self._needs_messages = False
+        return ids
