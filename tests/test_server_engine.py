@@ -13,7 +13,7 @@ import sys
 import threading
 import tracemalloc
 import types
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +340,12 @@ class ScriptedStub:
         self.not_http = False  # generates (not liveness probes) answer bytes that are not HTTP
         self.model = "/nonexistent/model"  # the model it was started from (`/v1/models` root)
         self.loaded: list[str] = []  # the folders its worker extension was told to load
+        # the extension's report on a load (path, verify) -> report; default: a clean one
+        self.report: Callable[[str, bool], dict[str, Any]] = lambda _p, _v: {
+            "expected": [],
+            "unloaded": [],
+            "missing": [],
+        }
 
     @property
     def generates(self) -> int:
@@ -385,9 +391,10 @@ class ScriptedStub:
             finally:
                 self.progress.notify()
 
-        async def load(request: web.Request) -> web.Response:  # the extension's clean report
-            self.loaded.append((await request.json())["kwargs"]["path"])
-            return web.json_response({"results": [{"expected": [], "unloaded": [], "missing": []}]})
+        async def load(request: web.Request) -> web.Response:  # the extension's report
+            kwargs = (await request.json())["kwargs"]
+            self.loaded.append(kwargs["path"])
+            return web.json_response({"results": [self.report(kwargs["path"], kwargs["verify"])]})
 
         async def models(_: web.Request) -> web.Response:  # vLLM's, trimmed to what is read
             card = {"id": "served", "object": "model", "root": self.model, "parent": None}
