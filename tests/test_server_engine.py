@@ -345,6 +345,9 @@ class ScriptedStub:
             self.label = (await request.json())["new_version"]
             return web.json_response({"success": True})
 
+        async def weight_info(_: web.Request) -> web.Response:
+            return web.json_response({"weight_version": self.label})
+
         async def generate(request: web.Request) -> web.StreamResponse:
             live = (await request.json())["request_id"].startswith(LIVENESS)
             if self.not_http and not live:  # another service's bytes, then hang up
@@ -390,6 +393,7 @@ class ScriptedStub:
         app.router.add_post("/collective_rpc", load)
         app.router.add_get("/v1/models", models)
         app.router.add_post("/update_weight_version", version)
+        app.router.add_get("/weight_info", weight_info)
         app.router.add_post(GENERATE, generate)
         return app
 
@@ -489,7 +493,7 @@ async def test_a_hung_replica_leaves_the_rotation_when_a_request_times_out() -> 
         request = msgspec.structs.replace(_request("run-0-0"), session=session)
         with pytest.raises(ReplicaError, match="request_timeout_s"):
             await engine.generate(request)
-        assert hung.state is ReplicaState.DOWN
+        await engine.wait_progress(lambda: hung.state is ReplicaState.DOWN, 10.0)
         (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))
         assert sample.tokens.tolist() == [7, 8]  # served by the other replica
         assert stubs[1].generates == 1
@@ -1106,7 +1110,9 @@ async def test_a_wedged_replica_leaves_the_rotation_when_callers_give_up_on_its_
         wedged = engine.replicas[1]
         _wedge(stubs[1])
         request = await _give_up_on_a_request_to(engine, wedged, stubs[1])
-        assert "/abort_requests" in stubs[1].calls  # it answered: no failure there
+        await asyncio.wait_for(  # sent after its caller gave up, not waited for
+            stubs[1].progress.wait_until(lambda: "/abort_requests" in stubs[1].calls), 5.0
+        )
         await engine.wait_progress(lambda: wedged.state is ReplicaState.DOWN, 10.0)
         assert "liveness generate" in str(wedged.error)
         (sample,) = await engine.generate(msgspec.structs.replace(request, request_id="run-1-0"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -25,6 +25,11 @@ import aiohttp
 from asyncroll.engines import replicas as rp
 from asyncroll.engines.base import EngineDeadError
 from asyncroll.engines.replicas import Replica, ReplicaError
+
+Sessions = Callable[[int], aiohttp.ClientSession]
+"""Makes an HTTP session with at most that many connections (0: no limit). The seam of the
+control plane's deterministic simulation (`benchmarks/control_sim.py`), whose sessions
+answer as simulated replicas on a virtual clock; None: aiohttp's."""
 
 LIVENESS = "asyncroll-liveness"
 """The request id prefix of a liveness probe's generate (tests and logs tell them apart)."""
@@ -42,7 +47,9 @@ class ReplicaClient:
         control_timeout_s: float,
         health_timeout_s: float,
         liveness_timeout_s: float,
+        sessions: Sessions | None = None,
     ) -> None:
+        self._sessions = sessions
         self.max_connections = max_connections
         self.connect_timeout_s = connect_timeout_s
         self.control_timeout_s = control_timeout_s
@@ -67,6 +74,8 @@ class ReplicaClient:
     def _new_session(self, limit: int) -> aiohttp.ClientSession:
         if self.closed:  # never a new session once `close()` closed the last one
             raise EngineDeadError("VLLMServerEngine is closed")
+        if self._sessions is not None:
+            return self._sessions(limit)
         connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         return aiohttp.ClientSession(connector=connector, timeout=timeout)

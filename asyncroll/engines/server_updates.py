@@ -33,7 +33,7 @@ from typing import Any
 from asyncroll.engines import nccl_transfer, replica_load, server_lora, server_weights, weights_file
 from asyncroll.engines import server_supervisor as sup
 from asyncroll.engines.base import EngineDeadError, Weights
-from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState
+from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, UnsyncedReplicaError
 from asyncroll.engines.server_client import ReplicaClient
 from asyncroll.engines.server_nccl import NcclGroup, OnEvery
 from asyncroll.lora import LoraAdapter
@@ -148,7 +148,10 @@ class WeightUpdates:
                 await self._fleet.end_adapter_requests()
             loading = [r for r in self._replicas if r.state is ReplicaState.UP]
             with resync_if_interrupted(loading):
-                await self._fleet.on_every_up(lambda r: self.load_on(r, folder, version))
+                if folder is None:
+                    await self._fleet.on_every_up(lambda r: self._relabel_on(r, version))
+                else:
+                    await self._fleet.on_every_up(lambda r: self.load_on(r, folder, version))
             if folder is not None:
                 self._lora.commit(None, self._state.version)  # full weights are the policy again
                 self._state.adapter = None
@@ -272,6 +275,20 @@ class WeightUpdates:
         if not (isinstance(reply, dict) and reply.get("success")):
             raise ReplicaError(replica.url, f"could not reset its prefix cache: {reply}")
         await self.label(replica, version)
+
+    async def _relabel_on(self, replica: Replica, version: int) -> None:
+        """A relabel (`update_weights(None, ...)`) on one paused replica, once it is seen to
+        carry the engine's label: one that restarted between probes serves its own weights
+        under vLLM's initial label, and a relabel would put the new label on them (the
+        control-plane simulation found tokens of a restarted replica's weights labelled with
+        the next version). Such a replica is `UnsyncedReplicaError`: synced again."""
+        reply = await self._client.call(replica, "GET", "/weight_info")
+        label = reply.get("weight_version") if isinstance(reply, dict) else reply
+        if label != str(self._state.version):
+            raise UnsyncedReplicaError(
+                replica.url, f"carries the label {label!r}, not {self._state.version} (restarted?)"
+            )
+        await self.load_on(replica, None, version)
 
     async def own_model(self, replica: Replica) -> Path:
         """The model folder `replica` was started from (`replica_load.own_model`)."""

@@ -120,7 +120,7 @@ from asyncroll.engines.replicas import (
     ReplicaState,
     UnsyncedReplicaError,
 )
-from asyncroll.engines.server_client import ReplicaClient
+from asyncroll.engines.server_client import ReplicaClient, Sessions
 from asyncroll.engines.server_nccl import NcclGroup
 from asyncroll.engines.server_samples import attempt_session
 from asyncroll.engines.weight_check import WeightMismatchError
@@ -166,6 +166,9 @@ class VLLMServerEngine:
     `lora`: serve `LoraAdapter`s given to `update_weights` (`asyncroll.lora.LoraSlots`, the
     same argument as `VLLMEngine`'s; every replica must be started with the same slots,
     `vllm_serve.serve_args(..., lora=...)`, and `weights_dir` is needed to write them).
+
+    `sessions`: makes the HTTP sessions (`server_client.Sessions`; the deterministic
+    simulation's seam, `benchmarks/control_sim.py`); None: aiohttp's.
     """
 
     def __init__(
@@ -188,6 +191,7 @@ class VLLMServerEngine:
         weight_transfer: nccl_transfer.WeightSender | None = None,
         verify_weights: bool = False,
         lora: LoraSlots | None = None,
+        sessions: Sessions | None = None,
     ) -> None:
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
@@ -245,6 +249,7 @@ class VLLMServerEngine:
             control_timeout_s=control_timeout_s,
             health_timeout_s=health_timeout_s,
             liveness_timeout_s=liveness_timeout_s,
+            sessions=sessions,
         )
         self._folders = server_weights.WeightFolders()
         self._lora = server_lora.ServerAdapters(lora, self._client, self._unload_failed)
@@ -749,12 +754,13 @@ class VLLMServerEngine:
         """`call` on each of `replicas` at once; one that fails (`ReplicaError`) leaves the
         rotation, any other error is raised. A refusal of the weights
         (`replica_load.ReplicaWeightsError`: it may hold part of them) leaves it UNSYNCED,
-        synced again at once with the engine's weights, and is added to `refusals`. Those
-        that succeeded, in order."""
+        synced again at once with the engine's weights, and is added to `refusals`; so does
+        a replica found restarted (`UnsyncedReplicaError`). Those that succeeded, in order."""
         results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
         for replica, result in zip(replicas, results, strict=True):
-            if isinstance(result, WeightMismatchError) and isinstance(result, ReplicaError):
-                if refusals is not None:
+            refused = isinstance(result, WeightMismatchError)
+            if isinstance(result, ReplicaError) and (refused or _restarted(result)):
+                if refusals is not None and refused:
                     refusals.append(result)
                 replica.mark_unsynced(str(result))
                 self._leave_group(replica)
@@ -833,9 +839,11 @@ class VLLMServerEngine:
             asyncio.ensure_future(self._stream(live, part, samples, sampling))
             for part in live.parts
         ]
+        gave_up = False
         try:
             error = await vllm_groups.first_error(tasks)
         except asyncio.CancelledError:
+            gave_up = True
             self._caller_gave_up(live)
             raise
         finally:
@@ -846,8 +854,9 @@ class VLLMServerEngine:
             ]
             if unfinished and not self._state.closed:  # do not rely on the disconnect alone
                 # in a task of the engine's: a caller that gave up is not held for it
-                abort = self._abort_on(replica, unfinished)
-                await asyncio.shield(self._tasks.spawn(abort, name="abort"))
+                abort = self._tasks.spawn(self._abort_on(replica, unfinished), name="abort")
+                if not gave_up:
+                    await asyncio.shield(abort)
         if self._state.closed:
             raise EngineDeadError("VLLMServerEngine is closed")
         if error is not None:
@@ -924,9 +933,11 @@ class VLLMServerEngine:
         replica.sent += 1
         self._progress.notify()
         try:
-            async with self._session().post(
-                f"{replica.url}/inference/v1/generate", json=body
-            ) as reply:
+            async with self._answered(live, f"{replica.url}/inference/v1/generate", body) as reply:
+                if reply is None:  # aborted before the replica answered: nothing to wait for
+                    for i in part.indices:
+                        samples[i].finish = "abort"
+                    return
                 if reply.status != 200:
                     head = await rp.read_at_most(reply, rp.ERROR_BODY_BYTES)
                     text = head.decode(errors="replace")
@@ -965,6 +976,34 @@ class VLLMServerEngine:
             self._open_streams -= 1
             replica.streams -= 1
             self._progress.notify()
+
+    @contextlib.asynccontextmanager
+    async def _answered(
+        self, live: ss.Live, url: str, body: dict[str, Any]
+    ) -> AsyncIterator[aiohttp.ClientResponse | None]:
+        """POST a generate and yield the reply once the replica answers, or None when the
+        request is aborted first: the POST may wait for one of `max_connections` stream
+        connections (streams of a wedged replica hold them), and that wait too ends on the
+        caller's abort (the control-plane simulation found aborted requests held there until
+        a connection freed). Cancelled before it was answered, the request never reached the
+        replica, or its connection closes, which makes vLLM abort it."""
+        post = self._session().post(url, json=body)
+        request = asyncio.ensure_future(post.__aenter__())
+        request.add_done_callback(lambda _: self._progress.notify())
+        try:
+            await self._wait(live, request.done)
+        finally:
+            if not request.done():
+                request.cancel()
+                await asyncio.gather(request, return_exceptions=True)
+        if request.cancelled():
+            yield None
+            return
+        reply = request.result()  # the POST's own error, if any
+        try:
+            yield reply
+        finally:
+            await post.__aexit__(None, None, None)
 
     async def _abort_on(self, replica: Replica, server_ids: list[str]) -> None:
         """Abort requests on `replica`, through the RL route that returns once vLLM has
@@ -1013,6 +1052,10 @@ def _server(url: str) -> tuple[str | None, int | None, str]:
 
 class _NotSent(Exception):
     """A request's replica left the rotation before its request was sent."""
+
+
+def _restarted(error: ReplicaError) -> bool:
+    return isinstance(error, UnsyncedReplicaError)
 
 
 def _syncing(supervisor: sup.Supervisor) -> bool:
