@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import random
 import selectors
 import sys
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anyio
 import numpy as np
 
 from asyncroll.engines import EngineDeadError, GenerateRequest, SampleRequest, SamplingConfig
@@ -150,6 +152,7 @@ class SimReplica:
     async def handle(self, method: str, path: str, body: Any) -> tuple[int, bytes]:
         if self.world.verbose:
             self.world.log(f"  {self.name} <- {method} {path} {json.dumps(body)[:80]}")
+        await asyncio.sleep(self.rng.choice([0.0, 0.001, 0.005]))  # a call takes a moment
         if self.crashed:
             raise aiohttp.ClientConnectionError(f"{self.name}: connection refused")
         route = path.split("?")[0]
@@ -204,6 +207,7 @@ class SimReplica:
         tokens: list[list[int]] = [[] for _ in range(n)]
         labels: list[list[str]] = [[] for _ in range(n)]
         done = [False] * n
+        await asyncio.sleep(self.rng.choice([0.0, 0.1, 0.3]))  # queued behind others' work
         while not all(done):
             while (self.paused or self.wedged or self.crashed) and rid not in self.aborted:
                 if self.crashed:
@@ -349,6 +353,7 @@ class Run:
             for i in range(self.n)
         }
         self.version_weights: dict[int, int] = {0: 0}  # label -> weights it was put on
+        self.first: Violation | None = None
         self.next_version = 1
         self.request_timeout_s = 3.0
         self.engine = VLLMServerEngine(
@@ -366,7 +371,10 @@ class Run:
 
     def check(self, ok: bool, what: str) -> None:
         if not ok:
-            raise Violation(f"seed {self.seed}: {what}")
+            violation = Violation(f"seed {self.seed}: {what}")
+            if self.first is None:  # the cause: what follows it may be its consequences
+                self.first = violation
+            raise violation
 
     def invariants(self) -> None:
         """What holds after every request and control call: a replica never given a fault
@@ -381,12 +389,22 @@ class Run:
             if not (state.busy or state.paused or state.closed) and replica.state.value == "up":
                 self.check(not sim.paused, f"{sim.name} is counted up but paused")
 
-    async def timed(self, what: str, deadline: float, call: Callable[[], Any]) -> Any:
-        """`call()` under the caller's `deadline`; checks it ended by then."""
+    async def timed(
+        self, what: str, deadline: float, call: Callable[[], Any], *, control: bool = True
+    ) -> Any:
+        """`call()` under the caller's `deadline`, as the producer bounds it: a `generate`
+        by asyncio's timeout (which cancels once), a `control` call by asyncio's or anyio's
+        cancel scope (which cancels every await after it, cleanups included); checks it
+        ended by then."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         self.world.log(f"{what}: called")
         try:
+            if control and self.rng.random() < 0.5:
+                with anyio.move_on_after(deadline):
+                    return await call()
+                self.world.log(f"{what}: cut by its caller's scope at {deadline:.3f} s")
+                return None
             async with asyncio.timeout(deadline):
                 return await call()
         except TimeoutError:
@@ -430,7 +448,7 @@ class Run:
                 self.world.log(f"{rid}: failed: {type(exc).__name__}")
                 return None
 
-        outputs = await self.timed(rid, min(deadline, self.request_timeout_s), call)
+        outputs = await self.timed(rid, min(deadline, self.request_timeout_s), call, control=False)
         if aborted:  # an abort ends a request within one control call and a token's time
             late = loop.time() - aborted[0]
             bound = self.engine.pause_timeout_s + 2 * TOKEN_S
@@ -458,7 +476,7 @@ class Run:
             cut = rng.choice([None, None, rng.uniform(0.0, 0.3)])
             if kind == "pause":
                 await self.timed("pause", cut or bound, engine.pause_generation)
-                await asyncio.sleep(rng.uniform(0, 0.2))
+                await asyncio.sleep(rng.uniform(0, 1.0))  # longer than a liveness probe
                 await self.timed("resume", bound, engine.resume_generation)
                 continue
             if kind == "relabel":
@@ -540,6 +558,9 @@ class Run:
             "final update", 30.0, lambda: engine.update_weights_from_path(folder, version=version)
         )
         bound = 32 * engine.health_interval_s + 2.0  # the breaker's longest delay, a sync
+        restarted = self.replicas[self.rng.choice(list(self.replicas))]
+        restarted.restart()  # between probes: found by the next relabel, then re-synced
+        restarted.faulty = True
         for replica in self.replicas.values():
             replica.reload_s = self.rng.choice([0.05, 0.5])  # slower than the relabels' gap
         end = asyncio.get_running_loop().time() + bound
@@ -553,8 +574,6 @@ class Run:
                 30.0,
                 lambda v=relabel: engine.update_weights(None, version=v),
             )
-        await asyncio.sleep(1.0)
-        await self.timed("final probe", 10.0, engine.check_replicas)
         for replica, sim in zip(engine.replicas, self.replicas.values(), strict=True):
             self.check(replica.state.value == "up", f"{sim.name} not back: {replica!r}")
             self.check(not sim.paused, f"{sim.name} counted up but paused")
@@ -580,35 +599,55 @@ def run_seed(seed: int, root: Path, verbose: bool = False) -> list[str]:
         if pending:
             loop.run_until_complete(_drain(pending))
         loop.close()
+        if run.first is not None:
+            raise run.first
     return run.world.trace
+
+
+def _slice(args: tuple[int, int, int]) -> list[tuple[int, str]]:
+    """Run seeds `first`, `first + step`, ... below `stop` in one process: its failures."""
+    first, step, stop = args
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(first, stop, step):
+            try:
+                run_seed(seed, Path(tmp))
+            except Exception as exc:  # a broken invariant, anything that escaped the run
+                failures.append((seed, f"{exc!r:.400}"))
+            except asyncio.CancelledError as exc:
+                failures.append((seed, f"{exc!r} escaped the run"))
+    return failures
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seeds", type=int, default=1000)
     p.add_argument("--start", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1, help="processes (seeds split among them)")
     p.add_argument("--replay", type=int, help="run one seed and print its trace")
-    p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.replay is not None:
+    if args.replay is not None:
+        with tempfile.TemporaryDirectory() as tmp:
             run_seed(args.replay, Path(tmp), verbose=True)
-            print(f"seed {args.replay}: every invariant held")
-            return
-        failures = []
-        start = time.perf_counter()
-        for seed in range(args.start, args.start + args.seeds):
-            try:
-                run_seed(seed, Path(tmp), args.verbose)
-            except Exception as exc:  # a broken invariant, or anything the engine raised
-                failures.append(seed)
-                print(f"FAIL {exc!r:.400}  (replay: --replay {seed})")
-        took = time.perf_counter() - start
-        print(
-            f"{args.seeds} seeds in {took:.1f} s ({args.seeds / took:.0f} seeds/s),"
-            f" {len(failures)} failed: {failures[:20]}"
-        )
-        sys.exit(1 if failures else 0)
+        print(f"seed {args.replay}: every invariant held")
+        return
+    stop = args.start + args.seeds
+    slices = [(args.start + j, args.jobs, stop) for j in range(args.jobs)]
+    start = time.perf_counter()
+    if args.jobs == 1:
+        results = [_slice(slices[0])]
+    else:
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            results = pool.map(_slice, slices)
+    took = time.perf_counter() - start
+    failures = sorted(f for part in results for f in part)
+    for seed, what in failures[:20]:
+        print(f"FAIL {what}  (replay: --replay {seed})")
+    print(
+        f"{args.seeds} seeds in {took:.1f} s ({args.seeds / took:.0f} seeds/s, {args.jobs}"
+        f" processes), {len(failures)} failed: {[seed for seed, _ in failures[:20]]}"
+    )
+    sys.exit(1 if failures else 0)
 
 
 if __name__ == "__main__":

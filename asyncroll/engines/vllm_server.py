@@ -86,7 +86,7 @@ import contextlib
 import enum
 import functools
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -756,7 +756,7 @@ class VLLMServerEngine:
         (`replica_load.ReplicaWeightsError`: it may hold part of them) leaves it UNSYNCED,
         synced again at once with the engine's weights, and is added to `refusals`; so does
         a replica found restarted (`UnsyncedReplicaError`). Those that succeeded, in order."""
-        results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
+        results = await _each(call(r) for r in replicas)
         for replica, result in zip(replicas, results, strict=True):
             refused = isinstance(result, WeightMismatchError)
             if isinstance(result, ReplicaError) and (refused or _restarted(result)):
@@ -795,8 +795,9 @@ class VLLMServerEngine:
     async def _end_control(self, cleanup: Callable[[], Awaitable[None]] | None) -> None:
         """End a pause, resume or update (the control lock held): `cleanup` (the resume
         that undoes its pause), then the lock given back, in a task of the engine's own.
-        The caller waits for it unless it gives up (its deadline, an anyio cancel scope
-        that cancels every await in it): the cleanup still reaches every replica, and the
+        The caller waits for it unless it gives up (its deadline: an asyncio timeout, which
+        cancels once and is not waited past, or an anyio cancel scope, which cancels every
+        await in it): the cleanup still reaches every replica, and the
         next pause or update, waiting for the lock, comes after it. A resume cancelled
         before it was sent once left replicas paused while the engine counted them up."""
 
@@ -808,7 +809,10 @@ class VLLMServerEngine:
             finally:
                 self._state.release()
 
-        await asyncio.shield(self._tasks.spawn(end(), name="control-cleanup"))
+        task = self._tasks.spawn(end(), name="control-cleanup")
+        current = asyncio.current_task()
+        if current is None or not current.cancelling():  # a caller giving up is not held
+            await asyncio.shield(task)
 
     async def _reopen(self) -> None:
         """Under the control lock: resume every replica that is up and let held requests
@@ -1052,6 +1056,36 @@ def _server(url: str) -> tuple[str | None, int | None, str]:
 
 class _NotSent(Exception):
     """A request's replica left the rotation before its request was sent."""
+
+
+async def _each(calls: Iterable[Awaitable[object]]) -> list[object]:
+    """Run `calls` at once; each one's result or exception, in order. Not `asyncio.gather`:
+    cancelled, a gather raises a `CancelledError` of its own making, which an anyio cancel
+    scope (the producer's, around a pause) does not recognise as its own and lets escape
+    (the control-plane simulation found it); here the caller's own cancellation is raised,
+    and the calls are cancelled."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+            task.add_done_callback(_retrieve)
+        raise
+    return [_outcome(t) for t in tasks]
+
+
+def _outcome(task: asyncio.Future[object]) -> object:
+    if task.cancelled():
+        return asyncio.CancelledError()
+    return task.exception() or task.result()
+
+
+def _retrieve(task: asyncio.Future[object]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a call cut with its caller is no unhandled error
 
 
 def _restarted(error: ReplicaError) -> bool:
