@@ -4,13 +4,16 @@ admits that replica.
 
 Why this shape. A replica's failure must cost that replica only. So:
 
-* A supervisor holds nothing another replica needs. Its probe and re-sync (`/health`,
-  `/pause`, a full reload, the label, `/resume`, a liveness generate: each with its own
-  deadline) hold only its replica's lock, never the engine-wide control lock. It works from
-  a snapshot of what the engine serves (`ControlState.snapshot`) and puts its replica in the
-  rotation only if no pause, resume or update ran meanwhile; else it syncs again after it.
-  (A probe once held the engine-wide lock through a full reload, and a pause waiting for it
-  outlived the producer's `abort_timeout_s` while another replica served.)
+* A supervisor holds nothing another replica needs. Its probe and reload (`/health`,
+  `/pause`, a full reload: each with its own deadline) hold only its replica's lock, never
+  the engine-wide control lock. It loads a snapshot of what the engine serves
+  (`ControlState.snapshot`), then joins (`Supervisor._join`): under the control lock it
+  catches up on what ran since (a relabel, a pause or resume: a call each, never a reload
+  unless the weights themselves changed), and it enters the rotation only if nothing ran
+  while its engine core was tried. (A probe once held the engine-wide lock through a full
+  reload, and a pause waiting for it outlived the producer's `abort_timeout_s`; a re-sync
+  that started over after every pause, resume or update never came back when it reloaded
+  more slowly than their gap.)
 * A replica is paused before it is re-synced: one that left the rotation may still stream
   requests of its own, and none may see its weights change unpaused.
 * Liveness exercises the engine core: a one-token generate (`ReplicaClient.check_alive`),
@@ -18,10 +21,12 @@ Why this shape. A replica's failure must cost that replica only. So:
   breaker: out of the rotation, probed again after a delay that doubles with each failure in
   a row (`replicas.backoff_s`), back in once a re-sync and a liveness probe pass.
 * Paused replicas cannot generate (vLLM queues the request), and `/health` proves nothing of
-  a hung core: a failure's check waits for the resume, then generates (no request is sent
-  to the replica meanwhile); a replica whose generate failed (`Core.HUNG`) is not re-synced
-  while the engine is paused, but after the resume. Checks made during the chaos run's
-  updates (every 0.4 s) had let a wedged replica stay, or come back, on `/health` alone.
+  a hung core: a failure's check waits for the resume, then generates (requests to the
+  replica wait for the check, each within its own deadline); a probe that a `/pause`
+  overtook proves nothing (`ProbeOvertaken`) and is tried again after the resume; a replica
+  whose generate failed (`Core.HUNG`) is not re-synced while the engine is paused.
+* Nobody waits on a supervisor's task: callers wait for a replica's state, bounded by their
+  own deadline and ended by their abort (`VLLMServerEngine._wait`).
 """
 
 from __future__ import annotations
@@ -253,8 +258,13 @@ class Supervisor:
                     return False
                 if self._state.closed:
                     return True
-                if now.version != label:
-                    await self._relabel(replica, now.version)
+                if now.version != label:  # within a pause's bound: a pause may wait for it
+                    try:
+                        async with asyncio.timeout(self._pause_timeout_s):
+                            await self._relabel(replica, now.version)
+                    except TimeoutError:
+                        message = f"label: no reply within {self._pause_timeout_s} s"
+                        raise ReplicaError(replica.url, message) from None
                     label = now.version
                 path = PAUSE if now.paused else "/resume"
                 await self._client.call(replica, "POST", path, timeout_s=self._pause_timeout_s)

@@ -50,12 +50,15 @@ reference notes):
   replica has a supervisor (`server_supervisor`) that alone probes and re-syncs it: paused
   first, given the current weights and label, resumed, tried with a liveness generate, holding
   nothing another replica needs; a failing replica's probes back off (a circuit breaker).
-  With no replica up, `EngineDeadError`.
+  No replica up is a state, not death: pauses and updates go on (each replica that
+  comes back is synced to what the engine serves), a request waits for a replica within
+  its own deadline (`NoReplicaError` then); `EngineDeadError` only once the engine is
+  closed. The control plane's design, states and deadlines: docs/scaling-out.md.
 * **Deadlines that compose.** A pause, resume or abort waits at most `pause_timeout_s` per
   replica call (`pause_bound_s` in all, to keep under the caller's own: the producer's
   `abort_timeout_s`); a generate `request_timeout_s`; other control calls
   `control_timeout_s`. Only idempotent calls are tried twice (never an NCCL step); replies are
-  read up to a bound.
+  read up to a bound. Control calls have connections of their own (`server_client`).
 * **Or a LoRA adapter as the policy** (`lora=LoraSlots(...)`, servers started with it too:
   `vllm_serve.serve_args(..., lora=...)`): `update_weights(adapter, version=k)` writes it once
   under `weights_dir`, loads it on every replica (`/v1/load_lora_adapter`, frozen like a
