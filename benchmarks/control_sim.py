@@ -521,8 +521,10 @@ class Run:
             if kind == "crash":
                 replica.crashed = True
                 replica.poke()
-            elif kind == "restart":
-                replica.restart()
+            elif kind == "restart":  # a process restart: down a while, then back as new
+                replica.crashed = True
+                replica.poke()
+                asyncio.get_running_loop().call_later(rng.uniform(0.05, 0.5), replica.restart)
             elif kind == "wedge":
                 replica.wedged = True
                 replica.poke()

@@ -135,6 +135,7 @@ class PausableStub:
 
     def __init__(self) -> None:
         self.paused = True  # as a `/pause` left it that answered after the engine gave up
+        self.label = "default"
 
     def app(self) -> web.Application:
         async def pause(_: web.Request) -> web.Response:
@@ -151,13 +152,21 @@ class PausableStub:
         async def generate(_: web.Request) -> web.Response:  # the liveness probe's
             return web.Response(body=_stream(_choice([7])), content_type="text/event-stream")
 
+        async def weight_info(_: web.Request) -> web.Response:
+            return web.json_response({"weight_version": self.label})
+
+        async def label(request: web.Request) -> web.Response:
+            self.label = (await request.json())["new_version"]
+            return web.json_response({"success": True})
+
         app = web.Application()
         app.router.add_get("/health", ok)
+        app.router.add_get("/weight_info", weight_info)
         app.router.add_post(GENERATE, generate)
         app.router.add_post("/pause", pause)
         app.router.add_post("/resume", resume)
         app.router.add_post("/reset_prefix_cache", ok)
-        app.router.add_post("/update_weight_version", ok)
+        app.router.add_post("/update_weight_version", label)
         return app
 
 

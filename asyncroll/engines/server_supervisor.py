@@ -258,6 +258,8 @@ class Supervisor:
                     return False
                 if self._state.closed:
                     return True
+                if not await self._carries(str(label)):
+                    return False  # restarted since its load: its own weights again, reload
                 if now.version != label:  # within a pause's bound: a pause may wait for it
                     try:
                         async with asyncio.timeout(self._pause_timeout_s):
@@ -278,6 +280,15 @@ class Supervisor:
                 replica.mark_up()  # no await since the check: nothing ran in between
                 self._on_change()
                 return True
+
+    async def _carries(self, label: str) -> bool:
+        """Whether the replica still carries `label` (the one its load set): one that
+        restarted since carries vLLM's initial one over its own weights, and a relabel would
+        put the engine's label on them (the control-plane simulation found it)."""
+        reply = await self._client.call(
+            self.replica, "GET", "/weight_info", timeout_s=self._pause_timeout_s
+        )
+        return isinstance(reply, dict) and reply.get("weight_version") == label
 
     def failed(self, exc: ReplicaError) -> asyncio.Task[None] | None:
         """A call to the replica failed: it leaves the rotation unless its engine core is

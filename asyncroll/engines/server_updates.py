@@ -269,6 +269,7 @@ class WeightUpdates:
                 self.verify_weights,
                 sent,
             )
+            folder.check()  # rewritten while the replica read it: what it loaded is unknown
         reply = await self._client.call(
             replica, "POST", "/reset_prefix_cache?reset_running_requests=true"
         )
