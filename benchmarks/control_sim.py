@@ -144,6 +144,11 @@ class SimReplica:
         self.changed.set()
         self.changed = asyncio.Event()
 
+    def come_back(self) -> None:
+        """The end of a restart's downtime (unless the harness brought it back already)."""
+        if self.crashed:
+            self.restart()
+
     def restart(self) -> None:
         self.weights, self.label, self.paused = 0, "default", False
         self.crashed = self.wedged = self.refuse = False
@@ -524,7 +529,7 @@ class Run:
             elif kind == "restart":  # a process restart: down a while, then back as new
                 replica.crashed = True
                 replica.poke()
-                asyncio.get_running_loop().call_later(rng.uniform(0.05, 0.5), replica.restart)
+                asyncio.get_running_loop().call_later(rng.uniform(0.05, 0.5), replica.come_back)
             elif kind == "wedge":
                 replica.wedged = True
                 replica.poke()

@@ -246,11 +246,12 @@ class Supervisor:
         """Into the rotation, serving `loaded`'s weights: under the control lock it catches
         up on what ran since it loaded (a relabel: the label; a pause or resume: the same
         call), then its engine core is tried, outside the lock (a probe holds nothing a
-        pause needs). It joins only if nothing ran meanwhile; else it catches up again,
-        which costs a call or two, never a reload (a re-sync once started over after every
-        pause, resume or update, and a replica that reloaded more slowly than their gap
-        never came back). False: the weights changed, load again."""
-        replica, label = self.replica, loaded.version
+        pause needs). It joins then if nothing ran meanwhile; else it catches up once more
+        under the lock and joins there: a call or two, never a reload nor another probe (a
+        re-sync once started over after every pause, resume or update, and a replica that
+        reloaded, or answered a probe, more slowly than their gap never came back). False:
+        the weights changed (or it restarted), load again."""
+        replica, label, probed = self.replica, loaded.version, False
         while True:
             async with self._state.lock:  # no epoch of its own: it changes nothing engine-wide
                 now = self._state.snapshot()
@@ -270,6 +271,8 @@ class Supervisor:
                     label = now.version
                 path = PAUSE if now.paused else "/resume"
                 await self._client.call(replica, "POST", path, timeout_s=self._pause_timeout_s)
+                if probed:  # its core answered; what ran since is caught up on, under the lock
+                    return self._joined()
             try:
                 await self._client.check_alive(replica, paused=now.paused)
             except ProbeOvertaken:
@@ -277,9 +280,13 @@ class Supervisor:
             if _closed(self._state):
                 return True
             if not self._state.moved_since(now):
-                replica.mark_up()  # no await since the check: nothing ran in between
-                self._on_change()
-                return True
+                return self._joined()  # no await since the check: nothing ran in between
+            probed = True  # a pause, resume or update ran while it was tried: catch up, join
+
+    def _joined(self) -> bool:
+        self.replica.mark_up()
+        self._on_change()
+        return True
 
     async def _carries(self, label: str) -> bool:
         """Whether the replica still carries `label` (the one its load set): one that
