@@ -45,9 +45,10 @@ class Fleet:
     path. `frozen`: the update's frame (under the control lock, admission held; afterwards
     every replica resumed and admission released, unless the caller had paused);
     `pause_up`: pause every UP replica; `on_every` / `on_every_up`: a call on several (every
-    UP) replica at once, one that fails leaving the rotation (none up after `on_every_up`:
-    `EngineDeadError`); `down`: take one out of the rotation; `end_adapter_requests`: abort
-    the requests sent with an adapter; `states`: every replica described, for an error."""
+    UP) replica at once, one that fails leaving the rotation (every one refusing the
+    weights after `on_every_up`: `WeightMismatchError`; none up is no error); `down`: take
+    one out of the rotation; `end_adapter_requests`: abort the requests sent with an
+    adapter; `states`: every replica described, for an error."""
 
     frozen: Callable[[], contextlib.AbstractAsyncContextManager[None]]
     pause_up: Callable[[], Awaitable[None]]
