@@ -13,13 +13,15 @@ from collections.abc import Callable
 
 class Signal:
     def __init__(self) -> None:
-        self._waiters: set[asyncio.Future[None]] = set()
+        # a dict, not a set: waiters wake in the order they came (a set's order follows
+        # memory addresses, and a deterministic simulation replays only a fixed order)
+        self._waiters: dict[asyncio.Future[None], None] = {}
 
     def notify(self) -> None:
         """Wake every coroutine currently waiting (they re-check their predicates)."""
         if not self._waiters:
             return
-        waiters, self._waiters = self._waiters, set()
+        waiters, self._waiters = self._waiters, {}
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
@@ -32,8 +34,8 @@ class Signal:
         async with asyncio.timeout(timeout):
             while not predicate():
                 fut: asyncio.Future[None] = loop.create_future()
-                self._waiters.add(fut)
+                self._waiters[fut] = None
                 try:
                     await fut
                 finally:
-                    self._waiters.discard(fut)
+                    self._waiters.pop(fut, None)

@@ -441,7 +441,10 @@ async def test_new_full_weights_abort_the_requests_sent_with_an_adapter_first(
         assert after.index("/abort_requests") < after.index("/collective_rpc")
         stub.hang.set()
         (kept,) = await asyncio.wait_for(call, 10.0)
-        assert kept.versions.tolist() == [1, 1]
+        # the stub had not answered it (it hangs before its reply): aborted with no token;
+        # any token it has keeps the adapter's version
+        assert kept.finish_reason == "abort"
+        assert set(kept.versions.tolist()) <= {1}
 
 
 async def test_full_weights_after_an_adapter_serve_without_it(tmp_path: Path) -> None:

@@ -9,10 +9,11 @@ token labelled with the new version). The extension also refreshes a tied head a
 what the reload missed; a report with a problem fails the load for this replica
 (`ReplicaWeightsError`, a `ReplicaError`: the replica leaves the rotation unlabelled).
 
-With `verify`, the reference for the replica's digests is the folder itself, read once per
-folder in this process (every replica is told to load it): that proves each replica serves
-the folder's tensors. `VLLMServerEngine.update_weights` writes that folder from the trainer's
-tensors with safetensors.
+With `verify`, the reference for the replica's digests is the digests of the tensors as
+sent (`server_weights.Checkpoint.digests`: the trainer's tensors for weights the engine
+wrote, the folder as read when its label was put on it for `update_weights_from_path`), not
+the folder read back at the load: a bit flipped on disk after the write was once served
+under the new label.
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ class ReplicaWeightsError(ReplicaError, weight_check.WeightMismatchError):
     folder holds; the message names the replica and the tensors."""
 
 
-async def load(call: Call, url: str, folder: Path, verify: bool) -> None:
+async def load(
+    call: Call, url: str, folder: Path, verify: bool, sent: dict[str, str] | None
+) -> None:
     """Load `folder` on the replica at `url` (`call` makes one control call to it) and check
-    the workers' reports (see the module docstring)."""
+    the workers' reports (see the module docstring); `sent`: the reference digests (None:
+    the folder's, read now)."""
     body = {"method": _METHOD, "kwargs": {"path": str(folder), "verify": verify}}
     try:
         reply = await call("POST", "/collective_rpc", body)
@@ -49,9 +53,10 @@ async def load(call: Call, url: str, folder: Path, verify: bool) -> None:
     results = reply.get("results") if isinstance(reply, dict) else None
     if not isinstance(results, list):
         raise ReplicaError(url, f"POST /collective_rpc {_METHOD} -> {reply!r:.300}")
-    sent = await asyncio.to_thread(folder_digests, folder) if verify else None
+    if verify and sent is None:
+        sent = await asyncio.to_thread(folder_digests, folder)
     try:
-        weight_check.check(results, sent, "weights")
+        weight_check.check(results, sent if verify else None, "weights")
     except weight_check.WeightMismatchError as exc:
         raise ReplicaWeightsError(url, str(exc)) from None
 

@@ -56,6 +56,16 @@ class ReplicaHTTPError(ReplicaError):
         self.text = text
 
 
+class NoReplicaError(RuntimeError):
+    """No replica in the rotation took a request before its deadline: none served then, which
+    is no dead engine (replicas come back); the message names each replica's state."""
+
+
+class ProbeOvertaken(Exception):
+    """A liveness generate ran out of time after a `/pause` reached its replica: a paused vLLM
+    freezes it, so it proves nothing of the engine core (it is tried again after a resume)."""
+
+
 class UnsyncedReplicaError(ReplicaError):
     """The replica serves weights this engine never gave it: its process restarted behind the
     engine's back (vLLM's initial weight label), and it answers every probe all the same."""
@@ -77,6 +87,7 @@ class Replica:
         self.loaded: Path | None = None
         self.core = CoreHealth.ANSWERED
         self.syncing = asyncio.Lock()
+        self.pauses = 0  # `/pause` calls sent to it so far (a probe they overtook proves nothing)
 
     def mark_down(self, error: str, retry_at: float) -> None:
         self.state = ReplicaState.DOWN

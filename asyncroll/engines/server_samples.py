@@ -74,11 +74,12 @@ class Part:
 
 
 class Live:
-    """A running group: its replica, its requests and the tasks streaming them."""
+    """A running group: its replica (None until routed), its requests and the tasks
+    streaming them."""
 
     __slots__ = ("aborted", "parts", "replica", "samples", "tasks")
 
-    def __init__(self, parts: list[Part], replica: Replica, samples: list[Sample]) -> None:
+    def __init__(self, parts: list[Part], replica: Replica | None, samples: list[Sample]) -> None:
         self.parts = parts
         self.samples = samples
         self.replica = replica

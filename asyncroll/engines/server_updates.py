@@ -33,7 +33,7 @@ from typing import Any
 from asyncroll.engines import nccl_transfer, replica_load, server_lora, server_weights, weights_file
 from asyncroll.engines import server_supervisor as sup
 from asyncroll.engines.base import EngineDeadError, Weights
-from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState
+from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, UnsyncedReplicaError
 from asyncroll.engines.server_client import ReplicaClient
 from asyncroll.engines.server_nccl import NcclGroup, OnEvery
 from asyncroll.lora import LoraAdapter
@@ -45,14 +45,15 @@ class Fleet:
     path. `frozen`: the update's frame (under the control lock, admission held; afterwards
     every replica resumed and admission released, unless the caller had paused);
     `pause_up`: pause every UP replica; `on_every` / `on_every_up`: a call on several (every
-    UP) replica at once, one that fails leaving the rotation (none up after `on_every_up`:
-    `EngineDeadError`); `down`: take one out of the rotation; `end_adapter_requests`: abort
-    the requests sent with an adapter; `states`: every replica described, for an error."""
+    UP) replica at once, one that fails leaving the rotation (every one refusing the
+    weights after `on_every_up`: `WeightMismatchError`; none up is no error); `down`: take
+    one out of the rotation; `end_adapter_requests`: abort the requests sent with an
+    adapter; `states`: every replica described, for an error."""
 
     frozen: Callable[[], contextlib.AbstractAsyncContextManager[None]]
     pause_up: Callable[[], Awaitable[None]]
     on_every: OnEvery
-    on_every_up: Callable[[Callable[[Replica], Awaitable[object]]], Awaitable[None]]
+    on_every_up: Callable[[Callable[[Replica], Awaitable[object]]], Awaitable[list[Replica]]]
     down: Callable[[Replica, BaseException], None]
     end_adapter_requests: Callable[[], Awaitable[None]]
     states: Callable[[], str]
@@ -116,13 +117,25 @@ class WeightUpdates:
         folder.mkdir()
         self._folders.add(folder)
         try:
-            await asyncio.to_thread(server_weights.write, list(weights), folder)
-            await self.folder(folder, version)
+            digests = await asyncio.to_thread(
+                server_weights.write, list(weights), folder, self.verify_weights
+            )
+            sealed = server_weights.Checkpoint.seal(folder, digests)
+            await self.folder(sealed, version)
         finally:
-            if self._state.weights == folder:  # committed (even if cut off at its resume after)
-                self._folders.collect(self._state.weights)
+            served = self._state.weights
+            if isinstance(served, server_weights.Checkpoint) and served.path == folder:
+                self._folders.collect(served)  # committed (even if cut off at its resume after)
 
-    async def folder(self, folder: Path | None, version: int) -> None:
+    async def from_path(self, path: Path, version: int) -> None:
+        """`VLLMServerEngine.update_weights_from_path`: the folder sealed as it is now (with
+        `verify_weights`, the digests of its tensors read now), then loaded (`folder`)."""
+        digests = None
+        if self.verify_weights:
+            digests = await asyncio.to_thread(replica_load.folder_digests, path)
+        await self.folder(server_weights.Checkpoint.seal(path, digests), version)
+
+    async def folder(self, folder: server_weights.Checkpoint | None, version: int) -> None:
         """Hold admission, freeze every replica, load `folder` (None: keep the weights),
         recompute running requests' KV cache, label `version`, resume (unless the caller
         paused), release admission."""
@@ -136,9 +149,13 @@ class WeightUpdates:
                 await self._fleet.end_adapter_requests()
             loading = [r for r in self._replicas if r.state is ReplicaState.UP]
             with resync_if_interrupted(loading):
-                await self._fleet.on_every_up(lambda r: self.load_on(r, folder, version))
+                if folder is None:
+                    await self._fleet.on_every_up(lambda r: self._relabel_on(r, version))
+                else:
+                    await self._fleet.on_every_up(lambda r: self.load_on(r, folder, version))
             if folder is not None:
                 self._lora.commit(None, self._state.version)  # full weights are the policy again
+                self._state.adapter = None
             else:
                 self._lora.relabelled(version)
             self._state.weights = weights
@@ -179,6 +196,7 @@ class WeightUpdates:
             for replica in members:
                 replica.state = ReplicaState.UP
             self._lora.commit(None, self._state.version)  # full weights are the policy again
+            self._state.adapter = None
             self._state.version = version
 
     async def _revive_for_broadcast(self) -> None:
@@ -226,31 +244,53 @@ class WeightUpdates:
                 loading = [r for r in self._replicas if r.state is ReplicaState.UP]
                 await self._fleet.on_every_up(lambda r: self._lora.load(r, record))
                 with resync_if_interrupted(loading):
-                    await self._fleet.on_every_up(lambda r: self._label(r, version))
+                    await self._fleet.on_every_up(lambda r: self.label(r, version))
                 self._lora.commit(record, self._state.version)
+                self._state.adapter = record
                 self._state.version = version
         finally:
             if self._lora.current is not record:
                 self._lora.retire(record)  # unloaded wherever it loaded
 
-    async def load_on(self, replica: Replica, folder: Path | None, version: int) -> None:
+    async def load_on(
+        self, replica: Replica, folder: server_weights.Checkpoint | None, version: int
+    ) -> None:
         """Reload `folder` on one (paused or idle) replica, drop its KV cache (running requests
-        are recomputed under the new weights), and set its label to `version`."""
+        are recomputed under the new weights), and set its label to `version`. A folder that
+        changed since it was sealed is refused (`ChangedCheckpointError`, a `ValueError`)
+        before anything is sent; so is a missing one, whose reload kills a vLLM engine."""
         if folder is not None:
-            server_weights.checkpoint(folder)  # a reload of a missing path kills a vLLM engine
-            replica.loaded = folder  # before it is sent: a cut-off call may still land
+            path = folder.check()
+            replica.loaded = path  # before it is sent: a cut-off call may still land
+            sent = None if folder.digests is None else dict(folder.digests)
             await replica_load.load(
                 functools.partial(self._client.call, replica),
                 replica.url,
-                folder,
+                path,
                 self.verify_weights,
+                sent,
             )
+            folder.check()  # rewritten while the replica read it: what it loaded is unknown
         reply = await self._client.call(
             replica, "POST", "/reset_prefix_cache?reset_running_requests=true"
         )
         if not (isinstance(reply, dict) and reply.get("success")):
             raise ReplicaError(replica.url, f"could not reset its prefix cache: {reply}")
-        await self._label(replica, version)
+        await self.label(replica, version)
+
+    async def _relabel_on(self, replica: Replica, version: int) -> None:
+        """A relabel (`update_weights(None, ...)`) on one paused replica, once it is seen to
+        carry the engine's label: one that restarted between probes serves its own weights
+        under vLLM's initial label, and a relabel would put the new label on them (the
+        control-plane simulation found tokens of a restarted replica's weights labelled with
+        the next version). Such a replica is `UnsyncedReplicaError`: synced again."""
+        reply = await self._client.call(replica, "GET", "/weight_info")
+        label = reply.get("weight_version") if isinstance(reply, dict) else reply
+        if label != str(self._state.version):
+            raise UnsyncedReplicaError(
+                replica.url, f"carries the label {label!r}, not {self._state.version} (restarted?)"
+            )
+        await self.load_on(replica, None, version)
 
     async def own_model(self, replica: Replica) -> Path:
         """The model folder `replica` was started from (`replica_load.own_model`)."""
@@ -258,13 +298,16 @@ class WeightUpdates:
             functools.partial(self._client.call, replica), replica.url
         )
 
-    async def resync_load(self, replica: Replica, folder: Path | None, version: int) -> None:
+    async def resync_load(
+        self, replica: Replica, folder: server_weights.Checkpoint | None, version: int
+    ) -> None:
         """A re-sync's load (`Supervisor`, `catch_up`): the weights and label, then the
         current LoRA adapter, which a replica that restarted lacks."""
         await self.load_on(replica, folder, version)
         await self._lora.catch_up(replica)
 
-    async def _label(self, replica: Replica, version: int) -> None:
+    async def label(self, replica: Replica, version: int) -> None:
+        """Set `replica`'s version label to `version`."""
         await self._client.call(
             replica, "POST", "/update_weight_version", {"new_version": str(version)}
         )

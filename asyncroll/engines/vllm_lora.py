@@ -39,7 +39,7 @@ class AdapterState(enum.Enum):
     UNLOADED = "unloaded"  # removed from vLLM: no request may start under it
 
 
-class Admission(enum.Enum):
+class AdapterAdmission(enum.Enum):
     """Whether requests may start under the policy now."""
 
     OPEN = "open"
@@ -83,22 +83,22 @@ class AdapterSet:
         self._policy: Adapter | None = None
         self._policy_tensors: LoraAdapter | None = None  # the policy's adapter, to relabel it
         self._serial = 0  # the last lora_int_id given
-        self._admission = Admission.OPEN
+        self._admission = AdapterAdmission.OPEN
 
     @property
     def admitting(self) -> bool:
         """Whether a request may start now (`acquire`); not while an update ends the policy's
         requests to make room for its successor (`hold_admission`)."""
-        return self._admission is Admission.OPEN
+        return self._admission is AdapterAdmission.OPEN
 
     def hold_admission(self) -> None:
         """No request may start until `admit`: the policy's requests are being ended to
         unload it (its one slot is needed), and a request bound to it would keep it in use."""
-        self._admission = Admission.HELD
+        self._admission = AdapterAdmission.HELD
 
     def admit(self) -> None:
         """Requests may start again (under the policy then registered, if any)."""
-        self._admission = Admission.OPEN
+        self._admission = AdapterAdmission.OPEN
 
     @property
     def policy(self) -> LoraAdapter | None:

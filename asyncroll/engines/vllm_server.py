@@ -50,12 +50,15 @@ reference notes):
   replica has a supervisor (`server_supervisor`) that alone probes and re-syncs it: paused
   first, given the current weights and label, resumed, tried with a liveness generate, holding
   nothing another replica needs; a failing replica's probes back off (a circuit breaker).
-  With no replica up, `EngineDeadError`.
+  No replica up is a state, not death: pauses and updates go on (each replica that
+  comes back is synced to what the engine serves), a request waits for a replica within
+  its own deadline (`NoReplicaError` then); `EngineDeadError` only once the engine is
+  closed. The control plane's design, states and deadlines: docs/scaling-out.md.
 * **Deadlines that compose.** A pause, resume or abort waits at most `pause_timeout_s` per
   replica call (`pause_bound_s` in all, to keep under the caller's own: the producer's
   `abort_timeout_s`); a generate `request_timeout_s`; other control calls
   `control_timeout_s`. Only idempotent calls are tried twice (never an NCCL step); replies are
-  read up to a bound.
+  read up to a bound. Control calls have connections of their own (`server_client`).
 * **Or a LoRA adapter as the policy** (`lora=LoraSlots(...)`, servers started with it too:
   `vllm_serve.serve_args(..., lora=...)`): `update_weights(adapter, version=k)` writes it once
   under `weights_dir`, loads it on every replica (`/v1/load_lora_adapter`, frozen like a
@@ -86,7 +89,7 @@ import contextlib
 import enum
 import functools
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +97,7 @@ import aiohttp
 import yarl
 
 from asyncroll._signal import Signal
+from asyncroll._tasks import Tasks
 from asyncroll.engines import (
     nccl_transfer,
     server_lora,
@@ -112,10 +116,17 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
-from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, UnsyncedReplicaError
-from asyncroll.engines.server_client import ReplicaClient
+from asyncroll.engines.replicas import (
+    NoReplicaError,
+    Replica,
+    ReplicaError,
+    ReplicaState,
+    UnsyncedReplicaError,
+)
+from asyncroll.engines.server_client import ReplicaClient, Sessions
 from asyncroll.engines.server_nccl import NcclGroup
 from asyncroll.engines.server_samples import attempt_session
+from asyncroll.engines.weight_check import WeightMismatchError
 from asyncroll.lora import LoraAdapter, LoraSlots
 
 __all__ = ["VLLMServerEngine", "attempt_session"]
@@ -158,6 +169,9 @@ class VLLMServerEngine:
     `lora`: serve `LoraAdapter`s given to `update_weights` (`asyncroll.lora.LoraSlots`, the
     same argument as `VLLMEngine`'s; every replica must be started with the same slots,
     `vllm_serve.serve_args(..., lora=...)`, and `weights_dir` is needed to write them).
+
+    `sessions`: makes the HTTP sessions (`server_client.Sessions`; the deterministic
+    simulation's seam, `benchmarks/control_sim.py`); None: aiohttp's.
     """
 
     def __init__(
@@ -180,6 +194,7 @@ class VLLMServerEngine:
         weight_transfer: nccl_transfer.WeightSender | None = None,
         verify_weights: bool = False,
         lora: LoraSlots | None = None,
+        sessions: Sessions | None = None,
     ) -> None:
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
@@ -237,6 +252,7 @@ class VLLMServerEngine:
             control_timeout_s=control_timeout_s,
             health_timeout_s=health_timeout_s,
             liveness_timeout_s=liveness_timeout_s,
+            sessions=sessions,
         )
         self._folders = server_weights.WeightFolders()
         self._lora = server_lora.ServerAdapters(lora, self._client, self._unload_failed)
@@ -274,6 +290,9 @@ class VLLMServerEngine:
                 self._updates.own_model,
                 self._down,
                 self._leave_group,
+                relabel=self._updates.label,
+                on_change=self._notify,
+                pause_timeout_s=pause_timeout_s,
             )
             for r in self.replicas
         }
@@ -284,6 +303,7 @@ class VLLMServerEngine:
         self._open_streams = 0
         self._held = 0
         self._progress = Signal()
+        self._tasks = Tasks()  # cleanups and aborts that outlive the caller who started them
 
     # -- how updates reach the replicas (`server_updates.WeightUpdates` holds these) -------------
 
@@ -349,33 +369,41 @@ class VLLMServerEngine:
         return ss.IN_FLIGHT_BYTES_PER_TOKEN * max_new_tokens + ss.IN_FLIGHT_SAMPLE_BYTES
 
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        """Route the group, wait (within `request_timeout_s`, ended by `abort`) until its
+        replica may be sent to, then stream its requests there. A request not yet sent when
+        its replica leaves the rotation is routed again; with no replica up it waits for
+        one until its deadline (`NoReplicaError`, naming each replica: no dead engine)."""
         self._check_open()
         rid = request.request_id
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already running")
         parts = self._split(request)
-        aborted_early = self._recent.take_early_abort(rid)
         samples = [ss.Sample() for _ in request.samples]
-        if aborted_early:
+        if self._recent.take_early_abort(rid):
             self._recent.ended(rid)
             return [ss.aborted_output() for _ in samples]
         # an episode names its session; a single-turn group's attempts share their id's stem
-        replica = await self._route(request.session or self.session_of(rid))
-        if rid in self._live:  # started by another call while this one was routed
-            raise ValueError(f"request id {rid!r} is already running")
-        live = self._live[rid] = ss.Live(parts, replica, samples)
-        live.aborted = self._recent.take_early_abort(rid)  # aborted while it was routed
+        session = request.session or self.session_of(rid)
+        live = self._live[rid] = ss.Live(parts, None, samples)  # from now on `abort` finds it
+        self._progress.notify()
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                await self._run_parts(live, samples, request.sampling)
+                while not await self._sent(live, session, request.sampling):
+                    pass  # its replica left the rotation before anything was sent: again
         except TimeoutError:
             self._check_open()
+            replica = live.replica
+            if replica is None or not any(p.started for p in parts):
+                raise NoReplicaError(
+                    f"{rid}: no replica took it within request_timeout_s="
+                    f"{self.request_timeout_s}: {self._states()}"
+                ) from None
             error = ReplicaError(
                 replica.url,
                 f"{rid} not finished within request_timeout_s={self.request_timeout_s}"
                 " (its requests were aborted)",
             )
-            await self._failed(replica, error)  # one that hangs, /health too, leaves the rotation
+            self._supervisors[replica].failed(error)  # one that hangs leaves the rotation
             raise error from None
         finally:
             del self._live[rid]
@@ -385,14 +413,88 @@ class VLLMServerEngine:
                 if part.started:  # bound to the policy it was sent with (`_stream`)
                     self._lora.release(part.adapter)
             self._progress.notify()
+        url = "" if live.replica is None else live.replica.url
         try:
             return [
-                ss.output(s, rid, replica.url, asked.max_new_tokens, base_of)
+                ss.output(s, rid, url, asked.max_new_tokens, base_of)
                 for s, asked in zip(samples, request.samples, strict=True)
             ]
         except ReplicaError as exc:  # what the replica answered is wrong: as a failed stream
-            await self._failed(replica, exc)
+            if live.replica is not None:
+                self._supervisors[live.replica].failed(exc)
             raise
+
+    async def _sent(self, live: ss.Live, session: str, sampling: SamplingConfig) -> bool:
+        """Route `live`, wait until its replica may take it, and stream it there. False: its
+        replica left the rotation before any of its requests was sent (route it again)."""
+        replica = live.replica = await self._ready(live, session)
+        if replica is None:  # aborted before anything was sent
+            for sample in live.samples:
+                sample.finish = "abort"
+            return True
+        try:
+            await self._run_parts(live, live.samples, sampling)
+        except _NotSent:
+            if any(p.started for p in live.parts):
+                raise ReplicaError(
+                    replica.url, f"left the rotation while its requests were sent: {replica.error}"
+                ) from None
+            return False
+        return True
+
+    async def _ready(self, live: ss.Live, session: str) -> Replica | None:
+        """The replica `session` goes to, once it may be sent to: admission open, no sync of
+        the session's own replica and no liveness check of the chosen one under way. Every
+        wait is the caller's (its deadline, its abort); nothing here waits on a supervisor's
+        task. None: the request was aborted."""
+        while True:
+            self._check_open()
+            if live.aborted:
+                return None
+            self._revive_due()
+            home = rp.pick(self.replicas, session, _HOMES)
+            if (
+                home is not None
+                and home.state is ReplicaState.UNSYNCED
+                and _syncing(self._supervisors[home])
+            ):
+                # its own replica is being synced (new, or restarted): wait for that, not
+                # settling elsewhere only because its replica was not synced yet
+                await self._wait(live, functools.partial(_idle, self._supervisors[home]))
+                continue
+            replica = rp.pick(self.replicas, session)
+            if replica is None:  # none up now: a state, not death; wait for one
+                await self._wait(
+                    live,
+                    lambda: any(r.state is ReplicaState.UP for r in self.replicas),
+                    timeout=self._next_probe_s(),
+                )
+                continue
+            if self._admission is not Dispatch.OPEN:
+                await self._admit(live)
+                continue
+            if self._supervisors[replica].check is not None:  # its liveness is in question
+                await self._wait(live, functools.partial(_unchecked, self._supervisors[replica]))
+                continue
+            return replica
+
+    async def _wait(
+        self, live: ss.Live, predicate: Callable[[], bool], timeout: float | None = None
+    ) -> None:
+        """The one way a request waits: until `predicate()`, its abort, the engine's close
+        or `timeout` s (then it returns, for the caller to look again), within whatever
+        deadline its caller set (`request_timeout_s`)."""
+        with contextlib.suppress(TimeoutError):
+            await self._progress.wait_until(
+                lambda: predicate() or live.aborted or self._state.closed, timeout
+            )
+
+    def _next_probe_s(self) -> float | None:
+        """Seconds until the next down replica is due for a probe (None: none is)."""
+        now = asyncio.get_running_loop().time()
+        due = [r.retry_at - now for r in self.replicas if r.state is ReplicaState.DOWN]
+        later = [d for d in due if d > 0]  # those due now are being probed: their end wakes
+        return min(later) + 1e-3 if later else None
 
     async def abort(self, request_id: str) -> None:
         """Abort every request of the group on its replica; its `generate` then returns the
@@ -405,7 +507,7 @@ class VLLMServerEngine:
             return
         self._progress.notify()  # wakes parts held for admission
         started = [p.server_id for p in live.parts if p.started]
-        if started:
+        if started and live.replica is not None:
             await self._abort_on(live.replica, started)
 
     async def pause_generation(self) -> None:
@@ -416,41 +518,39 @@ class VLLMServerEngine:
         sends nothing that marks the end of a stream's pre-pause tokens. Each carries the
         version label it was sampled under, so none is mistaken for the next weights'.
 
-        A pause that fails (no replica answers, or its caller gives up part-way: the producer
-        bounds it by `abort_timeout_s`) is undone, the replicas that paused resumed, before
-        the error is raised: a caller that gives up on a pause does not resume, and a held
-        engine would hold every later request until its deadline."""
+        A replica that fails its `/pause` leaves the rotation (it is paused before it comes
+        back); with none up the pause holds all the same: no replica serving now is a state,
+        and those that come back are synced paused. A pause whose caller gives up part-way
+        (the producer bounds it by `abort_timeout_s`) is undone, the replicas that paused
+        resumed, by a task of the engine's own (`_end_control`): the caller is not held."""
         self._check_open()
-        await self._revive_due(wait_s=self.pause_timeout_s)
-        async with self._state.controlling():
+        await self._revive_before_control()
+        await self._state.acquire()
+        paused_before, done = self._state.paused, False
+        try:
             self._check_open()
-            paused_before = self._state.paused
             self._admission = Dispatch.HELD
             self._state.paused = True
-            try:
-                await self._each_replica("POST", sup.PAUSE)
-            except BaseException:
-                if not paused_before and not self._state.closed:
-                    with contextlib.suppress(EngineDeadError):
-                        await self._reopen()
-                raise
+            await self._each_replica("POST", sup.PAUSE)
+            done = True
+        finally:
+            undo = done or paused_before or self._state.closed
+            await self._end_control(None if undo else self._reopen)
 
     async def resume_generation(self) -> None:
-        """Resume every replica and let held requests go. Even when that fails (no replica
-        answers: `EngineDeadError`), the engine is no longer paused: the caller goes on as
-        resumed (the producer does), and replicas that come back are synced unpaused. No
-        replica up while one is being synced (after an update cut off part-way, a reload
-        longer than the resume's wait) is no dead engine: requests wait for that sync."""
+        """Resume every replica and let held requests go. A replica that fails its `/resume`
+        leaves the rotation (and comes back unpaused); none up is no dead engine: requests
+        wait for one, each within its own deadline."""
         self._check_open()
-        await self._revive_due(wait_s=self.pause_timeout_s)
-        async with self._state.controlling():
+        await self._revive_before_control()
+        await self._state.acquire()
+        done = False
+        try:
             self._check_open()
-            try:
-                await self._reopen()
-            except EngineDeadError:
-                syncing = any(s.task is not None for s in self._supervisors.values())
-                if self._state.closed or not syncing:
-                    raise
+            await self._reopen()
+            done = True
+        finally:
+            await self._end_control(None if done or self._state.closed else self._reopen)
 
     async def update_weights(self, weights: Weights | LoraAdapter | None, *, version: int) -> None:
         """Write `weights` under `weights_dir` and load them on every replica (None: weights
@@ -469,7 +569,7 @@ class VLLMServerEngine:
         KV cache recomputed), their later tokens labelled `version`."""
         self._check_open()
         ss.check_version(version)
-        await self._updates.folder(server_weights.checkpoint(path), version)
+        await self._updates.from_path(server_weights.checkpoint(path), version)
 
     async def close(self) -> None:
         """Stop serving: running `generate` calls raise `EngineDeadError` (their streams are
@@ -484,10 +584,14 @@ class VLLMServerEngine:
         started = [
             (live.replica, [p.server_id for p in live.parts if p.started])
             for live in self._live.values()
+            if live.replica is not None
         ]
         await asyncio.gather(*(self._abort_on(r, ids) for r, ids in started if ids))
         await vllm_groups.end_streams(self._live.values(), self.control_timeout_s)
         await asyncio.gather(*(s.stop() for s in self._supervisors.values()))
+        self._tasks.cancel()
+        with contextlib.suppress(Exception):
+            await self._tasks.join()
         await self._lora.close(self.control_timeout_s)
         await self._client.close()
         self._folders.remove_all()
@@ -559,31 +663,28 @@ class VLLMServerEngine:
         self._check_open()  # never a new session once `close()` closed the last one
         return self._client.session()
 
-    async def _route(self, session: str) -> Replica:
-        """The replica for `session`, after starting the syncs due. A session whose own
-        replica is being synced (new, or restarted behind the engine's back) waits for that
-        sync, so that it does not settle elsewhere only because its replica was not synced
-        yet; no other session waits for it (one replica's reload once stalled every route).
-        With no replica up, every sync is waited for."""
-        await self._revive_due()
-        home = rp.pick(self.replicas, session, _HOMES)
-        task = None if home is None else self._supervisors[home].task
-        if home is not None and home.state is ReplicaState.UNSYNCED and task is not None:
-            await asyncio.wait([task])  # not cancelled by a caller that gives up
-        replica = rp.pick(self.replicas, session)
-        if replica is None:
-            raise EngineDeadError(f"no replica is up: {self._states()}")
-        return replica
-
-    async def _revive_due(self, *, wait_s: float | None = None) -> None:
+    def _revive_due(self) -> None:
         """Start a sync of every new replica and of every down one due for a probe, each in
-        its own task (its supervisor's). Wait for them only when no replica is up (a pause
-        or resume `wait_s` at most, `pause_timeout_s`): a replica whose probe or reload
-        hangs must not stall the requests, pauses and updates of the replicas that serve."""
+        its own task (its supervisor's). Nobody waits for them: a request waits for a
+        replica's state within its own deadline, a pause or update goes on with the
+        replicas that are up (one whose probe or reload hangs stalls nobody)."""
         now = asyncio.get_running_loop().time()
-        syncing = [s.start() for s in self._supervisors.values() if s.due(now) or s.task]
+        for supervisor in self._supervisors.values():
+            if supervisor.due(now):
+                supervisor.start()
+
+    async def _revive_before_control(self) -> None:
+        """Before a pause, resume or update: the due syncs started and, when no replica is
+        up, waited for up to `pause_timeout_s` (within `pause_bound_s`, and the caller's
+        own deadline: cancelling this wait leaves the syncs running), so that a replica
+        that is synced quickly (at the engine's start, above all) takes part."""
+        self._revive_due()
+        syncing = [s.task for s in self._supervisors.values() if s.task is not None]
         if syncing and not any(r.state is ReplicaState.UP for r in self.replicas):
-            await asyncio.wait(syncing, timeout=wait_s)  # not cancelled by a caller giving up
+            await asyncio.wait(syncing, timeout=self.pause_timeout_s)
+
+    def _notify(self) -> None:
+        self._progress.notify()
 
     def _down(self, replica: Replica, exc: BaseException) -> None:
         """`replica` leaves the rotation, and the NCCL group: its workers may be new
@@ -596,13 +697,11 @@ class VLLMServerEngine:
     def _leave_group(self, replica: Replica) -> None:
         self._group.leave(replica)
 
-    async def _failed(self, replica: Replica, exc: ReplicaError) -> None:
+    def _failed(self, replica: Replica, exc: ReplicaError) -> None:
         """A request to `replica` failed: its supervisor checks whether the replica stays
-        (`Supervisor.failed`); the request's caller learns the outcome (a cancelled caller
-        leaves the check running)."""
-        check = self._supervisors[replica].failed(exc)
-        if check is not None:
-            await asyncio.shield(check)
+        (`Supervisor.failed`); nobody waits for the check (requests sent there later wait
+        for its outcome, each within its own deadline)."""
+        self._supervisors[replica].failed(exc)
 
     def _unload_failed(self, replica: Replica, exc: ReplicaError) -> None:
         """An adapter's unload failed: like a failed abort, the supervisor checks the
@@ -631,25 +730,45 @@ class VLLMServerEngine:
 
     async def _each_replica(self, method: str, path: str) -> None:
         """A pause or resume on every UP replica at once, within `pause_timeout_s`; one that
-        fails leaves the rotation. None up afterwards: `EngineDeadError`."""
+        fails leaves the rotation."""
         timeout_s = self.pause_timeout_s
         await self._on_every_up(lambda r: self._call(r, method, path, timeout_s=timeout_s))
 
-    async def _on_every_up(self, call: Callable[[Replica], Awaitable[object]]) -> None:
-        """`call` on every UP replica at once; one that fails (`ReplicaError`) leaves the
-        rotation, any other error is raised. None up afterwards: `EngineDeadError`."""
-        await self._on_every([r for r in self.replicas if r.state is ReplicaState.UP], call)
-        if not any(r.state is ReplicaState.UP for r in self.replicas):
-            raise EngineDeadError(f"no replica is up: {self._states()}")
+    async def _on_every_up(self, call: Callable[[Replica], Awaitable[object]]) -> list[Replica]:
+        """`call` on every UP replica at once (`_on_every`); those that succeeded. None up
+        is no error: what the replicas must serve is the engine's state, which each one
+        that comes back is synced to. When every replica asked refused the weights
+        (`WeightMismatchError`), that refusal is raised: the weights are at fault."""
+        asked = [r for r in self.replicas if r.state is ReplicaState.UP]
+        refusals: list[BaseException] = []
+        done = await self._on_every(asked, call, refusals)
+        if asked and len(refusals) == len(asked):
+            raise WeightMismatchError(
+                f"every replica refused the weights: {'; '.join(map(str, refusals))}"
+            )
+        return done
 
     async def _on_every(
-        self, replicas: Sequence[Replica], call: Callable[[Replica], Awaitable[object]]
+        self,
+        replicas: Sequence[Replica],
+        call: Callable[[Replica], Awaitable[object]],
+        refusals: list[BaseException] | None = None,
     ) -> list[Replica]:
         """`call` on each of `replicas` at once; one that fails (`ReplicaError`) leaves the
-        rotation, any other error is raised. Those that succeeded, in order."""
-        results = await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True)
+        rotation, any other error is raised. A refusal of the weights
+        (`replica_load.ReplicaWeightsError`: it may hold part of them) leaves it UNSYNCED,
+        synced again at once with the engine's weights, and is added to `refusals`; so does
+        a replica found restarted (`UnsyncedReplicaError`). Those that succeeded, in order."""
+        results = await _each(call(r) for r in replicas)
         for replica, result in zip(replicas, results, strict=True):
-            if isinstance(result, ReplicaError):
+            refused = isinstance(result, WeightMismatchError)
+            if isinstance(result, ReplicaError) and (refused or _restarted(result)):
+                if refusals is not None and refused:
+                    refusals.append(result)
+                replica.mark_unsynced(str(result))
+                self._leave_group(replica)
+                self._progress.notify()
+            elif isinstance(result, ReplicaError):
                 self._down(replica, result)
             elif isinstance(result, BaseException):
                 raise result
@@ -662,24 +781,45 @@ class VLLMServerEngine:
     @contextlib.asynccontextmanager
     async def _frozen(self) -> AsyncIterator[None]:
         """A weight update's frame: under the control lock, admission held; afterwards (also
-        after a failure) every replica resumed and admission released, unless the caller had
-        paused."""
+        after a failure, or its caller giving up) every replica resumed and admission
+        released, unless the caller had paused (`_end_control`)."""
         self._check_open()
-        await self._revive_due(wait_s=self.pause_timeout_s)
-        async with self._state.controlling():
+        await self._revive_before_control()
+        await self._state.acquire()
+        paused_before = self._state.paused
+        try:
             self._check_open()
-            paused_before = self._state.paused
             self._admission = Dispatch.HELD
+            yield
+        finally:
+            reopen = not paused_before and not self._state.closed
+            await self._end_control(self._reopen if reopen else None)
+
+    async def _end_control(self, cleanup: Callable[[], Awaitable[None]] | None) -> None:
+        """End a pause, resume or update (the control lock held): `cleanup` (the resume
+        that undoes its pause), then the lock given back, in a task of the engine's own.
+        The caller waits for it unless it gives up (its deadline: an asyncio timeout, which
+        cancels once and is not waited past, or an anyio cancel scope, which cancels every
+        await in it): the cleanup still reaches every replica, and the
+        next pause or update, waiting for the lock, comes after it. A resume cancelled
+        before it was sent once left replicas paused while the engine counted them up."""
+
+        async def end() -> None:
             try:
-                yield
-            finally:
-                if not paused_before and not self._state.closed:
+                if cleanup is not None and not self._state.closed:
                     with contextlib.suppress(EngineDeadError):
-                        await self._reopen()
+                        await cleanup()
+            finally:
+                self._state.release()
+
+        task = self._tasks.spawn(end(), name="control-cleanup")
+        current = asyncio.current_task()
+        if current is None or not current.cancelling():  # a caller giving up is not held
+            await asyncio.shield(task)
 
     async def _reopen(self) -> None:
-        """Under the control lock: resume every replica that is up and let held requests go,
-        whatever the resume did (none up: `EngineDeadError`, once they are let go)."""
+        """Under the control lock: resume every replica that is up and let held requests
+        go, whatever the resume did."""
         try:
             await self._each_replica("POST", "/resume")
         finally:
@@ -700,13 +840,17 @@ class VLLMServerEngine:
     ) -> None:
         """Stream every part; on the first error (or a cancellation) end the others, abort
         what was sent, and raise."""
+        replica = live.replica
+        assert replica is not None  # routed (`_ready`)
         tasks = live.tasks = [
             asyncio.ensure_future(self._stream(live, part, samples, sampling))
             for part in live.parts
         ]
+        gave_up = False
         try:
             error = await vllm_groups.first_error(tasks)
         except asyncio.CancelledError:
+            gave_up = True
             self._caller_gave_up(live)
             raise
         finally:
@@ -716,12 +860,15 @@ class VLLMServerEngine:
                 if p.started and ss.unfinished(task)
             ]
             if unfinished and not self._state.closed:  # do not rely on the disconnect alone
-                await asyncio.shield(self._abort_on(live.replica, unfinished))
+                # in a task of the engine's: a caller that gave up is not held for it
+                abort = self._tasks.spawn(self._abort_on(replica, unfinished), name="abort")
+                if not gave_up:
+                    await asyncio.shield(abort)
         if self._state.closed:
             raise EngineDeadError("VLLMServerEngine is closed")
         if error is not None:
             if isinstance(error, ReplicaError):
-                await self._failed(live.replica, error)
+                self._failed(replica, error)
             raise error
 
     def _caller_gave_up(self, live: ss.Live) -> None:
@@ -731,7 +878,7 @@ class VLLMServerEngine:
         `/abort_requests` answer fails nothing else: every group sent there ran into its
         caller's deadline, and the replica stayed in the rotation (the chaos run's 140 late
         groups)."""
-        if self._state.closed:
+        if self._state.closed or live.replica is None:
             return
         unfinished = [
             p.server_id
@@ -753,9 +900,7 @@ class VLLMServerEngine:
         self._held += 1
         self._progress.notify()
         try:
-            await self._progress.wait_until(
-                lambda: self._admission is Dispatch.OPEN or live.aborted or self._state.closed
-            )
+            await self._wait(live, lambda: self._admission is Dispatch.OPEN)
         finally:
             self._held -= 1
 
@@ -763,22 +908,21 @@ class VLLMServerEngine:
         self, live: ss.Live, part: ss.Part, samples: list[ss.Sample], sampling: SamplingConfig
     ) -> None:
         replica = live.replica
-        await self._admit(live)
+        assert replica is not None  # routed (`_ready`)
         supervisor = self._supervisors[replica]
-        while (check := supervisor.check) is not None and not check.done() and not live.aborted:
-            await asyncio.wait([check])  # its liveness is in question: nothing is sent there
-            await self._admit(live)  # and the wait may have outlasted the admission
+        while self._admission is not Dispatch.OPEN or supervisor.check is not None:
+            await self._admit(live)  # a pause may have begun since it was routed
+            await self._wait(live, lambda: supervisor.check is None)  # its liveness checked
+            if live.aborted or self._state.closed:
+                break
         if self._state.closed:
             raise EngineDeadError("VLLMServerEngine is closed")
         if live.aborted:
             for i in part.indices:
                 samples[i].finish = "abort"
             return
-        if not _up(replica):  # a pause, update or resume failed there while this was held
-            raise ReplicaError(
-                replica.url,
-                f"left the rotation before {part.server_id} was sent: {replica.error}",
-            )
+        if not _up(replica):  # it left the rotation while this waited: routed again
+            raise _NotSent(replica.url)
         body: dict[str, Any] = {
             "request_id": part.server_id,
             "token_ids": part.prompt,
@@ -796,9 +940,11 @@ class VLLMServerEngine:
         replica.sent += 1
         self._progress.notify()
         try:
-            async with self._session().post(
-                f"{replica.url}/inference/v1/generate", json=body
-            ) as reply:
+            async with self._answered(live, f"{replica.url}/inference/v1/generate", body) as reply:
+                if reply is None:  # aborted before the replica answered: nothing to wait for
+                    for i in part.indices:
+                        samples[i].finish = "abort"
+                    return
                 if reply.status != 200:
                     head = await rp.read_at_most(reply, rp.ERROR_BODY_BYTES)
                     text = head.decode(errors="replace")
@@ -837,6 +983,34 @@ class VLLMServerEngine:
             self._open_streams -= 1
             replica.streams -= 1
             self._progress.notify()
+
+    @contextlib.asynccontextmanager
+    async def _answered(
+        self, live: ss.Live, url: str, body: dict[str, Any]
+    ) -> AsyncIterator[aiohttp.ClientResponse | None]:
+        """POST a generate and yield the reply once the replica answers, or None when the
+        request is aborted first: the POST may wait for one of `max_connections` stream
+        connections (streams of a wedged replica hold them), and that wait too ends on the
+        caller's abort (the control-plane simulation found aborted requests held there until
+        a connection freed). Cancelled before it was answered, the request never reached the
+        replica, or its connection closes, which makes vLLM abort it."""
+        post = self._session().post(url, json=body)
+        request = asyncio.ensure_future(post.__aenter__())
+        request.add_done_callback(lambda _: self._progress.notify())
+        try:
+            await self._wait(live, request.done)
+        finally:
+            if not request.done():
+                request.cancel()
+                await asyncio.gather(request, return_exceptions=True)
+        if request.cancelled():
+            yield None
+            return
+        reply = request.result()  # the POST's own error, if any
+        try:
+            yield reply
+        finally:
+            await post.__aexit__(None, None, None)
 
     async def _abort_on(self, replica: Replica, server_ids: list[str]) -> None:
         """Abort requests on `replica`, through the RL route that returns once vLLM has
@@ -881,6 +1055,56 @@ def _server(url: str) -> tuple[str | None, int | None, str]:
     and one server listed twice would be two ranks of one NCCL group."""
     parsed = yarl.URL(url)
     return parsed.host, parsed.port, parsed.path.rstrip("/")
+
+
+class _NotSent(Exception):
+    """A request's replica left the rotation before its request was sent."""
+
+
+async def _each(calls: Iterable[Awaitable[object]]) -> list[object]:
+    """Run `calls` at once; each one's result or exception, in order. Not `asyncio.gather`:
+    cancelled, a gather raises a `CancelledError` of its own making, which an anyio cancel
+    scope (the producer's, around a pause) does not recognise as its own and lets escape
+    (the control-plane simulation found it); here the caller's own cancellation is raised,
+    and the calls are cancelled."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+            task.add_done_callback(_retrieve)
+        raise
+    return [_outcome(t) for t in tasks]
+
+
+def _outcome(task: asyncio.Future[object]) -> object:
+    if task.cancelled():
+        return asyncio.CancelledError()
+    return task.exception() or task.result()
+
+
+def _retrieve(task: asyncio.Future[object]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a call cut with its caller is no unhandled error
+
+
+def _restarted(error: ReplicaError) -> bool:
+    return isinstance(error, UnsyncedReplicaError)
+
+
+def _syncing(supervisor: sup.Supervisor) -> bool:
+    return supervisor.task is not None
+
+
+def _idle(supervisor: sup.Supervisor) -> bool:
+    return supervisor.task is None
+
+
+def _unchecked(supervisor: sup.Supervisor) -> bool:
+    return supervisor.check is None
 
 
 def _up(replica: Replica) -> bool:

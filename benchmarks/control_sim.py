@@ -1,0 +1,661 @@
+"""A deterministic SIMULATION of `VLLMServerEngine`'s control plane: the real engine against N
+simulated `vllm serve` replicas on a virtual clock, no sockets, no sleeps.
+
+The engine runs unchanged; its HTTP sessions (`server_client.Sessions`, the seam) answer as
+simulated replicas, in process. The event loop's clock is virtual: when nothing is ready, it
+jumps to the next timer (`_Selector.select`), so a run of minutes of replica time takes
+milliseconds, and a run is a function of its seed (one thread, FIFO callbacks, no I/O).
+Nothing ready and nothing scheduled is itself a failure: some caller waits with no deadline.
+
+Each seed draws a schedule (`_Schedule`): replicas (1-3), requests of several sessions with
+caller deadlines and aborts, a trainer loop of keep-mode pauses, updates from fresh or
+rewritten ("latest") folders, relabels and updates cut at random points, and faults: crashes,
+restarts (vLLM's label "default", its own weights), wedged engine cores, slow reloads,
+refused loads. The invariants (`_check`, after every request and control call, and at the end):
+
+* every token's label names the weights that sampled it (a token id encodes its weights);
+* no prompt is lost or sent twice (each request id reaches at most one replica, once);
+* no caller waits past its deadline (its own, or `request_timeout_s` / `pause_bound_s`);
+* the run stops only when no replica can ever serve (`EngineDeadError` never, unclosed);
+* once faults heal, every replica is back within its bound, unpaused, under the engine's
+  label (a replica the engine counts up but left paused fails here).
+
+    python benchmarks/control_sim.py --seeds 10000        # seeds/s, failures with their seed
+    python benchmarks/control_sim.py --replay 1234 -v     # one seed, its event trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import random
+import selectors
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import numpy as np
+
+from asyncroll.engines import EngineDeadError, GenerateRequest, SampleRequest, SamplingConfig
+from asyncroll.engines.replicas import NoReplicaError, ReplicaError
+from asyncroll.engines.vllm_server import VLLMServerEngine
+from asyncroll.engines.weight_check import WeightMismatchError
+
+STRIDE = 16  # token id = weights * STRIDE + noise: which weights sampled it
+TOKEN_S = 0.01  # virtual seconds per sampled token
+SLACK_S = 1e-6
+
+
+class Stuck(RuntimeError):
+    """Nothing ready, nothing scheduled: a caller waits with no deadline."""
+
+
+class _Selector(selectors.BaseSelector):
+    """A selector with no I/O: `select` moves the virtual clock to the next timer."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self._clock = clock
+        self._map: dict[int, selectors.SelectorKey] = {}
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        fd = fileobj if isinstance(fileobj, int) else fileobj.fileno()
+        key = selectors.SelectorKey(fileobj, fd, events, data)
+        self._map[fd] = key
+        return key
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        fd = fileobj if isinstance(fileobj, int) else fileobj.fileno()
+        return self._map.pop(fd)
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        if timeout is None:
+            raise Stuck("nothing ready and nothing scheduled: a wait with no deadline")
+        self._clock[0] += max(timeout, 0.0)
+        return []
+
+    def get_map(self) -> Any:
+        return self._map
+
+    def close(self) -> None:
+        self._map.clear()
+
+
+class VirtualLoop(asyncio.SelectorEventLoop):
+    def __init__(self) -> None:
+        self._now = [0.0]
+        super().__init__(_Selector(self._now))
+
+    def time(self) -> float:
+        return self._now[0]
+
+
+# -- simulated replicas -----------------------------------------------------------------------
+
+
+class World:
+    """What the trainer wrote: folder -> the weights id it holds now (the sim's file
+    content), and the trace of a run."""
+
+    def __init__(self, root: Path, verbose: bool) -> None:
+        self.root = root
+        self.content: dict[str, int] = {}
+        self.trace: list[str] = []
+        self.verbose = verbose
+        self.loop: VirtualLoop | None = None
+
+    def log(self, what: str) -> None:
+        assert self.loop is not None
+        line = f"{self.loop.time():9.3f} {what}"
+        self.trace.append(line)
+        if self.verbose:
+            print(line)
+
+    def folder(self, name: str, weights: int) -> Path:
+        """A checkpoint folder holding `weights` (a real file: the engine seals it)."""
+        path = self.root / name
+        path.mkdir(exist_ok=True)
+        file = path / "model.safetensors"
+        file.write_bytes(b"sim" + str(weights).encode())
+        self.content[str(path.resolve())] = weights
+        return path
+
+
+class SimReplica:
+    def __init__(self, world: World, name: str, own: Path, rng: random.Random) -> None:
+        self.world, self.name, self.own, self.rng = world, name, own, rng
+        self.weights, self.label, self.paused = 0, "default", False
+        self.crashed = self.wedged = False
+        self.refuse = False  # its next load reports a missing tensor
+        self.reload_s = 0.05
+        self.changed = asyncio.Event()  # pause, resume, wedge or abort changes: streams look
+        self.aborted: set[str] = set()
+        self.arrivals: list[str] = []
+        self.faulty = False  # a fault was injected: it may leave the rotation
+
+    def poke(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def come_back(self) -> None:
+        """The end of a restart's downtime (unless the harness brought it back already)."""
+        if self.crashed:
+            self.restart()
+
+    def restart(self) -> None:
+        self.weights, self.label, self.paused = 0, "default", False
+        self.crashed = self.wedged = self.refuse = False
+        self.poke()
+
+    async def handle(self, method: str, path: str, body: Any) -> tuple[int, bytes]:
+        if self.world.verbose:
+            self.world.log(f"  {self.name} <- {method} {path} {json.dumps(body)[:80]}")
+        await asyncio.sleep(self.rng.choice([0.0, 0.001, 0.005]))  # a call takes a moment
+        if self.crashed:
+            raise aiohttp.ClientConnectionError(f"{self.name}: connection refused")
+        route = path.split("?")[0]
+        if route == "/health":
+            return 200, b""
+        if route == "/pause":
+            self.paused = True
+            self.poke()
+            return 200, b"{}"
+        if route == "/resume":
+            self.paused = False
+            self.poke()
+            return 200, b"{}"
+        if route == "/update_weight_version":
+            self.label = str(body["new_version"])
+            return 200, b'{"success": true}'
+        if route == "/weight_info":
+            return 200, json.dumps({"weight_version": self.label}).encode()
+        if route == "/reset_prefix_cache":
+            return 200, b'{"success": true}'
+        if route == "/abort_requests":
+            self.aborted.update(body["request_ids"])
+            self.poke()
+            return 200, b"{}"
+        if route == "/v1/models":
+            card = {"id": "sim", "root": str(self.own), "parent": None}
+            return 200, json.dumps({"data": [card]}).encode()
+        if route == "/collective_rpc":
+            await asyncio.sleep(self.reload_s)
+            if self.crashed:
+                raise aiohttp.ClientConnectionError(f"{self.name}: died in its reload")
+            report: dict[str, Any] = {"expected": ["w"], "unloaded": [], "missing": []}
+            if self.refuse:
+                self.refuse = False
+                report["missing"] = ["w"]
+                self.weights = -1  # partly loaded: no version names these weights
+            else:
+                self.weights = self.world.content[body["kwargs"]["path"]]
+            return 200, json.dumps({"results": [report]}).encode()
+        return 404, b"no such route"
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        rid = "generate-tokens-" + body["request_id"]
+        live = body["request_id"].startswith("asyncroll-liveness")
+        if not live:
+            self.arrivals.append(rid)
+        if self.world.verbose:
+            self.world.log(f"  {self.name} <- generate {rid} (w={self.weights} {self.label})")
+        params = body["sampling_params"]
+        n, max_tokens = int(params["n"]), int(params["max_tokens"])
+        lengths = [self.rng.randint(1, max_tokens) for _ in range(n)]
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        labels: list[list[str]] = [[] for _ in range(n)]
+        done = [False] * n
+        await asyncio.sleep(self.rng.choice([0.0, 0.1, 0.3]))  # queued behind others' work
+        while not all(done):
+            while (self.paused or self.wedged or self.crashed) and rid not in self.aborted:
+                if self.crashed:
+                    raise aiohttp.ClientPayloadError(f"{self.name}: connection lost")
+                await self.changed.wait()
+            await asyncio.sleep(TOKEN_S)
+            if self.crashed:
+                raise aiohttp.ClientPayloadError(f"{self.name}: connection lost")
+            if (self.paused or self.wedged) and rid not in self.aborted:
+                continue  # frozen: sample after the resume (an abort ends it, as vLLM's)
+            choices = []
+            for i in range(n):
+                if done[i]:
+                    continue
+                finish = None
+                if rid in self.aborted:
+                    finish = "abort"
+                else:
+                    tokens[i].append(self.weights * STRIDE + self.rng.randrange(STRIDE))
+                    labels[i].append(self.label)
+                    if len(tokens[i]) == lengths[i]:
+                        finish = "length" if lengths[i] == max_tokens else "stop"
+                if finish is not None:
+                    done[i] = True
+                    choices.append(_choice(i, tokens[i], labels[i], finish))
+            if choices:
+                yield b"data: " + json.dumps({"choices": choices}).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+
+def _choice(i: int, tokens: list[int], labels: list[str], finish: str) -> dict[str, Any]:
+    spans: list[dict[str, Any]] = []
+    for k, label in enumerate(labels):
+        if spans and spans[-1]["version"] == label:
+            spans[-1]["end"] = k + 1
+        else:
+            spans.append({"version": label, "start": k, "end": k + 1})
+    return {
+        "index": i,
+        "token_ids": tokens,
+        "finish_reason": finish,
+        "logprobs": {"content": [{"token_id": t, "logprob": -1.0} for t in tokens]},
+        "weight_versions": spans,
+    }
+
+
+class _Content:
+    def __init__(self, body: bytes, lines: AsyncIterator[bytes] | None) -> None:
+        self._body, self._lines, self._buffer = body, lines, b""
+
+    async def read(self, n: int) -> bytes:
+        chunk, self._body = self._body[:n], self._body[n:]
+        return chunk
+
+    async def readline(self, max_line_length: int = 0) -> bytes:
+        while b"\n" not in self._buffer:
+            if self._lines is None:
+                line, self._buffer = self._buffer, b""
+                return line
+            try:
+                self._buffer += await anext(self._lines)
+            except StopAsyncIteration:
+                self._lines = None
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line + b"\n"
+
+
+class _Reply:
+    def __init__(self, status: int, content: _Content) -> None:
+        self.status, self.content = status, content
+
+
+class SimSession:
+    """An `aiohttp.ClientSession` as far as the engine uses one, answered by `replicas`."""
+
+    def __init__(self, replicas: dict[str, SimReplica], limit: int) -> None:
+        self._replicas = replicas
+        self.closed = False
+        # aiohttp's pool: at most `limit` connections (0: no limit), a stream holding one
+        self._pool = asyncio.Semaphore(limit) if limit else None
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[None]:
+        if self._pool is None:
+            yield
+            return
+        async with self._pool:
+            yield
+
+    def _replica(self, url: str) -> tuple[SimReplica, str]:
+        host, _, path = url.removeprefix("http://").partition("/")
+        return self._replicas[host], "/" + path
+
+    @contextlib.asynccontextmanager
+    async def request(
+        self, method: str, url: str, json: Any = None, headers: Any = None
+    ) -> AsyncIterator[_Reply]:
+        if self.closed:
+            raise RuntimeError("Session is closed")
+        replica, path = self._replica(url)
+        async with self._connection():
+            await asyncio.sleep(0)
+            status, body = await replica.handle(method, path, json)
+        yield _Reply(status, _Content(body, None))
+
+    @contextlib.asynccontextmanager
+    async def post(self, url: str, json: Any = None) -> AsyncIterator[_Reply]:
+        if self.closed:
+            raise RuntimeError("Session is closed")
+        replica, _ = self._replica(url)
+        async with self._connection():
+            if replica.crashed:
+                raise aiohttp.ClientConnectionError(f"{replica.name}: connection refused")
+            await asyncio.sleep(0)
+            lines = replica.stream(json)
+            try:
+                yield _Reply(200, _Content(b"", lines))
+            finally:
+                await lines.aclose()  # type: ignore[attr-defined]
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+# -- one seed ---------------------------------------------------------------------------------
+
+
+class Violation(AssertionError):
+    pass
+
+
+class Run:
+    """One seed's schedule and its invariant checks."""
+
+    def __init__(self, seed: int, root: Path, verbose: bool = False) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.world = World(root, verbose)
+        self.n = self.rng.choice([1, 2, 2, 3])
+        own = self.world.folder("own", 0)
+        self.replicas = {
+            f"r{i}": SimReplica(self.world, f"r{i}", own, random.Random(f"{seed}/{i}"))
+            for i in range(self.n)
+        }
+        self.version_weights: dict[int, int] = {0: 0}  # label -> weights it was put on
+        self.first: Violation | None = None
+        self.next_version = 1
+        self.request_timeout_s = 3.0
+        self.engine = VLLMServerEngine(
+            [f"http://{name}" for name in self.replicas],
+            vocab_size=STRIDE * 1024,
+            request_timeout_s=self.request_timeout_s,
+            control_timeout_s=2.0,
+            health_timeout_s=0.5,
+            health_interval_s=0.05,
+            liveness_timeout_s=0.5,
+            pause_timeout_s=0.5,
+            max_connections=self.rng.choice([2, 4, 512]),
+            sessions=lambda limit: SimSession(self.replicas, limit),  # type: ignore[arg-type,return-value]
+        )
+
+    def check(self, ok: bool, what: str) -> None:
+        if not ok:
+            violation = Violation(f"seed {self.seed}: {what}")
+            if self.first is None:  # the cause: what follows it may be its consequences
+                self.first = violation
+            raise violation
+
+    def invariants(self) -> None:
+        """What holds after every request and control call: a replica never given a fault
+        stays in the rotation (a healthy one marked down or hung is a control-plane fault);
+        with no pause or update under way, no replica the engine counts up is paused."""
+        state = self.engine._state
+        for replica, sim in zip(self.engine.replicas, self.replicas.values(), strict=True):
+            self.check(
+                sim.faulty or replica.state.value != "down",
+                f"{sim.name}, never faulty, left the rotation: {replica.error}",
+            )
+            if not (state.busy or state.paused or state.closed) and replica.state.value == "up":
+                self.check(not sim.paused, f"{sim.name} is counted up but paused")
+
+    async def timed(
+        self, what: str, deadline: float, call: Callable[[], Any], *, control: bool = True
+    ) -> Any:
+        """`call()` under the caller's `deadline`, as the producer bounds it: a `generate`
+        by asyncio's timeout (which cancels once), a `control` call by asyncio's or anyio's
+        cancel scope (which cancels every await after it, cleanups included); checks it
+        ended by then."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self.world.log(f"{what}: called")
+        try:
+            if control and self.rng.random() < 0.5:
+                with anyio.move_on_after(deadline):
+                    return await call()
+                self.world.log(f"{what}: cut by its caller's scope at {deadline:.3f} s")
+                return None
+            async with asyncio.timeout(deadline):
+                return await call()
+        except TimeoutError:
+            self.world.log(f"{what}: cut by its caller at {deadline:.3f} s")
+            return None
+        except EngineDeadError as exc:
+            self.check(False, f"{what}: the run stopped: {exc}")
+        finally:
+            took = loop.time() - start
+            self.check(took <= deadline + SLACK_S, f"{what} took {took:.3f} s > {deadline:.3f}")
+            self.invariants()
+
+    async def request(self, k: int) -> None:
+        rng = self.rng
+        await asyncio.sleep(rng.uniform(0, 2.0))
+        rid = f"g{k}-0"
+        tokens = rng.randint(1, 6)
+        request = GenerateRequest(
+            request_id=rid,
+            prompt_tokens=np.array([1, 2], np.int32),
+            samples=tuple(SampleRequest(np.zeros(0, np.int32), tokens) for _ in range(2)),
+            sampling=SamplingConfig(max_new_tokens=tokens, temperature=1.0),
+            session=f"s{rng.randrange(4)}",
+        )
+        deadline = rng.choice([0.3, 1.0, 5.0, 5.0])
+        aborted: list[float] = []
+        loop = asyncio.get_running_loop()
+
+        async def abort() -> None:
+            aborted.append(loop.time())
+            await self.engine.abort(rid)
+
+        abort_after = rng.uniform(0, 0.5) if rng.random() < 0.3 else None
+        if abort_after is not None:  # its timer runs from the call on
+            loop.call_later(abort_after, lambda: asyncio.ensure_future(abort()))
+
+        async def call() -> Any:
+            try:
+                return await self.engine.generate(request)
+            except (ReplicaError, NoReplicaError, WeightMismatchError) as exc:
+                self.world.log(f"{rid}: failed: {type(exc).__name__}")
+                return None
+
+        outputs = await self.timed(rid, min(deadline, self.request_timeout_s), call, control=False)
+        if aborted:  # an abort ends a request within one control call and a token's time
+            late = loop.time() - aborted[0]
+            bound = self.engine.pause_timeout_s + 2 * TOKEN_S
+            self.check(late <= bound, f"{rid} ended {late:.3f} s after its abort")
+        for sample in outputs or ():
+            for token, version in zip(
+                sample.tokens.tolist(), sample.versions.tolist(), strict=True
+            ):
+                weights = self.version_weights.get(version)
+                self.check(
+                    weights == token // STRIDE,
+                    f"{rid}: a token of weights {token // STRIDE} labelled {version}"
+                    f" (put on weights {weights})",
+                )
+        self.world.log(f"{rid}: ended ({'ok' if outputs else 'none'})")
+
+    async def trainer(self) -> None:
+        rng, engine = self.rng, self.engine
+        bound = engine.pause_bound_s + 1.0
+        for step in range(rng.randint(2, 5)):
+            await asyncio.sleep(rng.uniform(0.05, 0.6))
+            kind = rng.choice(["fresh", "latest", "relabel", "pause"])
+            version = self.next_version
+            self.next_version += 1
+            cut = rng.choice([None, None, rng.uniform(0.0, 0.3)])
+            if kind == "pause":
+                await self.timed("pause", cut or bound, engine.pause_generation)
+                await asyncio.sleep(rng.uniform(0, 1.0))  # longer than a liveness probe
+                await self.timed("resume", bound, engine.resume_generation)
+                continue
+            if kind == "relabel":
+                self.version_weights[version] = self.version_weights[engine.version]
+
+                async def relabel(v: int = version) -> None:
+                    await engine.update_weights(None, version=v)
+
+                await self.timed(f"relabel v{version}", cut or 30.0, relabel)
+                continue
+            weights = 100 + step if kind == "fresh" else 200 + step
+            name = f"v{version}" if kind == "fresh" else "latest"
+            if name == "latest" and (self.world.root / name).exists():
+                # the trainer breaks the contract (a served folder rewritten): a replica that
+                # re-syncs meanwhile is refused until the next update, never mislabelled
+                for replica in self.replicas.values():
+                    replica.faulty = True
+            folder = self.world.folder(name, weights)
+            self.version_weights[version] = weights
+            keep = rng.random() < 0.5
+            if keep:
+                await self.timed("pause", bound, engine.pause_generation)
+
+            async def update(path: Path = folder, v: int = version) -> None:
+                try:
+                    await engine.update_weights_from_path(path, version=v)
+                except WeightMismatchError:
+                    self.world.log(f"update v{v}: refused")
+
+            await self.timed(f"update v{version} ({name})", cut or 30.0, update)
+            if keep:
+                await self.timed("resume", bound, engine.resume_generation)
+
+    async def faults(self) -> None:
+        rng = self.rng
+        for _ in range(rng.randint(0, 4)):
+            await asyncio.sleep(rng.uniform(0, 1.5))
+            replica = self.replicas[rng.choice(list(self.replicas))]
+            kind = rng.choice(["crash", "restart", "wedge", "slow", "refuse"])
+            self.world.log(f"fault: {replica.name} {kind}")
+            replica.faulty = True
+            if kind == "crash":
+                replica.crashed = True
+                replica.poke()
+            elif kind == "restart":  # a process restart: down a while, then back as new
+                replica.crashed = True
+                replica.poke()
+                asyncio.get_running_loop().call_later(rng.uniform(0.05, 0.5), replica.come_back)
+            elif kind == "wedge":
+                replica.wedged = True
+                replica.poke()
+            elif kind == "slow":
+                replica.reload_s = rng.uniform(0.3, 2.0)
+            else:
+                replica.refuse = True
+
+    async def run(self) -> None:
+        engine = self.engine
+        try:
+            await asyncio.gather(
+                self.trainer(), self.faults(), *(self.request(k) for k in range(8))
+            )
+            await self.heal()
+        finally:
+            await engine.close()
+        arrivals = [rid for r in self.replicas.values() for rid in r.arrivals]
+        self.check(len(arrivals) == len(set(arrivals)), f"a request sent twice: {arrivals}")
+
+    async def heal(self) -> None:
+        """Faults end (restarts bring crashed replicas back); a fresh update (a trainer's
+        next step); then every replica must be back within its bound."""
+        engine = self.engine
+        for replica in self.replicas.values():
+            if replica.crashed or replica.wedged:
+                replica.restart()
+            replica.reload_s, replica.refuse = 0.05, False
+        version = self.next_version
+        self.version_weights[version] = 999
+        folder = self.world.folder(f"v{version}", 999)
+        await self.timed(
+            "final update", 30.0, lambda: engine.update_weights_from_path(folder, version=version)
+        )
+        bound = 32 * engine.health_interval_s + 2.0  # the breaker's longest delay, a sync
+        restarted = self.replicas[self.rng.choice(list(self.replicas))]
+        restarted.restart()  # between probes: found by the next relabel, then re-synced
+        restarted.faulty = True
+        for replica in self.replicas.values():
+            replica.reload_s = self.rng.choice([0.05, 0.5])  # slower than the relabels' gap
+        end = asyncio.get_running_loop().time() + bound
+        while asyncio.get_running_loop().time() < end:  # the trainer goes on meanwhile
+            await asyncio.sleep(0.3)
+            relabel = self.next_version
+            self.next_version += 1
+            self.version_weights[relabel] = 999
+            await self.timed(
+                f"relabel v{relabel}",
+                30.0,
+                lambda v=relabel: engine.update_weights(None, version=v),
+            )
+        for replica, sim in zip(engine.replicas, self.replicas.values(), strict=True):
+            self.check(replica.state.value == "up", f"{sim.name} not back: {replica!r}")
+            self.check(not sim.paused, f"{sim.name} counted up but paused")
+            self.check(sim.label == str(engine.version), f"{sim.name} labelled {sim.label}")
+            self.check(sim.weights == 999, f"{sim.name} serves weights {sim.weights}")
+
+
+async def _drain(tasks: set[asyncio.Task[Any]]) -> None:
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def run_seed(seed: int, root: Path, verbose: bool = False) -> list[str]:
+    """Run one seed; its trace. A broken invariant raises `Violation` (or `Stuck`)."""
+    loop = VirtualLoop()
+    run = Run(seed, root, verbose)
+    run.world.loop = loop
+    try:
+        loop.run_until_complete(run.run())
+    finally:
+        pending = asyncio.all_tasks(loop)  # aborts whose timers fired after the run
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(_drain(pending))
+        loop.close()
+        if run.first is not None:
+            raise run.first
+    return run.world.trace
+
+
+def _slice(args: tuple[int, int, int]) -> list[tuple[int, str]]:
+    """Run seeds `first`, `first + step`, ... below `stop` in one process: its failures."""
+    first, step, stop = args
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(first, stop, step):
+            try:
+                run_seed(seed, Path(tmp))
+            except Exception as exc:  # a broken invariant, anything that escaped the run
+                failures.append((seed, f"{exc!r:.400}"))
+            except asyncio.CancelledError as exc:
+                failures.append((seed, f"{exc!r} escaped the run"))
+    return failures
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--seeds", type=int, default=1000)
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1, help="processes (seeds split among them)")
+    p.add_argument("--replay", type=int, help="run one seed and print its trace")
+    args = p.parse_args()
+    if args.replay is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_seed(args.replay, Path(tmp), verbose=True)
+        print(f"seed {args.replay}: every invariant held")
+        return
+    stop = args.start + args.seeds
+    slices = [(args.start + j, args.jobs, stop) for j in range(args.jobs)]
+    start = time.perf_counter()
+    if args.jobs == 1:
+        results = [_slice(slices[0])]
+    else:
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            results = pool.map(_slice, slices)
+    took = time.perf_counter() - start
+    failures = sorted(f for part in results for f in part)
+    for seed, what in failures[:20]:
+        print(f"FAIL {what}  (replay: --replay {seed})")
+    print(
+        f"{args.seeds} seeds in {took:.1f} s ({args.seeds / took:.0f} seeds/s, {args.jobs}"
+        f" processes), {len(failures)} failed: {[seed for seed, _ in failures[:20]]}"
+    )
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
