@@ -458,3 +458,59 @@ async def test_weight_updates_during_calls_keep_versions_and_logprobs_exact(
             mixed += len(set(s.versions[s.loss_mask == 1].tolist())) > 1
     assert mixed > 0  # a sample holds tokens of several versions
     assert engine.calls > turns  # calls in flight during an update were re-submitted
+
+
+# -- an agent written with the OpenAI Agents SDK -------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_openai_agents_sdk_agent_trains_unchanged(
+    fmt: ChatFormat, endpoint: AgentEndpoint, stream: bool
+) -> None:
+    """`agents.Agent` with a function tool, run by `Runner`: its calls are the episode's turns
+    (the tool call reaches the SDK, which runs the tool and sends its result back)."""
+    sdk = pytest.importorskip("agents")
+    from agents.models.chatcmpl_converter import Converter
+    from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
+
+    sdk.set_tracing_disabled(True)
+    ran: list[int] = []
+
+    @sdk.function_tool
+    def add(a: int) -> str:
+        """Add one to a."""
+        ran.append(a)
+        return str(a + 1)
+
+    instructions = "You add numbers."
+    first = [{"role": "system", "content": instructions}, *FIRST]
+    tools = (dict(Converter.tool_to_openai(add)),)
+    prompt = ChatFormat(fmt.tokenizer, tools=tools).prompt_ids(first)
+    engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")])
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        model = OpenAIChatCompletionsModel(model=MODEL, openai_client=client(base_url))
+        bot = sdk.Agent(name="adder", instructions=instructions, tools=[add], model=model)
+        if stream:
+            run = sdk.Runner.run_streamed(bot, FIRST[0]["content"])
+            async for _ in run.stream_events():
+                pass
+            output = run.final_output
+        else:
+            output = (await sdk.Runner.run(bot, FIRST[0]["content"])).final_output
+        return 1.0 if "2" in str(output) else 0.0
+
+    drops: list[Any] = []
+    producer = Producer(
+        engine, [prompt], agent_reward, group_size=1, batch_size=1,
+        rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
+        max_episode_tokens=4096, sampling=SAMPLING,
+    )  # fmt: skip
+    async with producer:
+        batch = await producer.produce_batch(1, timeout=DEADLINE_S)
+    assert not drops and ran == [1]
+    (sample,) = batch.groups[0].samples
+    assert sample.extra["reward"] == 1.0
+    assert len(engine.requests) == 2
+    assert sample.loss_mask is not None
+    assert sample.tokens[sample.loss_mask == 1].tolist() == ids(fmt, CALL) + ids(fmt, ANSWER)

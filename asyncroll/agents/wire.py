@@ -26,7 +26,16 @@ __all__ = [
 
 # Accepted and ignored: they describe the caller, not the sampling.
 _IGNORED = frozenset(
-    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "safety_identifier",
+    }
 )
 _HANDLED = frozenset(
     {
@@ -34,6 +43,7 @@ _HANDLED = frozenset(
         "max_completion_tokens", "stream", "stream_options", "n", "temperature", "top_p", "top_k",
         "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
         "logit_bias", "logprobs", "top_logprobs", "response_format", "reasoning_effort",
+        "verbosity",
     }
 )  # fmt: skip
 
@@ -136,12 +146,13 @@ def parse_call(
         raise _refuse("logit_bias", body["logit_bias"], "it changes the sampling distribution")
     if body.get("top_logprobs") not in (None, 0):
         raise _refuse("top_logprobs", body["top_logprobs"], "only the sampled token's logprob")
-    if body.get("reasoning_effort") is not None:
-        raise _refuse(
-            "reasoning_effort",
-            body["reasoning_effort"],
-            "the chat format's template_kwargs decide reasoning (e.g. enable_thinking)",
-        )
+    for field in ("reasoning_effort", "verbosity"):
+        if body.get(field) is not None:
+            raise _refuse(
+                field,
+                body[field],
+                "the chat format's template_kwargs decide reasoning (e.g. enable_thinking)",
+            )
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _refuse("response_format", fmt, "constrained decoding is not offered")
