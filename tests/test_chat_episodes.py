@@ -14,7 +14,7 @@ import pytest
 
 from asyncroll import Episode, Producer, SamplingConfig
 from asyncroll.chat.episode import ChatEpisode
-from asyncroll.chat.parse import RenderersParser, ToolCallError
+from asyncroll.chat.parse import RenderersParser, TextParser, ToolCallError
 from asyncroll.chat.template import ChatError, ChatFormat
 from asyncroll.engines.base import GenerateRequest, SampleOutput, Weights
 from asyncroll.outcomes import FailureReason
@@ -289,3 +289,48 @@ async def test_a_tool_loop_parses_reasoning_and_calls_and_appends_the_results(
     messages = [*FIRST, first.message(), {"role": "tool", "content": "2"}]
     expected = fmt.encode(fmt.render_text(messages, generation_prompt=True))
     assert [*fmt.prompt_ids(FIRST), *sample.tokens.tolist()][: len(expected)] == expected
+
+
+def test_template_kwargs_reach_the_bridge_s_generation_prompt() -> None:
+    fmt = ChatFormat(qwen3_tokenizer(), template_kwargs={"enable_thinking": False})
+    text = fmt.tokenizer.decode(fmt.bridge({"role": "assistant", "content": "a"}, FIRST))
+    assert (
+        text
+        == "\n<|im_start|>user\nadd 1<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert fmt.prompt_ids(FIRST)[-4:] == fmt.encode("<think>\n\n</think>\n\n")
+
+
+def test_an_end_of_turn_that_is_not_one_token_is_refused() -> None:
+    with pytest.raises(ChatError, match="end_of_turn 'stop here' is 2 tokens, not one"):
+        ChatFormat(qwen3_tokenizer(), end_of_turn=["stop here"])
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused() -> None:
+    tok = qwen3_tokenizer()
+    bare = type("Bare", (), {"chat_template": None, "encode": tok.encode})()
+    with pytest.raises(ChatError, match="no chat_template"):
+        ChatFormat(bare)
+
+
+async def test_another_end_of_turn_than_the_template_s_is_kept_and_said() -> None:
+    """GLM ends a turn with the next role's token: a policy that says <|user|> and then gets
+    tool results keeps its <|user|> (trained as sampled); `differences` records it."""
+    glm = ChatFormat(trl_tokenizer("glm4moe"), end_of_turn=("<|observation|>", "<|user|>"))
+    reply_ids = [*glm.encode("2"), *glm.encode("<|user|>")]
+    notes: list[str] = []
+
+    async def agent(episode: Episode) -> None:
+        chat = ChatEpisode(episode, glm, TextParser(glm.tokenizer, glm.stop_token_ids))
+        await chat.reply()
+        chat.add([{"role": "tool", "content": "3"}])
+        notes.extend(chat.differences)
+
+    drops, groups, _ = await run_one(glm, [(reply_ids, "stop")], agent)
+    assert not drops, drops
+    assert notes == [
+        "after reply 1: the policy ended its turn with '<|user|>' (kept and trained), where "
+        "the template writes '<|observation|>'"
+    ]
+    (sample,) = groups[0].samples
+    assert sample.tokens[: len(reply_ids)].tolist() == reply_ids

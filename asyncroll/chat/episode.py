@@ -22,6 +22,9 @@ What is trained, and where it differs from the template (docs/chat-episodes.md h
 * `add(messages)` appends what the template writes after the reply's end-of-turn token for
   those messages (`ChatFormat.bridge`): separators the model never samples, the messages, the
   next assistant header. Untrained (`loss_mask` 0).
+* Where the policy ended its turn with another end-of-turn token than the one the template
+  writes there (e.g. GLM's `<|user|>` before tool results), the sampled token stays and
+  `differences` says so.
 * Where the template would render history differently (Qwen3 drops earlier turns' reasoning
   once a user message follows; gpt-oss writes `<|end|>` where `<|return|>` was sampled; a
   non-canonical BPE split would re-encode differently), the stream keeps what the policy saw
@@ -69,6 +72,10 @@ class ChatEpisode:
         stops = tuple(dict.fromkeys((*base.stop_token_ids, *fmt.stop_token_ids)))
         self.sampling = msgspec.structs.replace(base, stop_token_ids=stops)
         self.last: Reply | None = None
+        self.differences: list[str] = []
+        """Where the stream differs from the template at a turn's end (gpt-oss ends a reply
+        with `<|return|>` that history writes as `<|end|>`; GLM ends it with the next role's
+        token, which may not be the role that follows): the sampled token stays."""
         self._needs_messages = False  # a reply was sampled: the next turn needs messages
 
     async def reply(self, max_new_tokens: int | None = None) -> Reply:
@@ -108,7 +115,14 @@ class ChatEpisode:
                 f"end-of-turn token {list(self.fmt.stop_token_ids)}: there is no end of turn "
                 "to continue from, so the episode must end here (raise max_new_tokens?)"
             )
-        ids = self.fmt.bridge(last.message(), messages)
+        end, text = self.fmt.after_reply(last.message(), messages)
+        ids = self.fmt.encode(text)
+        sampled_end = str(self.fmt.tokenizer.decode([last.ids[-1]]))
+        if sampled_end != end:
+            self.differences.append(
+                f"after reply {self.episode.policy_turns}: the policy ended its turn with "
+                f"{sampled_end!r} (kept and trained), where the template writes {end!r}"
+            )
         self.episode.append(ids)
         self.messages.extend(dict(m) for m in messages)
         self._needs_messages = False

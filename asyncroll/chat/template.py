@@ -106,6 +106,11 @@ class ChatFormat:
     def bridge_text(self, reply: Message, new_messages: Sequence[Message]) -> str:
         """What the template writes after `reply`'s end-of-turn string when `new_messages`
         (user, tool or system messages) follow it, up to the next assistant turn's start."""
+        return self.after_reply(reply, new_messages)[1]
+
+    def after_reply(self, reply: Message, new_messages: Sequence[Message]) -> tuple[str, str]:
+        """(the end-of-turn string the template writes after `reply` when `new_messages`
+        follow it, `bridge_text`)."""
         check_roles(new_messages)
         if not new_messages:
             raise ChatError("no new messages: add at least one before the next reply")
@@ -134,8 +139,8 @@ class ChatFormat:
                 f"the chat template writes none of end_of_turn={list(self.end_of_turn)} after "
                 "an assistant turn followed by these messages: give end_of_turn"
             )
-        i, s = min(ends)
-        return rest[i + len(s) :]
+        i, end = min(ends)
+        return end, rest[i + len(end) :]
 
     def bridge(self, reply: Message, new_messages: Sequence[Message]) -> list[int]:
         """Ids of `bridge_text`: appended after the sampled end-of-turn token, untrained."""

@@ -105,9 +105,8 @@ async def test_chat_episodes_train_exactly_the_sampled_ids(
         engine, [prompt], reward, rollout_fn=agent, group_size=2, batch_size=1,
         sampling=SAMPLING, max_turns=3, max_episode_tokens=1024,
     )  # fmt: skip
-    async with asyncio.timeout(DEADLINE_S):
+    async with asyncio.timeout(DEADLINE_S), producer:
         batch = await producer.produce_batch(1, timeout=DEADLINE_S)
-        await producer.stop()
     (group,) = batch.groups
     model = transformers.AutoModelForCausalLM.from_pretrained(qwen3_model, dtype=torch.float32)
     turns_seen = 0
@@ -130,5 +129,7 @@ async def test_chat_episodes_train_exactly_the_sampled_ids(
             ours = token_logprobs(model(input_ids=ids).logits, ids)[0, len(prompt) :]
         gap = (ours[torch.from_numpy(mask)] - torch.from_numpy(sample.logprobs[mask])).abs()
         assert gap.max() < 1e-3, gap.max()
+        print(f"sample {i}: {sample.num_turns} turns, {int(mask.sum())} trained tokens, "
+              f"max logprob gap {float(gap.max()):.2e}")  # fmt: skip
         assert (sample.logprobs[~mask] == 0).all()
     assert turns_seen >= 4  # some episode got past its first turn: the bridge ran
