@@ -514,3 +514,15 @@ async def test_an_openai_agents_sdk_agent_trains_unchanged(
     assert len(engine.requests) == 2
     assert sample.loss_mask is not None
     assert sample.tokens[sample.loss_mask == 1].tolist() == ids(fmt, CALL) + ids(fmt, ANSWER)
+
+
+async def test_an_endpoint_not_entered_fails_the_group_saying_so(fmt: ChatFormat) -> None:
+    endpoint = AgentEndpoint(fmt, lambda tools: RenderersParser(fmt.tokenizer), sampling=SAMPLING)
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        raise AssertionError("never called")
+
+    drops, groups = await run_producer(ScriptEngine([]), endpoint, fmt, agent)
+    assert not groups
+    (drop,) = drops
+    assert "the AgentEndpoint is not serving: enter it" in drop.error
