@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -279,8 +280,11 @@ async def test_a_finished_or_unknown_episode_is_404_and_concurrent_calls_are_409
 ) -> None:
     gate = asyncio.Event()
 
+    entered = asyncio.Event()
+
     class Held(ScriptEngine):
         async def generate(self, request: Any) -> Any:
+            entered.set()
             await gate.wait()
             return await super().generate(request)
 
@@ -294,7 +298,7 @@ async def test_a_finished_or_unknown_episode_is_404_and_concurrent_calls_are_409
         first = asyncio.ensure_future(
             c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
         )
-        await episode_in_turn(episode)
+        await asyncio.wait_for(entered.wait(), DEADLINE_S)
         busy.append(
             await raw(
                 base_url + "/chat/completions", {"model": MODEL, "messages": FIRST, "tools": TOOLS}
@@ -315,12 +319,16 @@ async def test_a_finished_or_unknown_episode_is_404_and_concurrent_calls_are_409
     assert (await raw(guess, None, method="GET"))[0] == 404
 
 
-async def episode_in_turn(episode: Episode) -> None:
-    for _ in range(10_000):
-        if episode.where.startswith("in policy turn"):
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the call never became a turn")
+class Signalling(SimEngine):
+    """SimEngine that says when a request of an episode (its session) reaches it."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.started: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+    async def generate(self, request: Any) -> Any:
+        self.started[request.session].set()
+        return await super().generate(request)
 
 
 async def test_a_call_past_the_token_budget_is_refused_with_a_clear_message(
@@ -404,8 +412,8 @@ async def test_weight_updates_during_calls_keep_versions_and_logprobs_exact(
     call is aborted and re-submitted, invisibly. What each agent got back is exactly the
     trained part of its sample, with the sample's logprobs, and versions never decrease."""
     im_end = fmt.stop_token_ids[0]
-    engine = SimEngine(
-        vocab_size=151936, eos_token_id=im_end, per_token_latency_s=0.0005, lengths="uniform",
+    engine = Signalling(
+        vocab_size=151936, eos_token_id=im_end, per_token_latency_s=0.002, lengths="uniform",
         min_new_tokens=4, seed=3,
     )  # fmt: skip
     got: dict[str, list[list[float]]] = {}
@@ -416,13 +424,14 @@ async def test_weight_updates_during_calls_keep_versions_and_logprobs_exact(
         messages: list[dict[str, Any]] = [dict(m) for m in FIRST]
         lps = got.setdefault(f"{episode.prompt_id}/{episode.index}", [])
         for turn in range(3):
+            engine.started[episode.session].clear()
             call = asyncio.ensure_future(
                 c.chat.completions.create(
                     model=MODEL, messages=messages, tools=TOOLS, logprobs=True, max_tokens=16
                 )
             )
             if turn == 1 and episode.index == 0:
-                await episode_in_turn(episode)
+                await asyncio.wait_for(engine.started[episode.session].wait(), DEADLINE_S)
                 await asyncio.wait_for(holder[0].update_weights(None), DEADLINE_S)
             choice = (await call).choices[0]
             lps.append([t.logprob for t in choice.logprobs.content])
