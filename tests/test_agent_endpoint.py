@@ -404,13 +404,15 @@ async def test_a_client_that_disconnects_mid_stream_leaves_the_run_going(
 # -- pauses and weight updates: exact versions and logprobs ------------------------------------
 
 
+@pytest.mark.parametrize("mode", ["abort", "keep"])
 async def test_weight_updates_during_calls_keep_versions_and_logprobs_exact(
-    fmt: ChatFormat, endpoint: AgentEndpoint
+    fmt: ChatFormat, endpoint: AgentEndpoint, mode: str
 ) -> None:
     """SimEngine (random ids; `<|im_end|>` as its end token) with latency; an agent of each
-    group starts a weight update (abort mode) while its second call is in the engine: the
-    call is aborted and re-submitted, invisibly. What each agent got back is exactly the
-    trained part of its sample, with the sample's logprobs, and versions never decrease."""
+    group starts a weight update while its second call is in the engine: in abort mode the
+    call is aborted and re-submitted, in keep mode paused in place, invisibly either way.
+    What each agent got back is exactly the trained part of its sample, with the sample's
+    logprobs, and versions never decrease."""
     im_end = fmt.stop_token_ids[0]
     engine = Signalling(
         vocab_size=151936, eos_token_id=im_end, per_token_latency_s=0.002, lengths="uniform",
@@ -447,7 +449,7 @@ async def test_weight_updates_during_calls_keep_versions_and_logprobs_exact(
     producer = Producer(
         engine, [fmt.prompt_ids(FIRST)] * 8, agent_reward, group_size=2, batch_size=2,
         rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
-        max_episode_tokens=4096, sampling=SAMPLING, pause_mode="abort",
+        max_episode_tokens=4096, sampling=SAMPLING, pause_mode=mode,
     )  # fmt: skip
     holder.append(producer)
     groups: list[RolloutGroup] = []
@@ -466,7 +468,10 @@ async def test_weight_updates_during_calls_keep_versions_and_logprobs_exact(
             assert (np.diff(s.versions) >= 0).all()
             mixed += len(set(s.versions[s.loss_mask == 1].tolist())) > 1
     assert mixed > 0  # a sample holds tokens of several versions
-    assert engine.calls > turns  # calls in flight during an update were re-submitted
+    if mode == "abort":  # calls in flight during an update were aborted and re-submitted
+        assert engine.calls > turns
+    else:  # paused in place: one engine call per turn
+        assert engine.calls == turns
 
 
 # -- an agent written with the OpenAI Agents SDK -------------------------------------------------
