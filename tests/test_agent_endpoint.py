@@ -540,3 +540,30 @@ async def test_an_endpoint_not_entered_fails_the_group_saying_so(fmt: ChatFormat
     assert not groups
     (drop,) = drops
     assert "the AgentEndpoint is not serving: enter it" in drop.error
+
+
+async def test_a_call_past_max_turns_is_refused_and_the_episode_is_kept(
+    fmt: ChatFormat, endpoint: AgentEndpoint
+) -> None:
+    engine = ScriptEngine([(ids(fmt, CALL), "stop")] * 4)
+    errors: list[Any] = []
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        c = client(base_url)
+        messages: list[dict[str, Any]] = [dict(m) for m in FIRST]
+        for _ in range(4):  # max_turns=4 in run_producer
+            r = await c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+            message = r.choices[0].message.model_dump(exclude_none=True)
+            call_id = message["tool_calls"][0]["id"]
+            messages += [message, {"role": "tool", "tool_call_id": call_id, "content": "2"}]
+        with pytest.raises(openai.BadRequestError) as info:
+            await c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        errors.append(info.value)
+        return 0.25
+
+    drops, (group,) = await run_producer(engine, endpoint, fmt, agent)
+    assert not drops and group.samples[0].extra["reward"] == 0.25
+    (err,) = errors
+    assert err.code == "max_turns_exceeded" and "taken its 4 turns" in err.message
+    mask = group.samples[0].loss_mask
+    assert mask is not None and int(mask.sum()) == 4 * len(ids(fmt, CALL))
