@@ -1,0 +1,79 @@
+"""The demo's chat task, "chat": a question in a chat template, a verifier on the decoded reply,
+and evaluation on held-out questions.
+
+The user asks "which letter is last: b f c"; the answer is the last letter ("c"). The question
+goes through the tiny tokenizer's chat template (`asyncroll.chat.TINY_CHAT_TEMPLATE`) once, as
+a dataset of chat messages would (`asyncroll.chat.chat_prompts`), and the reward reads the
+decoded reply (`asyncroll.chat.text_reward`, TRL's `reward_funcs` convention): the share of the
+letters and digits in the reply that are the answer's letter, so "c" and "c c" score 1, "cat"
+1/3 and "d" 0. A reply passes (the evaluation's accuracy) when it scores 1: it names the right
+letter and nothing else.
+
+Of the 512 questions (three of eight letters, repeats allowed), a seeded 64 are held out: the
+policy trains on the others and is evaluated on these, greedily, every `eval_every` steps on
+the training engine (`asyncroll.evaluation.Evaluator`). A random policy's replies are words and
+fragments that almost never consist of one letter (accuracy ~0); the answer always sits at the
+same distance before the reply, so the tiny model can learn to copy it in a few dozen steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from asyncroll.chat import PromptBuilder, text_reward, tiny_chat_tokenizer
+from asyncroll.types import Prompt
+
+LETTERS = "abcdefgh"
+HELD_OUT = 64  # questions evaluated, never trained on
+QUESTION = "which letter is last: {}"
+
+DEFAULTS: Final = {"max_new_tokens": 4, "steps": 150, "eval_every": 10, "solved_reward": 0.0}
+"""chat's defaults where they differ from `DemoConfig`'s; `asyncroll.demo.demo_config` applies
+them (a flag given wins)."""
+
+
+def rows(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training and the held-out rows (chat messages and the reference answer), split by
+    `seed`."""
+    questions = ["".join(t) for t in itertools.product(LETTERS, repeat=3)]
+    random.Random(seed).shuffle(questions)
+
+    def row(letters: str) -> dict[str, Any]:
+        content = QUESTION.format(" ".join(letters))
+        return {"messages": [{"role": "user", "content": content}], "answer": letters[-1]}
+
+    return [row(q) for q in questions[HELD_OUT:]], [row(q) for q in questions[:HELD_OUT]]
+
+
+def letter_reward(completions: Sequence[Any], answer: Sequence[str]) -> list[float]:
+    """The verifier: the share of the reply's letters and digits that are the answer."""
+    out = []
+    for completion, letter in zip(completions, answer, strict=True):
+        chars = [c for c in completion[0]["content"] if c.isalnum()]
+        out.append(chars.count(letter) / len(chars) if chars else 0.0)
+    return out
+
+
+class ChatTask:
+    """What the demo needs of the chat task: the tokenizer with its chat template, the
+    endless training prompts, the held-out prompts and the reward on decoded text."""
+
+    def __init__(self, model_dir: Path, seed: int) -> None:
+        self.tokenizer = tiny_chat_tokenizer(model_dir)
+        builder = PromptBuilder(self.tokenizer, task="chat")
+        train, held_out = rows(seed)
+        self.train = [builder.build(row, i) for i, row in enumerate(train)]
+        eval_builder = PromptBuilder(self.tokenizer, task="chat_held_out")
+        self.held_out = [eval_builder.build(row, i) for i, row in enumerate(held_out)]
+        self.reward = text_reward(letter_reward, self.tokenizer)
+        self.seed = seed
+
+    def prompts(self) -> Iterator[Prompt]:
+        """Training questions drawn at random (seeded), without end."""
+        rng = random.Random(self.seed)
+        while True:
+            yield rng.choice(self.train)
