@@ -16,6 +16,7 @@ logs how far the behaviour policy was from the trainer's (`offpolicy/...` in met
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import sys
@@ -30,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 import psutil
 
-from asyncroll.engines.base import SamplingConfig, Weights
+from asyncroll.engines.base import Engine, SamplingConfig, Weights
 from asyncroll.lora import VLLM_MAX_RANKS, LoraAdapter, LoraConfig, LoraSlots
 from asyncroll.progress import ProduceBatchResult
 from asyncroll.training import TrainBatch
@@ -376,10 +377,16 @@ def turn_index(groups: list[RolloutGroup], length: int) -> npt.NDArray[np.int64]
 
 
 async def run_demo(
-    cfg: DemoConfig, *, progress: bool = True, console: TextIO | None = None
+    cfg: DemoConfig,
+    *,
+    progress: bool = True,
+    console: TextIO | None = None,
+    engine: Engine | None = None,
 ) -> list[StepRecord]:
     """Train for `cfg.steps` steps; write metrics.jsonl, summary and a PNG to `cfg.out`.
-    The progress bar and the summary go to `console` (default: stdout)."""
+    The progress bar and the summary go to `console` (default: stdout). `engine`: one that
+    already serves the demo's model at version 0 (the tests share one; it stays open, at the
+    run's last version), instead of a vLLM engine started and closed here."""
     console = console or sys.stdout
     import torch
     from tokenizers import Tokenizer
@@ -426,7 +433,12 @@ async def run_demo(
         model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy, lora
     )
     slots = _lora_engine_args(lora, cfg.max_staleness)
-    async with VLLMEngine(model_dir, seed=cfg.seed, **slots) as engine:
+    serving: contextlib.AbstractAsyncContextManager[Engine] = (
+        VLLMEngine(model_dir, seed=cfg.seed, **slots)
+        if engine is None
+        else contextlib.nullcontext(engine)
+    )
+    async with serving as engine:
         producer = Producer(
             engine,
             prompts,
