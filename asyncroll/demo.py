@@ -162,6 +162,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     staleness_mean: float
     idle_s: float  # time with no group in flight since the previous step
     offpolicy: dict[str, float]  # asyncroll.training.mismatch_metrics of the step's batch
+    tokens: int = 0  # response tokens of the batch (what the step trained on)
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):
@@ -581,6 +582,7 @@ def _record(
         staleness_mean=m["rollout/staleness_mean"],
         idle_s=batch.delta.idle_s,
         offpolicy=offpolicy,
+        tokens=sum(s.num_tokens for g in batch.groups for s in g.samples),
     )
 
 
