@@ -13,6 +13,7 @@ from asyncroll.buffer import BufferStats, PutOutcome, RolloutBuffer
 from asyncroll.config import ProducerConfig
 from asyncroll.engines import Engine, EngineDeadError, SamplingConfig, SimConfig, SimEngine
 from asyncroll.episode import Episode, EpisodeError, RolloutFn, Turn, single_turn
+from asyncroll.evaluation import EvalResult, Evaluator
 from asyncroll.producer import (
     DropRecord,
     Ledger,
@@ -41,6 +42,8 @@ __all__ = [
     "EngineDeadError",
     "Episode",
     "EpisodeError",
+    "EvalResult",
+    "Evaluator",
     "Ledger",
     "LedgerError",
     "ProduceBatchResult",
