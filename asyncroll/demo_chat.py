@@ -1,19 +1,21 @@
 """The demo's chat task, "chat": a question in a chat template, a verifier on the decoded reply,
 and evaluation on held-out questions.
 
-The user asks "which letter is last: b f c"; the answer is the last letter ("c"). The question
-goes through the tiny tokenizer's chat template (`asyncroll.chat.TINY_CHAT_TEMPLATE`) once, as
-a dataset of chat messages would (`asyncroll.chat.chat_prompts`), and the reward reads the
+The user says "red cat: say the letter c"; the answer is the letter ("c"). The question goes
+through the tiny tokenizer's chat template (`asyncroll.chat.TINY_CHAT_TEMPLATE`) once, as a
+dataset of chat messages would (`asyncroll.chat.chat_prompts`), and the reward reads the
 decoded reply (`asyncroll.chat.text_reward`, TRL's `reward_funcs` convention): the share of the
 letters and digits in the reply that are the answer's letter, so "c" and "c c" score 1, "cat"
 1/3 and "d" 0. A reply passes (the evaluation's accuracy) when it scores 1: it names the right
 letter and nothing else.
 
-Of the 512 questions (three of eight letters, repeats allowed), a seeded 64 are held out: the
-policy trains on the others and is evaluated on these, greedily, every `eval_every` steps on
-the training engine (`asyncroll.evaluation.Evaluator`). A random policy's replies are words and
-fragments that almost never consist of one letter (accuracy ~0); the answer always sits at the
-same distance before the reply, so the tiny model can learn to copy it in a few dozen steps.
+Of the questions (two of 16 words before one of eight letters: 2,048), a seeded 64 are held
+out: the policy trains on the others and is evaluated on these, greedily, every `eval_every`
+steps on the training engine (`asyncroll.evaluation.Evaluator`). A random policy's replies are
+words and fragments that almost never consist of one letter (accuracy ~0); the letter is the
+only one-letter word of the question, so the tiny model can learn to copy it in a few dozen
+steps. (Asking for the last of three letters instead, which takes telling letters apart by
+position, stayed at accuracy 0 for 150 steps.)
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from asyncroll.chat import PromptBuilder, text_reward, tiny_chat_tokenizer
 from asyncroll.types import Prompt
 
 LETTERS = "abcdefgh"
+WORDS = (
+    "red green blue cat dog sun up down left right true false one two three four"
+).split()  # each one token of the tiny tokenizer
 HELD_OUT = 64  # questions evaluated, never trained on
-QUESTION = "which letter is last: {}"
+QUESTION = "{} {}: say the letter {}"
 
 DEFAULTS: Final = {"max_new_tokens": 4, "steps": 150, "eval_every": 10, "solved_reward": 0.0}
 """chat's defaults where they differ from `DemoConfig`'s; `asyncroll.demo.demo_config` applies
@@ -39,12 +44,12 @@ them (a flag given wins)."""
 def rows(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The training and the held-out rows (chat messages and the reference answer), split by
     `seed`."""
-    questions = ["".join(t) for t in itertools.product(LETTERS, repeat=3)]
+    questions = list(itertools.product(WORDS, WORDS, LETTERS))
     random.Random(seed).shuffle(questions)
 
-    def row(letters: str) -> dict[str, Any]:
-        content = QUESTION.format(" ".join(letters))
-        return {"messages": [{"role": "user", "content": content}], "answer": letters[-1]}
+    def row(question: tuple[str, str, str]) -> dict[str, Any]:
+        content = QUESTION.format(*question)
+        return {"messages": [{"role": "user", "content": content}], "answer": question[-1]}
 
     return [row(q) for q in questions[HELD_OUT:]], [row(q) for q in questions[:HELD_OUT]]
 

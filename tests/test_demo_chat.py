@@ -15,7 +15,7 @@ from asyncroll.types import RolloutGroup, RolloutState, Status
 def test_held_out_questions_are_never_trained_on() -> None:
     train, held_out = rows(seed=3)
     questions = [r["messages"][0]["content"] for r in train + held_out]
-    assert len(held_out) == HELD_OUT and len(set(questions)) == len(questions) == 512
+    assert len(held_out) == HELD_OUT and len(set(questions)) == len(questions) == 16 * 16 * 8
     assert rows(seed=3) == (train, held_out) and rows(seed=4)[1] != held_out
     assert all(r["answer"] == r["messages"][0]["content"][-1] for r in train + held_out)
 
@@ -33,7 +33,7 @@ def test_prompts_render_through_the_chat_template_and_rewards_read_text(tiny_mod
     text = task.tokenizer.decode(prompt.tokens)
     question = prompt.metadata["messages"][0]["content"]
     assert text == f"<|bos|>user: {question}\nassistant: "
-    assert {p.task for p in task.train} == {"chat"} and len(task.train) == 512 - HELD_OUT
+    assert {p.task for p in task.train} == {"chat"} and len(task.train) == 16 * 16 * 8 - HELD_OUT
     drawn = list(itertools.islice(task.prompts(), 50))
     assert {p.prompt_id for p in drawn} <= {p.prompt_id for p in task.train}
     answer = prompt.metadata["answer"]
