@@ -67,6 +67,17 @@ def test_throughput_quick_runs(tmp_path: Path) -> None:
     assert (tmp_path / "throughput.png").exists()
 
 
+def test_text_reward_quick_runs(tmp_path: Path) -> None:
+    proc = run_benchmark("text_reward.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "text_reward.json").read_text())
+    assert [r["variant"] for r in result["producer"]] == result["variants"]
+    assert len(result["variants"]) == 5
+    assert all(r["groups"] > 0 for r in result["producer"] + result["paced"])
+    assert all(r["text_us"] > r["decode_us"] > 0 for r in result["call"])
+    assert (tmp_path / "text_reward.png").exists()
+
+
 def test_soak_quick_passes_every_check(tmp_path: Path) -> None:
     """The chaos soak (~60 s): its exit status is the verdict; the table says which check
     failed. Lost and duplicated prompts are asserted here as well, being the headline."""

@@ -4,6 +4,7 @@ which thread the decode runs, and how a reward that raises or never returns ends
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,14 @@ from asyncroll import (
     SimConfig,
     SimEngine,
 )
-from asyncroll.chat import chat_prompts, decode_completions, text_reward, tiny_chat_tokenizer
+from asyncroll.chat import (
+    THREAD_MIN_TOKENS,
+    batch_decoder,
+    chat_prompts,
+    decode_completions,
+    text_reward,
+    tiny_chat_tokenizer,
+)
 from asyncroll.engines import SamplingConfig
 from asyncroll.types import Status
 
@@ -182,17 +190,21 @@ def test_sync_and_async_rewards_are_called_as_such(tiny: Any) -> None:
     assert inspect.iscoroutinefunction(type(text_reward(asyncf, tiny)).__call__)
     assert inspect.iscoroutinefunction(type(text_reward(Judge(), tiny)).__call__)
     assert text_reward(sync, tiny).__qualname__.startswith("text_reward(")
-    with pytest.raises(ValueError, match="needs a callable"):
+    with pytest.raises(ValueError, match="needs callables"):
         text_reward(3, tiny)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="batch_decode"):
         text_reward(sync, object())  # type: ignore[arg-type]
 
 
-def producer_for(tiny: Any, reward: Any, drops: list[DropRecord], **options: Any) -> Producer:
+def producer_for(
+    tiny: Any, reward: Any, drops: list[DropRecord], *, decode_thread: bool = False, **options: Any
+) -> Producer:
+    """A producer over ROWS scored by `reward` on text; `decode_thread`: an async reward decodes
+    every group in a worker thread (groups here are far below `THREAD_MIN_TOKENS`)."""
     return Producer(
         SimEngine(SimConfig(vocab_size=len(tiny), eos_token_id=tiny.eos_token_id)),
         chat_prompts(ROWS, tiny),
-        text_reward(reward, tiny),
+        text_reward(reward, tiny, thread_min_tokens=0 if decode_thread else THREAD_MIN_TOKENS),
         group_size=4,
         sampling=SamplingConfig(max_new_tokens=6),
         on_drop=drops.append,
@@ -200,7 +212,7 @@ def producer_for(tiny: Any, reward: Any, drops: list[DropRecord], **options: Any
     )
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["sync", "async", "async, decode in thread"])
 async def test_text_rewards_score_groups_in_a_producer(tiny: Any, kind: str) -> None:
     """The decoded completions the function sees are the sampled ids decoded (SimEngine, a
     simulation: random ids, so the check is the decode, not the model)."""
@@ -217,7 +229,9 @@ async def test_text_rewards_score_groups_in_a_producer(tiny: Any, kind: str) -> 
         return score(completions, completion_ids, answer)
 
     drops: list[DropRecord] = []
-    producer = producer_for(tiny, score if kind == "sync" else ascore, drops)
+    producer = producer_for(
+        tiny, score if kind == "sync" else ascore, drops, decode_thread="thread" in kind
+    )
     async with producer:
         batch = await producer.produce_batch(8)
     assert not drops and len(batch.groups) == 8
@@ -233,7 +247,7 @@ async def test_text_rewards_score_groups_in_a_producer(tiny: Any, kind: str) -> 
         assert all(t is loop_thread for t in threads)
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["sync", "async", "async, decode in thread"])
 async def test_a_text_reward_that_raises_fails_its_group_with_the_reason(
     tiny: Any, kind: str
 ) -> None:
@@ -246,7 +260,9 @@ async def test_a_text_reward_that_raises_fails_its_group_with_the_reason(
         return broken(completions, answer)
 
     drops: list[DropRecord] = []
-    producer = producer_for(tiny, broken if kind == "sync" else abroken, drops)
+    producer = producer_for(
+        tiny, broken if kind == "sync" else abroken, drops, decode_thread="thread" in kind
+    )
     async with producer:
         batch = await producer.produce_batch(7)
     assert len(batch.groups) == 7 and len(drops) == 1
@@ -269,7 +285,7 @@ async def test_a_reward_missing_a_field_fails_its_group_saying_which(tiny: Any) 
     assert all("missing 1 required positional argument: 'level'" in (d.error or "") for d in drops)
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["sync", "async", "async, decode in thread"])
 async def test_a_text_reward_that_never_returns_hits_the_deadline(tiny: Any, kind: str) -> None:
     release = threading.Event()
     forever = asyncio.Event()
@@ -285,7 +301,8 @@ async def test_a_text_reward_that_never_returns_hits_the_deadline(tiny: Any, kin
         return [0.0] * len(completions)
 
     drops: list[DropRecord] = []
-    producer = producer_for(tiny, hangs if kind == "sync" else ahangs, drops, reward_timeout_s=0.5)
+    hang = hangs if kind == "sync" else ahangs
+    producer = producer_for(tiny, hang, drops, decode_thread="thread" in kind, reward_timeout_s=0.5)
     try:
         async with producer:
             batch = await producer.produce_batch(7)
@@ -295,3 +312,84 @@ async def test_a_text_reward_that_never_returns_hits_the_deadline(tiny: Any, kin
     assert drops[0].prompt_id == "default/1"
     assert "reward_timeout_s=0.5" in (drops[0].error or "")
     assert all(g.status is Status.COMPLETED for g in batch.groups)
+
+
+def test_the_rust_decode_gives_what_batch_decode_gives(qwen3: Any, tiny: Any) -> None:
+    """Real text, special tokens mid-sequence, a character split across sequences, an empty
+    sample: the GIL-free `decode_batch` path agrees with transformers' `batch_decode`."""
+    for tok in (qwen3, tiny):
+        ids = tok.encode(
+            "Grüße, 世界! <think>\nok\n</think> 12 + 30 = 42", add_special_tokens=False
+        )
+        text_ids = tok.encode("日本語のテキスト", add_special_tokens=False)
+        specials = list(tok.all_special_ids)[:3]
+        batch = [ids, [*ids[:3], *specials, *ids[3:]], text_ids[:1], text_ids[1:], [], specials]
+        for skip in (True, False):
+            fast = batch_decoder(tok, skip_special_tokens=skip)
+            assert fast.__name__ == "decode"  # the Rust path was taken
+            assert fast(batch) == tok.batch_decode(batch, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_changes_its_decode_is_called_as_it_is(tiny: Any) -> None:
+    """A subclass with its own `_decode`, or one that cleans up spaces, goes through
+    `batch_decode`: the Rust path would skip what it adds."""
+
+    class Shouting(type(tiny)):  # type: ignore[misc]
+        def _decode(self, token_ids: Any, **kwargs: Any) -> str:
+            return str(super()._decode(token_ids, **kwargs)).upper()
+
+    loud = copy.copy(tiny)
+    loud.__class__ = Shouting
+    group = group_of(loud, ["yes"], ROWS[0])
+    assert decode_completions(group, loud) == ["YES"]
+    assert batch_decoder(loud).__name__ == "decode_slow"
+    cleaned = copy.copy(tiny)
+    cleaned.clean_up_tokenization_spaces = True
+    assert batch_decoder(cleaned).__name__ == "decode_slow"
+
+
+async def test_several_functions_add_up_with_weights_as_in_trl(tiny: Any) -> None:
+    group = group_of(tiny, ["5", "five", "6"], ROWS[4])  # answer "5"
+    calls: list[str] = []
+
+    def correct(completions: Any, answer: Any) -> list[float]:
+        calls.append("correct")
+        return [float(c[0]["content"] == a) for c, a in zip(completions, answer, strict=True)]
+
+    def digits(completions: Any) -> list[float | None]:  # None: does not apply (TRL's rule)
+        calls.append("digits")
+        return [None if not c[0]["content"].isdigit() else 1.0 for c in completions]
+
+    fn = text_reward([correct, digits], tiny, weights=[1.0, 0.25])
+    assert fn(group) == [1.25, 0.0, 0.25] and calls == ["correct", "digits"]
+    assert text_reward([correct, digits], tiny)(group) == [2.0, 0.0, 1.0]  # weights of 1
+
+    async def acorrect(completions: Any, answer: Any) -> list[float]:
+        return correct(completions, answer)
+
+    async def adigits(completions: Any) -> list[float | None]:
+        return digits(completions)
+
+    assert await text_reward([acorrect, adigits], tiny, weights=[1.0, 0.25])(group) == [
+        1.25,
+        0.0,
+        0.25,
+    ]
+
+    def none(completions: Any) -> list[None]:
+        return [None] * len(completions)
+
+    with pytest.raises(ValueError, match="no reward function scored sample 0"):
+        text_reward([none, none], tiny)(group)
+
+    def short(completions: Any) -> list[float]:
+        return [1.0]
+
+    with pytest.raises(ValueError, match="short returned 1 rewards for 3"):
+        text_reward([correct, short], tiny)(group)
+    with pytest.raises(ValueError, match="all sync or all async"):
+        text_reward([correct, adigits], tiny)
+    with pytest.raises(ValueError, match="2 weights for 1 functions"):
+        text_reward([correct], tiny, weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="at least one"):
+        text_reward([], tiny)

@@ -18,8 +18,10 @@ from asyncroll.chat.prompts import (
 )
 from asyncroll.chat.rewards import (
     THREAD_MIN_TOKENS,
+    Decoder,
     DecodeTokenizer,
     TextRewardFn,
+    batch_decoder,
     decode_completions,
     text_reward,
 )
@@ -32,9 +34,11 @@ __all__ = [
     "TINY_CHAT_TEMPLATE",
     "ChatTokenizer",
     "DecodeTokenizer",
+    "Decoder",
     "PromptBuilder",
     "PromptError",
     "TextRewardFn",
+    "batch_decoder",
     "chat_prompts",
     "decode_completions",
     "text_reward",

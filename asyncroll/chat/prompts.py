@@ -170,11 +170,29 @@ class _RowPrompts:
 
 
 def chat_prompts(
-    rows: Iterable[Mapping[str, Any]], tokenizer: ChatTokenizer, **options: Any
+    rows: Iterable[Mapping[str, Any]],
+    tokenizer: ChatTokenizer,
+    *,
+    task: str = "default",
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    add_special_tokens: bool = True,
+    max_model_len: int | None = None,
+    roles: Iterable[str] = CHAT_ROLES,
 ) -> Iterable[Prompt]:
-    """`PromptBuilder(tokenizer, **options).prompts(rows)`: the prompts of a dataset of chat
-    messages or text, built lazily, for `Producer(engine, chat_prompts(rows, tok), ...)`."""
-    return PromptBuilder(tokenizer, **options).prompts(rows)
+    """The prompts of a dataset of chat messages or text, built lazily:
+    ``Producer(engine, chat_prompts(rows, tokenizer), ...)``. The same as
+    ``PromptBuilder(tokenizer, ...).prompts(rows)``; see `PromptBuilder` for the options."""
+    builder = PromptBuilder(
+        tokenizer,
+        task=task,
+        chat_template=chat_template,
+        template_kwargs=template_kwargs,
+        add_special_tokens=add_special_tokens,
+        max_model_len=max_model_len,
+        roles=roles,
+    )
+    return builder.prompts(rows)
 
 
 def _check_messages(messages: Any, roles: frozenset[str], where: str) -> None:

@@ -17,14 +17,19 @@ sample order (TRL's convention, so a TRL reward function works unchanged)::
 * every other metadata field (``answer``, ``tools``...) under its own name.
 
 A function that takes ``**kwargs`` gets them all; one that does not gets only those it names.
-It may be sync or async, and is called as the producer calls any reward: a sync one in a reward
-worker thread with `reward_timeout_s` as its deadline, an async one on the event loop within
-the same deadline; one that raises or passes the deadline fails its group with the reason.
+Several functions (TRL's ``reward_funcs`` list, with ``weights``) share one decode and add up.
+A function may be sync or async, and is called as the producer calls any reward: a sync one in
+a reward worker thread with `reward_timeout_s` as its deadline, an async one on the event loop
+within the same deadline; one that raises or passes the deadline fails its group with the
+reason.
 
 Decoding stays off the event loop: a sync function's group is decoded in its worker thread
 (with ``reward_in_thread=False`` both run on the loop); an async function's group is decoded in
 a worker thread once it holds `thread_min_tokens` tokens or more, below which a thread hop would
-cost more than the decode (see `benchmarks/text_reward.py`).
+cost the loop more than the decode. A thread is only off the loop if it lets go of the GIL:
+transformers' `batch_decode` holds it throughout, so where it computes exactly that, the Rust
+tokenizer's `decode_batch` is called instead (`batch_decoder`; `benchmarks/text_reward.py`
+measures both).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from asyncroll.types import RolloutGroup
 TextRewardFn = Callable[..., Sequence[float] | Awaitable[Sequence[float]]]
 """A reward on text: keyword arguments as described in this module, one reward per sample."""
 
-THREAD_MIN_TOKENS = 4096
+THREAD_MIN_TOKENS = 256
 """Below this many tokens in a group, an async text reward decodes on the event loop."""
 
 
@@ -50,113 +55,216 @@ class DecodeTokenizer(Protocol):
     def batch_decode(self, sequences: Any, **kwargs: Any) -> Any: ...
 
 
+Decoder = Callable[[list[list[int]]], list[str]]
+"""Token id lists to texts, one per list."""
+
+# Where transformers defines the decode path of its Rust-backed ("fast") tokenizers: version 5's
+# TokenizersBackend and version 4's PreTrainedTokenizerFast, under PreTrainedTokenizerBase.
+_TRANSFORMERS_DECODE = frozenset(
+    {
+        "transformers.tokenization_utils_base",
+        "transformers.tokenization_utils_tokenizers",
+        "transformers.tokenization_utils_fast",
+    }
+)
+
+
+def batch_decoder(tokenizer: DecodeTokenizer, *, skip_special_tokens: bool = True) -> Decoder:
+    """How a group's samples are decoded: `tokenizer.batch_decode(ids, skip_special_tokens=...)`,
+    or, where that is exactly what it computes, the Rust tokenizer's own `decode_batch`.
+
+    transformers decodes a batch one sequence at a time in Python, each through the Rust
+    tokenizer's `decode` (which holds the GIL), then cleans up spaces if the tokenizer asks for
+    it. `tokenizers.Tokenizer.decode_batch` runs the same `decode` on each sequence with the GIL
+    released, so a decode in a worker thread no longer stalls the event loop (measured in
+    `benchmarks/text_reward.py`). It is taken only for a tokenizer whose decode path is
+    transformers' own, unchanged by its class, and that does not clean up spaces; any other
+    tokenizer is called through `batch_decode` as it is."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    cls = type(tokenizer)
+    if (
+        callable(getattr(backend, "decode_batch", None))
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        and all(
+            getattr(getattr(cls, name, None), "__module__", None) in _TRANSFORMERS_DECODE
+            for name in ("batch_decode", "decode", "_decode")
+        )
+    ):
+        fast: Any = backend
+
+        def decode(ids: list[list[int]]) -> list[str]:
+            return list(fast.decode_batch(ids, skip_special_tokens=skip_special_tokens))
+
+        return decode
+
+    def decode_slow(ids: list[list[int]]) -> list[str]:
+        return list(tokenizer.batch_decode(ids, skip_special_tokens=skip_special_tokens))
+
+    return decode_slow
+
+
 def decode_completions(
     group: RolloutGroup, tokenizer: DecodeTokenizer, *, skip_special_tokens: bool = True
 ) -> list[str]:
-    """Each sample's tokens as text, in sample order, decoded as TRL decodes completions."""
-    texts = tokenizer.batch_decode(
-        [s.tokens.tolist() for s in group.samples], skip_special_tokens=skip_special_tokens
-    )
-    return list(texts)
+    """Each sample's tokens as text, in sample order, decoded as TRL decodes completions (see
+    `batch_decoder`)."""
+    decode = batch_decoder(tokenizer, skip_special_tokens=skip_special_tokens)
+    return decode([s.tokens.tolist() for s in group.samples])
 
 
 class _TextCall:
-    """What a text reward is called with: the decode, then the keyword arguments."""
+    """What text rewards are called with (the decode, then the keyword arguments), and how the
+    rewards of several functions add up."""
 
     def __init__(
         self,
-        fn: TextRewardFn,
+        fns: Sequence[TextRewardFn],
+        weights: Sequence[float] | None,
         tokenizer: DecodeTokenizer,
         *,
         skip_special_tokens: bool,
         thread_min_tokens: int,
     ) -> None:
-        if not callable(fn):
-            raise ValueError(f"text_reward needs a callable, got {type(fn).__name__}")
         if not callable(getattr(tokenizer, "batch_decode", None)):
             raise ValueError(
                 f"text_reward needs a tokenizer with batch_decode, got {type(tokenizer).__name__}"
             )
         if thread_min_tokens < 0:
             raise ValueError(f"thread_min_tokens={thread_min_tokens}: must be >= 0")
-        self.fn = fn
+        self.fns = [(fn, _accepted_names(fn)) for fn in fns]
+        self.weights = None if weights is None else [float(w) for w in weights]
+        self.names = [getattr(fn, "__qualname__", None) or type(fn).__qualname__ for fn in fns]
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.decode = batch_decoder(tokenizer, skip_special_tokens=skip_special_tokens)
         self.thread_min_tokens = thread_min_tokens
-        self.takes = _accepted_names(fn)
-        name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-        self.__qualname__ = f"text_reward({name})"  # what reward errors name
+        self.__qualname__ = f"text_reward({', '.join(self.names)})"  # what reward errors name
 
-    def decoded(self, group: RolloutGroup) -> tuple[list[str], Any]:
-        """The completions' texts and the prompt (as the dataset gave it, else decoded)."""
-        texts = decode_completions(
-            group, self.tokenizer, skip_special_tokens=self.skip_special_tokens
-        )
-        metadata = group.metadata
-        if "messages" in metadata:
-            prompt = metadata["messages"]
-        elif "prompt" in metadata:
-            prompt = metadata["prompt"]
-        else:
+    def arguments(self, group: RolloutGroup) -> dict[str, Any]:
+        """The keyword arguments for `group`: its samples decoded, its prompt and metadata."""
+        ids = [s.tokens.tolist() for s in group.samples]
+        texts = self.decode(ids)
+        metadata, n = group.metadata, len(ids)
+        prompt_field = "messages" if "messages" in metadata else "prompt"
+        if prompt_field in metadata:
+            prompt = metadata[prompt_field]
+        else:  # a group of token ids alone: its prompt as text, special tokens kept
             prompt = self.tokenizer.batch_decode([group.prompt_tokens.tolist()])[0]
-        return texts, prompt
-
-    def kwargs(self, group: RolloutGroup, texts: list[str], prompt: Any) -> dict[str, Any]:
-        n = group.num_samples
-        chat = not isinstance(prompt, str)
         kwargs: dict[str, Any] = {
             "prompts": [prompt] * n,
-            "completions": [[{"role": "assistant", "content": t}] for t in texts]
-            if chat
-            else texts,
-            "completion_ids": [s.tokens.tolist() for s in group.samples],
+            "completions": (
+                texts
+                if isinstance(prompt, str)
+                else [[{"role": "assistant", "content": t}] for t in texts]
+            ),
+            "completion_ids": ids,
         }
-        prompt_field = "messages" if "messages" in group.metadata else "prompt"
-        for key, value in group.metadata.items():
+        for key, value in metadata.items():
             if key != prompt_field and key not in kwargs:
                 kwargs[key] = [value] * n
-        if self.takes is not None:
-            kwargs = {k: v for k, v in kwargs.items() if k in self.takes}
         return kwargs
+
+    @staticmethod
+    def call(fn: TextRewardFn, takes: frozenset[str] | None, kwargs: dict[str, Any]) -> Any:
+        if takes is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in takes}
+        return fn(**kwargs)
+
+    def combined(self, results: list[Any], n: int) -> Any:
+        """One function's result as it is (the producer checks it); several functions' as their
+        weighted sum per sample, where a None (the function does not apply to that sample, as
+        in TRL) adds nothing."""
+        if len(results) == 1 and self.weights is None:
+            return results[0]
+        weights = self.weights or [1.0] * len(results)
+        total = [0.0] * n
+        scored = [False] * n
+        for name, weight, values in zip(self.names, weights, results, strict=True):
+            values = list(values)
+            if len(values) != n:
+                raise ValueError(f"reward function {name} returned {len(values)} rewards for {n}")
+            for i, value in enumerate(values):
+                if value is not None:
+                    total[i] += weight * float(value)
+                    scored[i] = True
+        if not all(scored):
+            raise ValueError(
+                f"no reward function scored sample {scored.index(False)} (each returned None)"
+            )
+        return total
 
 
 class _SyncTextReward(_TextCall):
-    """A sync text reward: the producer runs it (decode included) in a reward worker thread."""
+    """Sync text rewards: the producer runs them (decode included) in a reward worker thread."""
 
     def __call__(self, group: RolloutGroup) -> Any:
-        texts, prompt = self.decoded(group)
-        return self.fn(**self.kwargs(group, texts, prompt))
+        kwargs = self.arguments(group)
+        results = [self.call(fn, takes, kwargs) for fn, takes in self.fns]
+        if any(inspect.isawaitable(r) for r in results):  # a sync wrapper of an async judge
+            return self._awaited(results, group.num_samples)
+        return self.combined(results, group.num_samples)
+
+    async def _awaited(self, results: list[Any], n: int) -> Any:
+        for i, result in enumerate(results):
+            while inspect.isawaitable(result):
+                result = await result
+            results[i] = result
+        return self.combined(results, n)
 
 
 class _AsyncTextReward(_TextCall):
-    """An async text reward: awaited on the loop, its large groups decoded in a thread."""
+    """Async text rewards: awaited on the loop in order, large groups decoded in a thread."""
 
     async def __call__(self, group: RolloutGroup) -> Any:
         if group.num_tokens >= self.thread_min_tokens:
-            texts, prompt = await anyio.to_thread.run_sync(
-                self.decoded, group, abandon_on_cancel=True
-            )
+            kwargs = await anyio.to_thread.run_sync(self.arguments, group, abandon_on_cancel=True)
         else:
-            texts, prompt = self.decoded(group)
-        result = self.fn(**self.kwargs(group, texts, prompt))
-        while inspect.isawaitable(result):
-            result = await result
-        return result
+            kwargs = self.arguments(group)
+        results = []
+        for fn, takes in self.fns:
+            result = self.call(fn, takes, kwargs)
+            while inspect.isawaitable(result):
+                result = await result
+            results.append(result)
+        return self.combined(results, group.num_samples)
 
 
 def text_reward(
-    fn: TextRewardFn,
+    fn: TextRewardFn | Sequence[TextRewardFn],
     tokenizer: DecodeTokenizer,
     *,
+    weights: Sequence[float] | None = None,
     skip_special_tokens: bool = True,
     thread_min_tokens: int = THREAD_MIN_TOKENS,
 ) -> Callable[[RolloutGroup], Any]:
     """The producer's reward function (`RewardFn`) for a reward on text:
     ``Producer(engine, prompts, text_reward(fn, tokenizer))``. See the module docstring for
-    what `fn` is called with."""
-    cls = _AsyncTextReward if _is_async(fn) else _SyncTextReward
+    what `fn` is called with.
+
+    Several functions (TRL's ``reward_funcs=[...]``, ``reward_weights=[...]``) share one decode
+    and give each sample the weighted sum of their rewards (`weights`: one per function, 1.0 by
+    default). They must be all sync or all async, since one group's call runs either in a
+    worker thread or on the loop."""
+    fns = list(fn) if isinstance(fn, Sequence) else [fn]
+    if not fns:
+        raise ValueError("text_reward needs at least one reward function")
+    for f in fns:
+        if not callable(f):
+            raise ValueError(f"text_reward needs callables, got {type(f).__name__}")
+    if weights is not None and len(weights) != len(fns):
+        raise ValueError(f"text_reward got {len(weights)} weights for {len(fns)} functions")
+    kinds = {_is_async(f) for f in fns}
+    if len(kinds) > 1:
+        raise ValueError(
+            "text_reward's functions must be all sync or all async: write the sync ones as "
+            "async def (or the async ones as sync functions)"
+        )
+    cls = _AsyncTextReward if kinds == {True} else _SyncTextReward
     return cls(
-        fn, tokenizer, skip_special_tokens=skip_special_tokens, thread_min_tokens=thread_min_tokens
+        fns,
+        weights,
+        tokenizer,
+        skip_special_tokens=skip_special_tokens,
+        thread_min_tokens=thread_min_tokens,
     )
 
 
