@@ -77,18 +77,17 @@ async def train(
     eval_every: int,
     chat_template: str | None = None,
 ) -> list[dict[str, float]]:
-    options = {"chat_template": chat_template, "max_model_len": engine.max_model_len}
     reward = text_reward(correct, tokenizer)
     producer = Producer(
         engine,
-        chat_prompts(dataset(1000, seed=0), tokenizer, task="sum", **options),
+        chat_prompts(dataset(1000, seed=0), tokenizer, chat_template=chat_template),
         reward,
         group_size=8,
         batch_size=8,
         max_staleness=1,
         sampling=SamplingConfig(max_new_tokens=8, temperature=1.0),
     )
-    held_out = chat_prompts(dataset(32, seed=1), tokenizer, task="sum", **options)
+    held_out = chat_prompts(dataset(32, seed=1), tokenizer, chat_template=chat_template)
     evaluator = Evaluator(producer, held_out, reward)  # greedy; pass@1 = accuracy
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
