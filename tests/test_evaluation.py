@@ -299,3 +299,19 @@ async def test_a_hung_reward_fails_its_prompt_within_the_deadline() -> None:
         result = await Evaluator(producer, prompts(2), hangs).run()
     assert all(why.startswith("reward_deadline") for why in result.failed.values())
     assert len(result.failed) == 2
+
+
+async def test_a_producer_that_stops_ends_the_evaluation_with_an_error() -> None:
+    engine = SimEngine(vocab_size=VOCAB, per_token_latency_s=0.02)
+    async with engine:
+        producer = make_producer(engine)
+        evaluator = Evaluator(
+            producer, prompts(3), answer_reward, sampling=SamplingConfig(max_new_tokens=50)
+        )
+        async with producer:
+            task = asyncio.create_task(evaluator.run())
+            await producer._changed.wait_until(lambda: len(producer._control.guests) == 3, 10)
+        # the stop's drain aborted the evaluation's requests with the run's
+        result = await asyncio.wait_for(task, 10)
+    assert result.error == "the producer stopped during the evaluation"
+    assert result.version is None and result.incomplete == 3
