@@ -1,21 +1,26 @@
 """The demo's chat task, "chat": a question in a chat template, a verifier on the decoded reply,
 and evaluation on held-out questions.
 
-The user says "red cat: say the letter c"; the answer is the letter ("c"). The question goes
-through the tiny tokenizer's chat template (`asyncroll.chat.TINY_CHAT_TEMPLATE`) once, as a
-dataset of chat messages would (`asyncroll.chat.chat_prompts`), and the reward reads the
+The user says "red cat: say the letter c c c"; the answer is the letter ("c"). The question
+goes through the tiny tokenizer's chat template (`asyncroll.chat.TINY_CHAT_TEMPLATE`) once, as
+a dataset of chat messages would (`asyncroll.chat.chat_prompts`), and the reward reads the
 decoded reply (`asyncroll.chat.text_reward`, TRL's `reward_funcs` convention): the share of the
-letters and digits in the reply that are the answer's letter, so "c" and "c c" score 1, "cat"
-1/3 and "d" 0. A reply passes (the evaluation's accuracy) when it scores 1: it names the right
-letter and nothing else.
+reply's words that are the answer, so "c" and "c c" score 1, "c cat" 1/2, "cat" and "d" 0. A
+reply passes (the evaluation's accuracy) when it scores 1: it says the letter and nothing else.
 
 Of the questions (two of 16 words before one of eight letters: 2,048), a seeded 64 are held
 out: the policy trains on the others and is evaluated on these, greedily, every `eval_every`
-steps on the training engine (`asyncroll.evaluation.Evaluator`). A random policy's replies are
-words and fragments that almost never consist of one letter (accuracy ~0); the letter is the
-only one-letter word of the question, so the tiny model can learn to copy it in a few dozen
-steps. (Asking for the last of three letters instead, which takes telling letters apart by
-position, stayed at accuracy 0 for 150 steps.)
+steps on the training engine (`asyncroll.evaluation.Evaluator`). A random policy's replies
+almost never consist of one letter (accuracy ~0).
+
+What the tiny model (361k parameters, random weights) can learn fast, measured with seed 0
+(eval accuracy after 100 s of running): asking for the last of three letters (position matters)
+stayed at 0 for 150 steps; scoring the share of the reply's *characters* that are the letter
+rewards words that contain it ("cat" 1/3), and the policy settled on such words (accuracy 0
+after 160 steps, 0.11 after 70 with the letter said three times); with one mention of the
+letter and this reward, a random reply so rarely holds the letter as a word that GRPO's filter
+dropped almost every group (accuracy 0.125 after 20 steps of 12 s). Said three times, the
+letter is what the template's context holds most of, and the first hits come soon.
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ from asyncroll.chat import PromptBuilder, text_reward, tiny_chat_tokenizer
 from asyncroll.types import Prompt
 
 LETTERS = "abcdefgh"
-WORDS = (
-    "red green blue cat dog sun up down left right true false one two three four"
-).split()  # each one token of the tiny tokenizer
+WORDS = (  # each one token of the tiny tokenizer
+    "red", "green", "blue", "cat", "dog", "sun", "up", "down",
+    "left", "right", "true", "false", "one", "two", "three", "four",
+)  # fmt: skip
 HELD_OUT = 64  # questions evaluated, never trained on
-QUESTION = "{} {}: say the letter {}"
+QUESTION = "{} {}: say the letter {l} {l} {l}"
 
 DEFAULTS: Final = {"max_new_tokens": 4, "steps": 150, "eval_every": 10, "solved_reward": 0.0}
 """chat's defaults where they differ from `DemoConfig`'s; `asyncroll.demo.demo_config` applies
@@ -48,18 +54,19 @@ def rows(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     random.Random(seed).shuffle(questions)
 
     def row(question: tuple[str, str, str]) -> dict[str, Any]:
-        content = QUESTION.format(*question)
+        first, second, letter = question
+        content = QUESTION.format(first, second, l=letter)
         return {"messages": [{"role": "user", "content": content}], "answer": question[-1]}
 
     return [row(q) for q in questions[HELD_OUT:]], [row(q) for q in questions[:HELD_OUT]]
 
 
 def letter_reward(completions: Sequence[Any], answer: Sequence[str]) -> list[float]:
-    """The verifier: the share of the reply's letters and digits that are the answer."""
+    """The verifier: the share of the reply's words that are the answer (0 for no word)."""
     out = []
     for completion, letter in zip(completions, answer, strict=True):
-        chars = [c for c in completion[0]["content"] if c.isalnum()]
-        out.append(chars.count(letter) / len(chars) if chars else 0.0)
+        words = completion[0]["content"].split()
+        out.append(words.count(letter) / len(words) if words else 0.0)
     return out
 
 

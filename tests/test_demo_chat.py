@@ -20,10 +20,10 @@ def test_held_out_questions_are_never_trained_on() -> None:
     assert all(r["answer"] == r["messages"][0]["content"][-1] for r in train + held_out)
 
 
-def test_the_verifier_scores_the_share_of_the_reply_that_is_the_answer() -> None:
-    replies = ["c", " c c", "cat", "d", "", "C?"]
-    assert letter_reward([[{"role": "assistant", "content": r}] for r in replies], ["c"] * 6) == [
-        1.0, 1.0, 1 / 3, 0.0, 0.0, 0.0,
+def test_the_verifier_scores_the_share_of_the_replys_words_that_are_the_answer() -> None:
+    replies = ["c", " c c", "c cat", "cat", "d", "", "C?"]
+    assert letter_reward([[{"role": "assistant", "content": r}] for r in replies], ["c"] * 7) == [
+        1.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0,
     ]  # fmt: skip
 
 
@@ -51,4 +51,4 @@ def test_prompts_render_through_the_chat_template_and_rewards_read_text(tiny_mod
         uid=0, prompt_id="p", task="chat", prompt_tokens=np.asarray(prompt.tokens, np.int32),
         samples=samples, metadata=prompt.metadata,
     )  # fmt: skip
-    assert task.reward(group) == [1.0, 1 / 4]  # decoded: "c" and "c xyz"
+    assert task.reward(group) == [1.0, 0.5]  # decoded: "c" and "c xyz"
