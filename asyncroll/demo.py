@@ -90,7 +90,7 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     # chat: evaluate greedily on the held-out questions every this many steps, and before the
     # first (0: never); stop once an evaluation's accuracy reaches `solved_accuracy` (0: never)
     eval_every: int = 0
-    solved_accuracy: float = 0.95
+    solved_accuracy: float = 0.9
 
     def __post_init__(self) -> None:
         for name in ("steps", "group_size", "batch_groups", "max_new_tokens"):

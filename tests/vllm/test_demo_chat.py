@@ -29,7 +29,7 @@ async def test_chat_demo_learns_the_held_out_questions(engine: VLLMEngine, tmp_p
     assert [e["step"] for e in evals] == [0, 10, 20, 30]
     assert [e["version"] for e in evals] == [0, 10, 20, 30]  # at the version after each step
     first, last = evals[0]["accuracy"], evals[-1]["accuracy"]
-    assert first < 0.1 and last >= 0.5, [e["accuracy"] for e in evals]
+    assert first < 0.1 and last >= 0.3, [e["accuracy"] for e in evals]  # 0.59-0.69 measured
     assert all(e["metrics"]["eval/prompts"] == 64 for e in evals)
     summary = (tmp_path / "summary.txt").read_text()
     assert "held-out accuracy, first / last evaluation" in summary
