@@ -3,13 +3,17 @@ the tiny model, GRPO in torch) for a fixed number of steps, without evaluation a
 greedy evaluation of the 64 held-out questions before the first step and every N steps.
 
 Both settings run on one vLLM engine (its weights reset between runs), alternating, so they
-share the machine's state; per setting, averaged over its runs:
+share the machine's state. Every group is trained on (`--filter none`): with the demo's filter
+a step's time depends on how much of the task the policy has learnt (groups it gets all right
+are dropped and more must be sampled), and two runs never learn alike (vLLM's sampling is not
+reproducible across runs), which drowned the evaluations' cost. Per setting, averaged over its
+runs:
 
 - loop s: wall time of the training loop (its steps and its evaluations, in sequence);
 - steps/s, trained tokens/s: steps and response tokens trained per second of that loop;
 - eval s: wall time of one evaluation (median); the producer keeps generating meanwhile.
 
-    python benchmarks/eval_cost.py              # 2 x 2 runs of 40 steps, ~3 min on 2 cores
+    python benchmarks/eval_cost.py              # 2 x 2 runs of 40 steps, ~2 min on 2 cores
     python benchmarks/eval_cost.py --quick      # CI smoke run: 1 x 2 runs of 2 steps
 """
 
@@ -47,7 +51,7 @@ async def measure(
                 with tempfile.TemporaryDirectory() as tmp:
                     config = demo_config(
                         task="chat", steps=steps, eval_every=setting, seed=seed, out=tmp,
-                        solved_accuracy=0.0,
+                        solved_accuracy=0.0, filter="none",
                     )  # fmt: skip
                     print(f"eval_every={setting}: {steps} steps", file=sys.stderr, flush=True)
                     records = await run_demo(
