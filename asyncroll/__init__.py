@@ -11,7 +11,14 @@ from importlib import metadata as _metadata
 from asyncroll import codec, filters
 from asyncroll.buffer import BufferStats, PutOutcome, RolloutBuffer
 from asyncroll.config import ProducerConfig
-from asyncroll.engines import Engine, EngineDeadError, SamplingConfig, SimConfig, SimEngine
+from asyncroll.engines import (
+    Engine,
+    EngineDeadError,
+    EngineDefaults,
+    SamplingConfig,
+    SimConfig,
+    SimEngine,
+)
 from asyncroll.episode import Episode, EpisodeError, RolloutFn, Turn, single_turn
 from asyncroll.evaluation import EvalResult, Evaluator
 from asyncroll.producer import (
@@ -40,6 +47,7 @@ __all__ = [
     "DropRecord",
     "Engine",
     "EngineDeadError",
+    "EngineDefaults",
     "Episode",
     "EpisodeError",
     "EvalResult",

@@ -69,6 +69,12 @@ class Admission:
         self.draw_scope: anyio.CancelScope | None = None
         self.staged: Staged | None = None
         self.next_uid = 0
+        # The staleness schedule's anchor: the groups the trainer is expected to have taken by
+        # version `anchor_version` (0 at 0; a checkpoint's on load), `batch_size` more a version
+        # after it. Anchored, not `version x batch_size`: a run resumed with another batch_size
+        # counted its past versions at the old size.
+        self.anchor_groups = 0
+        self.anchor_version = 0
 
     async def schedule(self) -> None:
         """Admit work while there is room: resumed groups first, then new prompts. Returns
@@ -213,17 +219,40 @@ class Admission:
             core.payload, len(group.prompt_tokens), metadata, episodes=core.episodes
         )
 
+    def scheduled(self) -> int | None:
+        """The groups the trainer is expected to have taken by the current version, at
+        `batch_size` a version since the anchor (None without a `batch_size`)."""
+        batch_size = self.core.config.batch_size
+        if batch_size is None:
+            return None
+        return self.anchor_groups + (self.core.version - self.anchor_version) * batch_size
+
+    def anchor(self, groups: int, version: int) -> None:
+        """Restart the schedule at `groups` taken by `version` (a checkpoint's)."""
+        self.anchor_groups, self.anchor_version = groups, version
+
+    def capacity(self) -> int | None:
+        """How many groups may be accepted or running in all (None: no limit). AReaL's rule,
+        accepted + running <= (max_staleness + version + 1) x batch_size, with the groups
+        expected taken by this version counted from the anchor (`scheduled`) instead of as
+        version x batch_size: nothing starts that would be too stale by the time the trainer
+        can take it."""
+        cfg = self.core.config
+        scheduled = self.scheduled()
+        if cfg.max_staleness is None or cfg.batch_size is None or scheduled is None:
+            return None
+        extra = math.ceil((cfg.oversample - 1.0) * cfg.batch_size)
+        return scheduled + (cfg.max_staleness + 1) * cfg.batch_size + extra
+
     def within_capacity(self) -> bool:
-        """AReaL's rule: accepted + running <= (max_staleness + version + 1) x batch_size, so
-        nothing starts that would be too stale by the time the trainer can take it."""
-        core = self.core
-        cfg = core.config
-        if cfg.max_staleness is None or cfg.batch_size is None:
+        """Whether one more group fits in the staleness capacity (`capacity`)."""
+        capacity = self.capacity()
+        if capacity is None:
             return True
+        core = self.core
         accepted = core.progress.counters.consumed_groups + core.buffer.num_ready
         running = core.buffer.num_reserved + core.buffer.num_resume  # in flight hold reservations
-        extra = math.ceil((cfg.oversample - 1.0) * cfg.batch_size)
-        return accepted + running < (cfg.max_staleness + core.version + 1) * cfg.batch_size + extra
+        return accepted + running < capacity
 
     def drained(self) -> bool:
         """Nothing more can become ready: prompts used up and nothing pending."""
@@ -269,9 +298,10 @@ class Admission:
             )
         return (
             f"produce_batch would wait forever: {held} and the staleness capacity at version "
-            f"{core.version} is used up ((max_staleness={cfg.max_staleness} + version + 1) x "
-            f"batch_size={cfg.batch_size}); call update_weights() after each batch, or raise "
-            "max_staleness"
+            f"{core.version} is used up ({self.capacity()} groups accepted or running: the "
+            f"{self.scheduled()} the trainer is expected to have taken by now, at batch_size="
+            f"{cfg.batch_size} a version, + (max_staleness={cfg.max_staleness} + 1) x "
+            "batch_size); call update_weights() after each batch, or raise max_staleness"
         )
 
     def batch_n(self, n: int | None) -> int:

@@ -39,6 +39,7 @@ def snapshot(core: Core, admission: Admission) -> ProducerState:
         cursor=core.prompts.state(),
         ready=ready,
         resume=resume,
+        scheduled_groups=admission.scheduled(),
     )
 
 
@@ -77,6 +78,13 @@ def restore(core: Core, admission: Admission, state: ProducerState, *, weights_g
     core.prompts.check(state.cursor)
     if len(state.latency_counts) != LatencyHistogram.BUCKETS:
         raise CheckpointError("checkpoint latency histogram has another bucket layout")
+    held = len(state.ready) + len(state.resume)
+    if held > cfg.max_buffer_groups:
+        raise CheckpointError(
+            f"the checkpoint holds {held} groups ({len(state.ready)} ready, "
+            f"{len(state.resume)} to resume), more than max_buffer_groups="
+            f"{cfg.max_buffer_groups}: resume with max_buffer_groups={held} or more"
+        )
     sampling, max_model_len = cfg.sampling, core.engine.max_model_len
     try:
         state = fit_to_run(
@@ -91,3 +99,7 @@ def restore(core: Core, admission: Admission, state: ProducerState, *, weights_g
     core.progress.restore(state.counters, state.latency_counts)
     core.version = state.version
     admission.next_uid = state.next_uid
+    scheduled = state.scheduled_groups
+    admission.anchor(
+        state.counters.consumed_groups if scheduled is None else scheduled, state.version
+    )

@@ -147,13 +147,14 @@ def _parser() -> argparse.ArgumentParser:
         "--correction",
         default=d.correction,
         help="off-policy correction of stale tokens: none, decoupled, tis, mask, seq-mask "
-        "(asyncroll.training.CORRECTIONS; the README says which to pick when; default %(default)s)",
+        "(asyncroll.training.CORRECTIONS; docs/off-policy.md says which to pick when; "
+        "default %(default)s)",
     )
     demo.add_argument(
         "--lora",
         action="store_true",
         help="train a LoRA adapter of every attention and MLP projection instead of every "
-        "weight, and move only the adapter into vLLM each step (README: LoRA)",
+        "weight, and move only the adapter into vLLM each step (docs/lora-training.md)",
     )
     demo.add_argument(
         "--lora-rank", type=int, default=d.lora_rank, help="--lora: rank (default %(default)s)"

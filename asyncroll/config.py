@@ -145,8 +145,16 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.group_size * per_sample + prompt
 
     def check_fits(self, payload_bytes_per_sample: int, *, episodes: bool = False) -> None:
-        """Refuse a buffer smaller than one group can be."""
+        """Refuse a buffer smaller than one group can be, or than one batch of them: a
+        `produce_batch` that could never fill is a configuration error, said at construction."""
         need = self.group_bytes(payload_bytes_per_sample, episodes=episodes)
+        if self.batch_size is not None and need <= self.max_buffer_bytes < self.batch_size * need:
+            raise ValueError(
+                f"max_buffer_bytes={self.max_buffer_bytes} cannot hold one batch: batch_size="
+                f"{self.batch_size} groups x {need} B (what a group can take before its prompt) "
+                f"= {self.batch_size * need} B; raise max_buffer_bytes or lower batch_size / "
+                "group_size / " + ("max_episode_tokens" if episodes else "max_new_tokens")
+            )
         if episodes and self.max_buffer_bytes < need:
             raise ValueError(
                 f"max_buffer_bytes={self.max_buffer_bytes} is smaller than one group of episodes "

@@ -54,8 +54,8 @@ sample, each of that letter's groups scores 0: the `nonzero_std` filter would dr
 letter would get no gradient again (seed 2 stalled at 0.25) and steps slow to 10-18 s. Kept
 ("none"), those groups carry the entropy bonus's gradient, which spreads the stuck letter's
 answers until a sample hits it; the entropy bonus alone (with the filter) still stalled seed 1
-at 0.4. Keeping every group makes a step ~0.5 s, so 150 steps fit in under two minutes; README
-"LoRA" has every run."""
+at 0.4. Keeping every group makes a step ~0.5 s, so 150 steps fit in under two minutes;
+benchmarks/results/demo-runs.md has every run."""
 
 
 class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,7 +83,7 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     # "none": train on them too (their only gradient is then the entropy bonus's)
     filter: str = "nonzero_std"
     # Train a LoRA adapter of the attention and MLP projections instead of every weight, and
-    # move only the adapter into vLLM each step (asyncroll.lora_train; README "LoRA").
+    # move only the adapter into vLLM each step (asyncroll.lora_train; docs/lora-training.md).
     lora: bool = False
     lora_rank: int = 8
     lora_alpha: float = 16.0

@@ -51,7 +51,7 @@ OnDrop = Callable[[R], None] | Callable[[R], Awaitable[None]]
 MAX_PENDING = 10_000
 
 
-class _Mode(enum.Enum):
+class _Kind(enum.Enum):
     NONE = "none"
     SYNC = "sync"
     ASYNC = "async"
@@ -71,7 +71,7 @@ class DropCallback(Generic[R]):
         is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004
         )
-        self._mode = _Mode.NONE if fn is None else _Mode.ASYNC if is_async else _Mode.SYNC
+        self._mode = _Kind.NONE if fn is None else _Kind.ASYNC if is_async else _Kind.SYNC
         self._pending: collections.deque[R] = collections.deque()
         self._changed = Signal()
         self._closed = False
@@ -88,11 +88,11 @@ class DropCallback(Generic[R]):
         """Hand `record` to the callback: now (sync), or queued for the delivery task (async).
         Never waits and never raises."""
         match self._mode:
-            case _Mode.NONE:
+            case _Kind.NONE:
                 return
-            case _Mode.SYNC:
+            case _Kind.SYNC:
                 self._call_sync(record, fail)
-            case _Mode.ASYNC:
+            case _Kind.ASYNC:
                 if self._broken or self._closed:
                     self.skipped += 1
                 elif len(self._pending) >= MAX_PENDING:
@@ -135,7 +135,7 @@ class DropCallback(Generic[R]):
         """The delivery task (async callbacks only): one record at a time, each within
         `timeout_s`, until closed and empty. Cancelled at the end of the run, it counts what
         is left as skipped."""
-        if self._mode is not _Mode.ASYNC:
+        if self._mode is not _Kind.ASYNC:
             return
         try:
             while True:

@@ -1,5 +1,5 @@
 """The ledger: where every started group, sample and generated token is right now, and the
-identity that says none was lost or counted twice (DESIGN.md invariant 4)."""
+identity that says none was lost or counted twice (docs/design.md, invariant 4)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ An adapter is a `LoraConfig` (rank, alpha, target leaf modules) and the `lora_A`
 tensors of each adapted linear layer, named by the Hugging Face module path:
 `"model.layers.0.self_attn.q_proj.lora_A.weight"` (shape `(rank, in_features)`) and
 `"...q_proj.lora_B.weight"` (shape `(out_features, rank)`). The layer then computes
-`W x + scale * B (A x)` with `scale = alpha / rank` (PEFT's default; rsLoRA is not supported).
+`W x + scale * B (A x)` with `scale = alpha / rank` (PEFT's default), or `alpha / sqrt(rank)`
+with `use_rslora` (rsLoRA).
 
 Everything is checked when the adapter is built (`LoraAdapter.__post_init__`), so a bad
 adapter fails in the trainer with a message naming the tensor, not later inside a vLLM worker:
@@ -39,6 +40,8 @@ _PEFT_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.]
 # PEFT tensors that change what the adapter computes but have no place in a plain LoRA.
 _UNSUPPORTED = ("lora_embedding_", "lora_magnitude_vector", "lora_B.bias", "modules_to_save")
 _LEAF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Base weights of a wrapped layer, found only in the wrapped model's whole `state_dict()`.
+_BASE_LAYER = ".base_layer.weight"
 
 
 class LoraError(ValueError):
@@ -46,12 +49,14 @@ class LoraError(ValueError):
 
 
 class LoraConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """What shapes an adapter: its rank, its `alpha` (scale = alpha / rank) and the leaf names
-    of the linear modules it adapts (e.g. `("q_proj", "v_proj")`)."""
+    """What shapes an adapter: its rank, its `alpha` (scale = alpha / rank, or alpha /
+    sqrt(rank) with `use_rslora`, PEFT's rsLoRA) and the leaf names of the linear modules it
+    adapts (e.g. `("q_proj", "v_proj")`)."""
 
     rank: int
     alpha: float
     target_modules: tuple[str, ...]
+    use_rslora: bool = False
 
     def __post_init__(self) -> None:
         # Nothing checks a struct's field types: bool is an int, NaN passes comparisons.
@@ -76,10 +81,15 @@ class LoraConfig(msgspec.Struct, frozen=True, kw_only=True):
                 )
         if len(set(self.target_modules)) != len(self.target_modules):
             raise LoraError(f"LoraConfig target_modules={self.target_modules!r} repeats a name")
+        if not isinstance(self.use_rslora, bool):
+            raise LoraError(f"LoraConfig use_rslora={self.use_rslora!r}: must be True or False")
 
     @property
     def scale(self) -> float:
-        """What `B @ A` is multiplied by: alpha / rank (PEFT's default scaling)."""
+        """What `B @ A` is multiplied by: alpha / rank (PEFT's default scaling), or alpha /
+        sqrt(rank) with `use_rslora` (as PEFT and vLLM compute it)."""
+        if self.use_rslora:
+            return float(self.alpha) / math.sqrt(self.rank)
         return float(self.alpha) / self.rank
 
 
@@ -189,6 +199,12 @@ class LoraAdapter:
         for key, t in ((module + _A, a), (module + _B, b)):
             if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 2:
                 raise LoraError(f"LoraAdapter {key!r}: must be a 2-D floating-point torch.Tensor")
+            # float8 has no arithmetic in torch (isfinite included) and vLLM casts adapters
+            if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+                raise LoraError(
+                    f"LoraAdapter {key!r} is {t.dtype}: give float16, bfloat16, float32 or "
+                    "float64 (the engine casts it to the model's LoRA dtype)"
+                )
             if not bool(torch.isfinite(t).all()):
                 raise LoraError(f"LoraAdapter {key!r} has NaN or infinite values")
         if a.shape[0] != rank or b.shape[1] != rank:
@@ -209,7 +225,13 @@ def from_peft_state(state: Mapping[str, torch.Tensor], config: LoraConfig) -> Lo
     `state_dict()` (which adds the adapter name, "...lora_A.default.weight", and holds the base
     weights too, which are skipped). Only `lora_A`/`lora_B` weights of one adapter are taken;
     PEFT tensors a plain LoRA cannot express (embedding LoRA, DoRA magnitudes, LoRA biases,
-    modules_to_save) are refused rather than silently dropped."""
+    modules_to_save) are refused rather than silently dropped.
+
+    A state without base weights (no "base_layer.weight": `get_peft_model_state_dict`) holds
+    only what PEFT trained, so any other tensor there, such as the biases `bias="all"` or
+    `"lora_only"` trains, is refused too. In a whole `state_dict()` trained biases cannot be
+    told from the frozen base's: pass `get_peft_model_state_dict(model)` to have them checked."""
+    whole = any(_BASE_LAYER in key for key in state)
     found: list[tuple[str, str, torch.Tensor]] = []  # (adapter name, our name, tensor)
     for key, tensor in state.items():
         if any(part in key for part in _UNSUPPORTED):
@@ -221,6 +243,12 @@ def from_peft_state(state: Mapping[str, torch.Tensor], config: LoraConfig) -> Lo
         if match is None:
             if ".lora_" in key:
                 raise LoraError(f"PEFT state has {key!r}: not a lora_A/lora_B weight name")
+            if not whole:
+                raise LoraError(
+                    f"PEFT state has {key!r}, a trained tensor that is no lora_A/lora_B weight "
+                    "(a bias trained with bias='all' or 'lora_only'?): train with bias='none' "
+                    "(a plain LoRA has no bias)"
+                )
             continue  # a base model weight of model.state_dict()
         module = match["module"].removeprefix(_PEFT_PREFIX)
         found.append((match["adapter"] or "", f"{module}.lora_{match['ab']}.weight", tensor))
@@ -274,7 +302,7 @@ def peft_config(config: LoraConfig) -> dict[str, object]:
         "lora_alpha": config.alpha,
         "target_modules": list(config.target_modules),
         "bias": "none",
-        "use_rslora": False,
+        "use_rslora": config.use_rslora,
         "use_dora": False,
         "modules_to_save": None,
         "fan_in_fan_out": False,

@@ -6,7 +6,10 @@ a `LoraLinear`: the original layer, frozen, plus two trainable matrices A (rank 
 parameter of the model outside A and B is frozen, so an optimizer over
 `trainable_parameters(model)` holds a few megabytes of state instead of the whole model's.
 A starts as PEFT does (Kaiming-uniform, like an `nn.Linear`'s weight) and B at zero: the
-wrapped model starts out as the base model exactly, and the first steps move B.
+wrapped model starts out as the base model exactly, and the first steps move B. As PEFT does by
+default, A and B of a 16-bit model are float32 (a bfloat16 B would round most of a small
+optimizer step away): the layer computes the update in float32 and returns the model's dtype.
+The output head is refused: the engines serve adapters on the model's inner linear layers only.
 
 The wrapped layer's children are named as PEFT names them (`base_layer`, `lora_A`, `lora_B`),
 so `model.named_parameters()` already carries the adapter's keys
@@ -32,18 +35,19 @@ from asyncroll.lora import LoraAdapter, LoraConfig, LoraError
 
 class LoraLinear(nn.Module):
     """A frozen `nn.Linear` (`base_layer`) plus scale * B A, with A = `lora_A.weight` and
-    B = `lora_B.weight` the only trainable tensors."""
+    B = `lora_B.weight` the only trainable tensors (float32 unless the layer is float64)."""
 
     def __init__(self, base_layer: nn.Linear, config: LoraConfig) -> None:
         super().__init__()
         self.base_layer = base_layer
         self.config = config
         ref = base_layer.weight
+        dtype = torch.promote_types(ref.dtype, torch.float32)
         self.lora_A = nn.Linear(
-            base_layer.in_features, config.rank, bias=False, device=ref.device, dtype=ref.dtype
+            base_layer.in_features, config.rank, bias=False, device=ref.device, dtype=dtype
         )
         self.lora_B = nn.Linear(
-            config.rank, base_layer.out_features, bias=False, device=ref.device, dtype=ref.dtype
+            config.rank, base_layer.out_features, bias=False, device=ref.device, dtype=dtype
         )
         # PEFT's default init: A as an nn.Linear weight (Kaiming-uniform, a = sqrt(5)), B zero,
         # so that B A = 0 and training starts from the base model itself.
@@ -53,8 +57,8 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.base_layer(x)
-        update: torch.Tensor = self.lora_B(self.lora_A(x))
-        return out + update * self.config.scale
+        update: torch.Tensor = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype)))
+        return (out + update * self.config.scale).to(out.dtype)
 
 
 def wrap_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
@@ -74,6 +78,15 @@ def wrap_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
         if leaf in found and isinstance(module, nn.Linear):
             parent = model.get_submodule(path.rpartition(".")[0])
             found[leaf].append((parent, leaf, module))
+    head = _output_head(model)
+    for layers in found.values():
+        for _, leaf, linear in layers:
+            if linear is head:
+                raise LoraError(
+                    f"target_modules has {leaf!r}: {leaf} is the model's output head, and the "
+                    "engines serve adapters on the model's inner linear layers only (vLLM "
+                    "would need its own lm_head LoRA format); drop it from target_modules"
+                )
     missing = [name for name, layers in found.items() if not layers]
     if missing:
         raise LoraError(
@@ -113,6 +126,13 @@ def adapter_of(model: nn.Module) -> LoraAdapter:
         tensors[f"{path}.lora_A.weight"] = layer.lora_A.weight.detach().clone()
         tensors[f"{path}.lora_B.weight"] = layer.lora_B.weight.detach().clone()
     return LoraAdapter(config=config, tensors=tensors)
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output layer (Hugging Face's `get_output_embeddings`, else `lm_head`)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else getattr(model, "lm_head", None)
 
 
 def _linear_leaves(model: nn.Module) -> set[str]:

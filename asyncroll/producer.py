@@ -46,7 +46,13 @@ from asyncroll.config import ProducerConfig, make_config
 from asyncroll.control import Control
 from asyncroll.core import Core, ProducerError
 from asyncroll.drops import DropCallback, OnDrop
-from asyncroll.engines.base import Engine, GenerateRequest, SampleOutput, Weights
+from asyncroll.engines.base import (
+    Engine,
+    GenerateRequest,
+    SampleOutput,
+    Weights,
+    engine_options,
+)
 from asyncroll.episode import RolloutFn
 from asyncroll.flights import DropRecord, Flights
 from asyncroll.ledger import Ledger, LedgerError
@@ -131,6 +137,9 @@ class Producer:
         rollout_fn: RolloutFn | None = None,
         **options: Any,
     ) -> None:
+        # Required members checked and optional ones read (or defaulted) once: an engine
+        # written before a member was added runs, and one missing a member is named here.
+        self._engine_options = optional = engine_options(engine)
         self.config = cfg = make_config(config, options)
         if rollout_fn is not None and not (
             inspect.iscoroutinefunction(rollout_fn)
@@ -149,14 +158,14 @@ class Producer:
         # An engine that states how long its pause or resume can take (VLLMServerEngine:
         # per-replica deadlines) must fit inside the producer's own wait for it, or a pause
         # that is still going stops the run as a timeout and its undo waits behind it.
-        bound = engine.pause_bound_s
+        bound = optional.pause_bound_s
         if bound is not None and bound >= cfg.abort_timeout_s:
             raise ValueError(
                 f"abort_timeout_s={cfg.abort_timeout_s} does not outlast the engine's pause "
                 f"bound ({type(engine).__name__}.pause_bound_s={bound}): raise abort_timeout_s "
                 "above it, or lower the engine's pause_timeout_s"
             )
-        _check_adapter_slots(engine, cfg.max_staleness)
+        _check_adapter_slots(engine, optional.adapter_slots, cfg.max_staleness)
         payload = engine.payload_bytes(cfg.sampling.max_new_tokens)
         cfg.check_fits(payload, episodes=episodes)
         self.engine = engine
@@ -414,7 +423,7 @@ class Producer:
         core = self._core
         hold: contextlib.AbstractAsyncContextManager[None] = (
             self._control.steady()
-            if isinstance(weights, LoraAdapter) and self.engine.adapter_slots is not None
+            if isinstance(weights, LoraAdapter) and self._engine_options.adapter_slots is not None
             else self._control.holding(Hold.UPDATE)
         )
         async with self._update_lock, hold:
@@ -441,7 +450,7 @@ class Producer:
                             f"update_weights to version {new} failed ({type(exc).__name__}: "
                             f"{exc}); the producer stays at version {old} and runs on: call "
                             "update_weights again"
-                        ) from None
+                        ) from exc  # the engine's reason (a LoraError, say) stays attached
                     case CutUpdate.UNNAMED:
                         raise ProducerError(core.error) from None
             self._flights.set_version(new)
@@ -540,6 +549,13 @@ class Producer:
         `max_model_len`) finish as "length", truncated to it; with a `rollout_fn`, partial
         groups restart from their prompt (`state.fit_to_run`).
 
+        Every other `ProducerConfig` field may differ from the saved run's, except
+        `group_size` (stored groups hold that many samples) and a `max_buffer_groups` below
+        the groups the checkpoint holds: those are refused, naming the field, before anything
+        loads. A new `batch_size` continues the staleness schedule from the checkpoint (the
+        groups it expected taken by its version), `batch_size` more per version from there
+        (`tests/test_resume_config.py` changes each field).
+
         A checkpoint past version 0 was trained on: `weights` are the trainer's weights at that
         version (`model.named_parameters()`), loaded into the engine on entry. Pass
         `weights=None` only when the engine already serves them; otherwise the base model's
@@ -582,11 +598,10 @@ class Producer:
             )
 
 
-def _check_adapter_slots(engine: Engine, max_staleness: int | None) -> None:
+def _check_adapter_slots(engine: Engine, slots: int | None, max_staleness: int | None) -> None:
     """Updating adapters without a pause leaves the adapters of up to `max_staleness` older
     versions in use beside the new one: an engine that registers fewer (`adapter_slots`) would
     abort the groups of the oldest at each update."""
-    slots = engine.adapter_slots
     if slots is not None and max_staleness is not None and slots < max_staleness + 1:
         raise ValueError(
             f"max_staleness={max_staleness} lets groups of {max_staleness + 1} versions run at "

@@ -1,4 +1,4 @@
-"""Counters of the producer (DESIGN.md invariants 4 and 5).
+"""Counters of the producer (docs/design.md, invariants 4 and 5).
 
 Every counter is cumulative and lives on the producer; "since the last batch" is the difference
 of two cumulative snapshots, so there is no second set of counters to keep in step and nothing to

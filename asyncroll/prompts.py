@@ -82,14 +82,22 @@ def _requeued_prompts(state: CursorState) -> list[Prompt]:
     return prompts
 
 
-def as_prompt(item: PromptLike | None, task: str, index: int) -> Prompt:
+def as_prompt(item: PromptLike | None, task: str, index: int, *, mixed: bool = False) -> Prompt:
     """Normalize a source item; the prompt id defaults to "<task>/<index in its source>".
     Anything that is not a `Prompt` or a mapping (None included) is taken as its tokens, checked
-    when its group starts."""
+    when its group starts. `mixed`: the source is a `TaskMix`'s, whose name is the task of all
+    it gives: a mapping without a task takes it, and a `Prompt` built for another task (chat
+    prompts built without `task=`, say) is refused rather than counted under the wrong task."""
+    if isinstance(item, Mapping):
+        item = Prompt(**({"task": task} | dict(item) if mixed else item))
     if isinstance(item, Prompt):
         prompt = item
-    elif isinstance(item, Mapping):
-        prompt = Prompt(**item)
+        if mixed and prompt.task != task:
+            raise ValueError(
+                f"TaskMix source {task!r} gave prompt {prompt.prompt_id!r} of task "
+                f"{prompt.task!r}: build its prompts with task={task!r} (e.g. "
+                f"chat_prompts(rows, tokenizer, task={task!r}))"
+            )
     else:
         prompt = Prompt(tokens=item, task=task)
     if prompt.prompt_id is None:
@@ -100,9 +108,10 @@ def as_prompt(item: PromptLike | None, task: str, index: int) -> Prompt:
 class _TaskSource:
     """One iterable, sync or async, with the count of items drawn from it."""
 
-    def __init__(self, task: str, source: PromptSource) -> None:
+    def __init__(self, task: str, source: PromptSource, *, mixed: bool = False) -> None:
         self.task = task
         self.source = source
+        self.mixed = mixed  # a TaskMix's source: every prompt it gives is of `task`
         self.drawn = 0
         self._skip = 0
         self._sync: Iterator[PromptLike] | None = None
@@ -141,7 +150,7 @@ class _TaskSource:
         if item is _End.END:
             self.exhausted = True
             return None
-        prompt = as_prompt(item, self.task, self.drawn)
+        prompt = as_prompt(item, self.task, self.drawn, mixed=self.mixed)
         self.drawn += 1
         return prompt
 
@@ -182,7 +191,7 @@ class TaskMix:
             )
         if not all(w > 0 and np.isfinite(w) for w in weights.values()):
             raise ValueError(f"TaskMix weights must be finite and > 0, got {weights}")
-        self.sources = {t: _TaskSource(t, s) for t, s in tasks.items()}
+        self.sources = {t: _TaskSource(t, s, mixed=True) for t, s in tasks.items()}
         self.weights = weights
         self.rng = random.Random(seed)
 

@@ -44,7 +44,7 @@ class RewardDeadline(Exception):
     """The reward function ran longer than its deadline (queue time not included)."""
 
 
-class _Mode(enum.Enum):
+class _Call(enum.Enum):
     ASYNC = "async"
     THREAD = "thread"
     INLINE = "inline"
@@ -61,7 +61,7 @@ class RewardRunner:
         is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004
         )
-        self._mode = _Mode.ASYNC if is_async else _Mode.THREAD if in_thread else _Mode.INLINE
+        self._mode = _Call.ASYNC if is_async else _Call.THREAD if in_thread else _Call.INLINE
         self._limiter: anyio.CapacityLimiter | None = None  # made on the loop that uses it
         self._hung = 0  # abandoned calls still running in their thread
 
@@ -72,7 +72,7 @@ class RewardRunner:
 
     def stuck_error(self) -> str | None:
         """Why no group can be scored any more, or None while one can."""
-        if self._mode is not _Mode.THREAD or self._hung < self.workers:
+        if self._mode is not _Call.THREAD or self._hung < self.workers:
             return None
         return (
             f"every reward worker ({self.workers}) is stuck in reward function {self.name!r}: "
@@ -84,14 +84,14 @@ class RewardRunner:
         """The function's result for `group` (unchecked); `RewardDeadline` past the deadline,
         whatever the function raised otherwise."""
         match self._mode:
-            case _Mode.ASYNC:
+            case _Call.ASYNC:
                 return await self._deadline(self._awaited(self.fn(group)))
-            case _Mode.THREAD:
+            case _Call.THREAD:
                 result = await self._in_thread(group)
                 if inspect.isawaitable(result):  # a sync function that returned a coroutine
                     return await self._deadline(self._awaited(result))
                 return result
-            case _Mode.INLINE:
+            case _Call.INLINE:
                 start = time.monotonic()
                 result = self.fn(group)
                 if inspect.isawaitable(result):  # a sync function that returned a coroutine

@@ -49,6 +49,10 @@ class ProducerState(msgspec.Struct, frozen=True, kw_only=True):
     cursor: CursorState
     ready: list[bytes]
     resume: list[bytes]
+    # The groups the staleness schedule expected taken by `version` (`Admission.scheduled`);
+    # None: the run had no batch_size (or the file predates the field): a resumed run
+    # anchors its schedule at the groups consumed.
+    scheduled_groups: int | None = None
 
 
 def dumps(state: ProducerState) -> bytes:

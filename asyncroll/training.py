@@ -184,12 +184,13 @@ def token_logprobs(
     importance ratio is 0 and it gets no gradient.
 
     Computed as the chosen logit minus a logsumexp, in chunks of rows, by a custom autograd
-    function that keeps only `logits` and one float per position for backward and recomputes
-    the softmax there: no [B, L, V] float32 log_softmax is ever built (tens of GB at a 152k
+    function that keeps only `logits` and one float per position for backward and recomputes the
+    softmax there: no [B, L, V] float32 log_softmax is ever built (tens of GB at a 152k
     vocabulary). Each chunk works in place on one float32 copy of its rows (plus, with top-p, a
-    sort), so the extra memory of forward and of backward (the gradient of `logits` itself,
-    which backward must return, aside) is at most min(`CHUNK_BYTES`, the logits' size /
-    `CHUNK_SHARE`), or one row's worth when that is more.
+    sort; with top-k alone, a `topk` of at most half a row, counted in the chunk's size), so the
+    extra memory of forward and of backward (the gradient of `logits` itself, which backward
+    must return, aside) is at most min(`CHUNK_BYTES`, the logits' size / `CHUNK_SHARE`), or one
+    row's worth when that is more.
     """
     if not 0 < temperature < math.inf:  # NaN too: it would make every logprob NaN
         raise ValueError(
@@ -215,7 +216,7 @@ def _chunk_rows(logits: torch.Tensor, sampler: _Sampler) -> int:
     """Rows per chunk: their temporaries within min(CHUNK_BYTES, the logits' size /
     CHUNK_SHARE), at least one row."""
     budget = min(CHUNK_BYTES, logits.numel() * logits.element_size() // CHUNK_SHARE)
-    return max(1, budget // (logits.shape[-1] * sampler.bytes_per_logit(logits.dtype)))
+    return max(1, budget // sampler.bytes_per_row(logits.shape[-1], logits.dtype))
 
 
 class _Sampler(msgspec.Struct, frozen=True):
@@ -240,14 +241,24 @@ class _Sampler(msgspec.Struct, frozen=True):
         """float32, as vLLM samples in; float64 stays (gradcheck)."""
         return torch.promote_types(logits_dtype, torch.float32)
 
-    def bytes_per_logit(self, logits_dtype: torch.dtype) -> int:
-        """Bytes `kept` allocates per logit at its peak: the copy it returns, and with top-k a
-        bool mask, with top-p the sorted values, their int64 order, their cumulative
-        probabilities and a bool mask."""
+    def bytes_per_row(self, vocab: int, logits_dtype: torch.dtype) -> int:
+        """Bytes `kept` allocates per row at its peak: the copy it returns; with top-p the
+        sorted values, their int64 order, their cumulative probabilities and a bool mask; with
+        top-k alone the values and int64 indices `topk` returns for the threshold (of
+        `_threshold_count` entries) and a bool mask."""
         size = self.dtype(logits_dtype).itemsize
         if self.top_p < 1:
-            return 3 * size + 8 + 1
-        return size + 1 if self.top_k is not None else size
+            return vocab * (3 * size + 8 + 1)
+        count = self._threshold_count(vocab)
+        return vocab * size + (count * (size + 8) + vocab if count else 0)
+
+    def _threshold_count(self, vocab: int) -> int:
+        """How many entries `topk` must return to find the k-th largest logit: k from the top
+        or vocab - k + 1 from the bottom, whichever is fewer (the same order statistic, ties
+        included); 0 when top-k keeps every token."""
+        if self.top_k is None or self.top_k >= vocab:
+            return 0
+        return min(self.top_k, vocab - self.top_k + 1)
 
     def kept(self, logits: torch.Tensor) -> torch.Tensor:
         """A new tensor of the sampling distribution's logits, -inf outside the kept tokens
@@ -258,8 +269,9 @@ class _Sampler(msgspec.Struct, frozen=True):
         vocab = x.shape[-1]
         k = min(self.top_k, vocab) if self.top_k is not None else None
         if self.top_p >= 1:
-            if k is not None:
-                x.masked_fill_(x < x.topk(k, dim=-1).values[:, -1:], float("-inf"))
+            count = self._threshold_count(vocab)
+            if count:
+                x.masked_fill_(x < _kth_largest(x, self.top_k or vocab, count), float("-inf"))
             return x
         ascending, order = x.sort(dim=-1, descending=False)
         if k is not None:
@@ -270,6 +282,14 @@ class _Sampler(msgspec.Struct, frozen=True):
         del cumulative
         removed[:, -1] = False
         return x.scatter_(-1, order, ascending.masked_fill_(removed, float("-inf")))
+
+
+def _kth_largest(x: torch.Tensor, k: int, count: int) -> torch.Tensor:
+    """The k-th largest value of each row of `x`, as a column, through a `topk` of `count`
+    entries (`_Sampler._threshold_count`); only the column outlives the call."""
+    if count == k:
+        return x.topk(k, dim=-1).values[:, -1:].clone()
+    return x.topk(count, dim=-1, largest=False).values[:, -1:].clone()
 
 
 class _ChosenLogprob(torch.autograd.Function):
@@ -377,7 +397,7 @@ CORRECTIONS: dict[str, Correction | None] = {
     "mask": Correction(token_band=(0.5, 2.0)),
     "seq-mask": Correction(truncate=2.0, sequence_band=(0.5, 2.0)),
 }
-"""Named presets (the demo's `--correction`); the README says which to pick when."""
+"""Named presets (the demo's `--correction`); docs/off-policy.md says which to pick when."""
 
 
 class BehaviourWeights(msgspec.Struct, frozen=True, kw_only=True):

@@ -2,7 +2,7 @@
 
 Token data are numpy arrays, never per-token Python objects: a Python int costs 28 bytes plus
 an 8-byte list slot, an int32 costs 4. Structs are frozen so that a status, once classified,
-cannot be rewritten by anyone downstream (DESIGN.md invariant 2); "changing" a group means
+cannot be rewritten by anyone downstream (docs/design.md, invariant 2); "changing" a group means
 building a new one with `msgspec.structs.replace`.
 """
 

@@ -5,9 +5,15 @@
 #   bash benchmarks/gpu_check.sh --python python3 --steps tests,parity   # a python that has vllm
 #   bash benchmarks/gpu_check.sh --list               # the steps, their limits and outputs
 #   bash benchmarks/gpu_check.sh --dry-run            # print each step's command, run nothing
+#   bash benchmarks/gpu_check.sh --python python3 --steps torch   # a GPU with torch, no vLLM
 #
 # Steps (in this order; --steps picks some, comma-separated):
 #   install     a fresh venv with the CUDA vllm wheel: `make VENV=$VENV EXTRA=gpu install`
+#   torch       benchmarks/gpu_check_torch.py, the trainer side with the machine's own CUDA torch
+#               (no vLLM, no network): token_logprobs and policy_loss in bf16/fp32 against
+#               float64 at a 152k vocabulary, their GPU memory against the bound, wrap_lora
+#               training steps, the codec with CUDA tensors. --wheelhouse DIR: wheels of
+#               asyncroll's dependencies the machine lacks (msgspec, ...; see that script)
 #   tests       pytest -m gpu and every real-vLLM test (tests/vllm, the engine conformance) on CUDA
 #   parity      the weight-parity conformance on CUDA: in-process engine, `vllm serve` over the
 #               shared folder and over NCCL, every tensor perturbed, tied and untied heads
@@ -27,10 +33,11 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-ALL_STEPS=(install tests parity throughput memory demo)
-declare -A LIMIT_S=([install]=900 [tests]=420 [parity]=300 [throughput]=420 [memory]=240 [demo]=420)
+ALL_STEPS=(install torch tests parity throughput memory demo)
+declare -A LIMIT_S=([install]=900 [torch]=240 [tests]=420 [parity]=300 [throughput]=420 [memory]=240 [demo]=420)
 declare -A WHAT=(
   [install]="a fresh venv with .[gpu,dev]"
+  [torch]="trainer side on CUDA torch alone: logprobs, loss, memory, LoRA, codec"
   [tests]="pytest -m gpu + the real-vLLM tests on CUDA"
   [parity]="weight parity on CUDA (in-process, HTTP, NCCL)"
   [throughput]="~1B bf16 Llama: tokens/s vs LLM.generate, update_weights latency"
@@ -42,9 +49,10 @@ OUT="$ROOT/gpu-check-out"
 VENV="$ROOT/.venv-gpu"
 PY=""
 STEPS=""
+WHEELHOUSE=""
 DRY=0
 
-usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -52,6 +60,7 @@ while [ $# -gt 0 ]; do
     --venv) VENV="$2"; shift 2 ;;
     --python) PY="$2"; shift 2 ;;
     --steps) STEPS="$2"; shift 2 ;;
+    --wheelhouse) WHEELHOUSE="$(cd "$2" && pwd)"; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     --list)
       for s in "${ALL_STEPS[@]}"; do printf '%-11s %4ss  %s\n' "$s" "${LIMIT_S[$s]}" "${WHAT[$s]}"; done
@@ -63,7 +72,7 @@ done
 
 if [ -z "$STEPS" ]; then
   # A given --python already has vllm: nothing to install.
-  if [ -n "$PY" ]; then STEPS="tests,parity,throughput,memory,demo"
+  if [ -n "$PY" ]; then STEPS="torch,tests,parity,throughput,memory,demo"
   else STEPS="$(IFS=,; echo "${ALL_STEPS[*]}")"; fi
 fi
 IFS=, read -r -a CHOSEN <<< "$STEPS"
@@ -113,6 +122,12 @@ step_install() {
   fi
   [ "$DRY" = 1 ] || rm -rf "$VENV"
   run_in "$ROOT" make VENV="$VENV" EXTRA=gpu install
+}
+
+step_torch() {
+  # Needs no vLLM: the script checks CUDA (and the dependencies it can import) itself.
+  run_in "$ROOT" "$PY" benchmarks/gpu_check_torch.py --out "$1" \
+    ${WHEELHOUSE:+--wheelhouse "$WHEELHOUSE"}
 }
 
 step_tests() {
@@ -167,7 +182,7 @@ for s in "${CHOSEN[@]}"; do
   start=$(date +%s)
   # `timeout` runs the step in a child shell of this script, so the step functions are exported
   export -f "step_$s" require_cuda run_in
-  export ROOT PY VENV DRY
+  export ROOT PY VENV DRY WHEELHOUSE
   timeout --kill-after=30 "${LIMIT_S[$s]}" bash -c "step_$s \"\$1\"" _ "$dir" > "$dir/log.txt" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))

@@ -43,6 +43,8 @@ FILTERS: dict[str, dict[str, Any]] = {
     "top-p 0.9": {"top_p": 0.9},
     "top-k 50": {"top_k": 50},
     "top-k 50 + top-p 0.9": {"top_k": 50, "top_p": 0.9},
+    "top-k vocab/2": {"top_k": "vocab/2"},  # `topk` returns half a chunk's values and ids
+    "top-k vocab": {"top_k": "vocab"},
     "naive log_softmax": {},  # the baseline, not token_logprobs
 }
 TEMPERATURE = 0.7
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=152_064)
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--quick", action="store_true", help="2 x 256 x 32,000, bf16 only")
+    parser.add_argument("--filters", nargs="+", choices=list(FILTERS), default=list(FILTERS))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one measurement, in a new process
     args = parser.parse_args(argv)
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         shape, dtypes = (2, 256, 32_000), ["bfloat16"]
     results = []
     for dtype in dtypes:
-        for name in FILTERS:
+        for name in args.filters:
             print(f"{dtype} {name}", file=sys.stderr, flush=True)
             results.append(run_child({"shape": shape, "dtype": dtype, "filter": name}))
     report(results, shape, args.out)
@@ -120,7 +123,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     logits = (2 * torch.randn(b, length, vocab)).to(getattr(torch, spec["dtype"]))
     logits.requires_grad_(True)
     ids = torch.randint(vocab, (b, length))
-    options = FILTERS[spec["filter"]]
+    sizes = {"vocab/2": vocab // 2, "vocab": vocab}
+    options = {k: sizes.get(v, v) for k, v in FILTERS[spec["filter"]].items()}
 
     def forward() -> torch.Tensor:
         if spec["filter"] == "naive log_softmax":

@@ -3,7 +3,7 @@
 Why: each failure mode has a unit test, but a run meets them together and in every order (an
 engine error while a pause drains, a checkpoint while a reward hangs, a restart while groups
 wait to resume). The soak drives one producer after another through such a run and checks the
-guarantees of README.md after every step, so that the first violation is reported, with what
+guarantees of docs/design.md after every step, so that the first violation is reported, with what
 was going on, instead of surfacing weeks later as a hung or silently skewed training run.
 
 What runs (all draws seeded; `_chaos.py` holds the hostile parts):

@@ -789,13 +789,13 @@ def _latency_table(rows: list[dict[str, Any]]) -> tuple[str, list[str], list[lis
 
 def targets(results: dict[str, Any]) -> list[list[Any]]:
     """Each figure next to its target. Issue #12's 10,000 groups/s, codec >= 50% of a memory
-    copy at 1 MiB and `put` >= 80% of a warm encode are retired (README, "Targets"): their rows
-    stay, marked so, for comparison with earlier runs. Ratios that swing by tens of per cent
-    between runs on a shared machine (the codec at 16 MiB, `put` next to its floor) are shown
+    copy at 1 MiB and `put` >= 80% of a warm encode are retired (benchmarks/results/hot-path.md):
+    their rows stay, marked so, for comparison with earlier runs. Ratios that swing by tens of per
+    cent between runs on a shared machine (the codec at 16 MiB, `put` next to its floor) are shown
     without a target; `put`'s page faults, the issue's cause, are counted exactly."""
     rows: list[list[Any]] = []
     retired = "retired (was >= {})"
-    reference = "none: for reference (README)"
+    reference = "none: for reference (benchmarks/README.md)"
     if "codec" in results:
         trips = {(r["shape"], r["method"]): r["encode_s"] + r["decode_s"] for r in results["codec"]}
         if ("1 MiB", "asyncroll codec") in trips:
@@ -851,7 +851,7 @@ def targets(results: dict[str, Any]) -> list[list[Any]]:
         if r["per_token_ms"] < REALISTIC_MS_PER_TOKEN:
             target, met = "none: faster than realistic", "-"
         elif r["tokens"] < TOKENS:
-            target, met = "none: short responses (README)", "-"
+            target, met = "none: short responses (benchmarks/README.md)", "-"
         else:
             target, met = "<= 2%", _yes(r["wall_share"] <= 0.02)
         rows.append([f"asyncroll share of wall at {what}", f"{r['wall_share']:.2%}", target, met])

@@ -3,7 +3,7 @@
 Speed is reported by the benchmarks, never asserted here. The one property asserted is the
 project's reason to exist: over a run where 70% of groups are dropped, asyncroll's memory stays
 flat while the baseline that keeps dropped groups grows by what it keeps. The chaos soak's
-verdict is its own exit status (every check of README.md's guarantees under injected faults).
+verdict is its own exit status (every check of docs/design.md's invariants under injected faults).
 
 Tolerances, from measured noise (2 cores): asyncroll's RSS slope is allocator and
 garbage-collector jitter, a few MiB whatever the run's length, so it shrinks as runs get longer.

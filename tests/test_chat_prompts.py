@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncroll import Producer, SimConfig, SimEngine
+from asyncroll import Producer, ProducerError, SimConfig, SimEngine
 from asyncroll.chat import (
     TINY_CHAT_TEMPLATE,
     PromptBuilder,
@@ -263,3 +263,29 @@ async def test_the_producer_samples_from_the_built_ids_and_keeps_the_row(qwen3: 
         assert group.prompt_tokens.tolist() == built[group.prompt_id].tokens.tolist()
         assert group.prompt_tokens.tolist() == rendered(qwen3, rows[index]["messages"])
         assert group.metadata == rows[index]
+
+
+async def test_a_bad_row_drawn_by_the_producer_stops_it_naming_the_row(tiny: Any) -> None:
+    """Built lazily, a row the template rejects surfaces when drawn: the run stops with the
+    row's error (no group is silently skipped; `list(chat_prompts(...))` finds it up front)."""
+    rows: list[dict[str, Any]] = [
+        {"messages": [{"role": "user", "content": f"{i} + 1?"}], "answer": str(i + 1)}
+        for i in range(3)
+    ]
+    rows.insert(2, {"messages": [{"role": "user", "content": ["not", "text"]}]})
+
+    async def zero(group: Any) -> list[float]:
+        return [0.0] * group.num_samples
+
+    producer = Producer(
+        SimEngine(SimConfig(vocab_size=len(tiny))),
+        chat_prompts(rows, tiny),
+        zero,
+        group_size=2,
+        sampling=SamplingConfig(max_new_tokens=4),
+    )
+    with pytest.raises(ProducerError, match=r"prompt source raised PromptError: row 2 'messages'"):
+        async with producer:
+            await producer.produce_batch(4)
+    with pytest.raises(PromptError, match="row 2"):
+        list(chat_prompts(rows, tiny))

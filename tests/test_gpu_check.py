@@ -7,19 +7,21 @@ renamed flag, or that starts vLLM only to fail on the missing GPU, would waste i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STEPS = ("tests", "parity", "throughput", "memory", "demo")
+STEPS = ("torch", "tests", "parity", "throughput", "memory", "demo")
 
 
 def gpu_check(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
@@ -63,13 +65,14 @@ def test_every_benchmark_flag_it_passes_exists(tmp_path: Path) -> None:
         if line.startswith("gpu_check: would run in ")
     ]
     benchmarks = [shlex.split(c) for c in commands if ".py " in c and " -m pytest " not in c]
-    assert {argv[1] for argv in benchmarks} == {
+    assert {Path(argv[1]).name for argv in benchmarks} == {
+        "gpu_check_torch.py",
         "vllm_throughput.py",
         "memory_profile.py",
         "demo_overlap.py",
     }
     for argv in benchmarks:
-        script = ROOT / "benchmarks" / argv[1]
+        script = ROOT / "benchmarks" / Path(argv[1]).name
         helped = subprocess.run(
             [sys.executable, str(script), "--help"],
             capture_output=True,
@@ -80,3 +83,45 @@ def test_every_benchmark_flag_it_passes_exists(tmp_path: Path) -> None:
         ).stdout
         for flag in (a for a in argv[2:] if a.startswith("--")):
             assert re.search(rf"(^|[\s\[,]){re.escape(flag)}\b", helped), f"{script.name}: {flag}"
+
+
+def test_the_torch_tier_passes_on_cpu_at_a_small_vocabulary(tmp_path: Path) -> None:
+    """The checks the `torch` step runs on CUDA, on the CPU at a small size: the same code
+    (numerics against float64, wrap_lora steps, the codec); GPU memory is CUDA's alone."""
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", str(SCRIPT.parent / "gpu_check_torch.py"),
+         "--device", "cpu", "--vocab", "1024", "--length", "16", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "torch_check.json").read_text())["results"]
+    names = {r["name"] for r in results}
+    assert {"wrap_lora training", "codec with device tensors", "policy_loss bfloat16"} <= names
+    assert sum(n.startswith("token_logprobs") for n in names) == 12
+    assert all(r["passed"] for r in results)
+
+
+def test_the_torch_tier_unpacks_missing_dependencies_from_a_wheelhouse(tmp_path: Path) -> None:
+    """A bare GPU machine has torch and no network: wheels carried along are unpacked into
+    the output folder (nothing installed), the ones for this Python or pure ones only."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check_torch
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    house = tmp_path / "wheels"
+    house.mkdir()
+    for name, module in ((f"fakedep-1.0-{tag}-{tag}-manylinux_x86_64.whl", "fakedep"),
+                         ("fakedep-1.0-cp27-cp27-manylinux_x86_64.whl", "wrongdep"),
+                         ("puredep-2.0-py3-none-any.whl", "puredep")):  # fmt: skip
+        with zipfile.ZipFile(house / name, "w") as wheel:
+            wheel.writestr(f"{module}/__init__.py", "")
+    needed = gpu_check_torch.NEEDED
+    gpu_check_torch.NEEDED = ("fakedep", "puredep", "wrongdep")
+    try:
+        missing = gpu_check_torch._ready(house, tmp_path / "site")
+    finally:
+        gpu_check_torch.NEEDED = needed
+    assert missing == ["wrongdep"]
+    assert sorted(p.name for p in (tmp_path / "site").iterdir()) == ["fakedep", "puredep"]

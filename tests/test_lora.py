@@ -21,6 +21,7 @@ from asyncroll.lora import (
     check_servable,
     from_peft_state,
     merged_weights,
+    peft_config,
     write_peft,
 )
 
@@ -43,6 +44,22 @@ def tensors(rank: int = 2, seed: int = 0) -> dict[str, Any]:
 
 def test_config_scale() -> None:
     assert CONFIG.scale == 2.0
+
+
+def test_rslora_scales_by_the_square_root_of_the_rank() -> None:
+    """rsLoRA (PEFT's `use_rslora`): scale alpha / sqrt(rank), in the merged weights and in
+    the adapter_config.json vLLM reads."""
+    config = LoraConfig(rank=4, alpha=3.0, target_modules=("q_proj",), use_rslora=True)
+    assert config.scale == 1.5
+    assert peft_config(config)["use_rslora"] is True
+    assert peft_config(CONFIG)["use_rslora"] is False
+    g = torch.Generator().manual_seed(3)
+    a, b, w = (torch.randn(*shape, generator=g) for shape in ((4, 8), (6, 4), (6, 8)))
+    adapter = LoraAdapter(config, {f"{Q}.lora_A.weight": a, f"{Q}.lora_B.weight": b})
+    merged = merged_weights({f"{Q}.weight": w}, adapter)[f"{Q}.weight"]
+    assert torch.equal(merged, w + 1.5 * (b @ a))
+    with pytest.raises(LoraError, match="use_rslora=1"):
+        LoraConfig(rank=4, alpha=3.0, target_modules=("q_proj",), use_rslora=1)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -96,6 +113,8 @@ def hostile(change: str) -> dict[str, Any]:
         t[f"{V}.lora_A.weight"][0, 0] = math.inf
     elif change == "integer":
         t[f"{Q}.lora_A.weight"] = torch.ones(2, 8, dtype=torch.int64)
+    elif change == "float8":
+        t[f"{Q}.lora_A.weight"] = torch.randn(2, 8).to(torch.float8_e4m3fn)
     elif change == "not a tensor":
         t[f"{Q}.lora_A.weight"] = [[0.0] * 8] * 2
     elif change == "unknown leaf":
@@ -120,6 +139,7 @@ def hostile(change: str) -> dict[str, Any]:
         ("inf", "v_proj.lora_A.weight' has NaN or infinite"),
         ("integer", "floating-point"),
         ("not a tensor", "torch.Tensor"),
+        ("float8", r"q_proj.lora_A.weight' is torch.float8_e4m3fn: give float16, bfloat16"),
         ("unknown leaf", "'up_proj' is not in target_modules"),
         ("other name", "must end with"),
         ("empty", "no tensors"),
@@ -174,6 +194,23 @@ def test_from_peft_state_refuses(extra: dict[str, Any], words: str) -> None:
         f"base_model.model.{k}": t for k, t in tensors().items()}  # fmt: skip
     with pytest.raises(LoraError, match=words):
         from_peft_state(state | extra, CONFIG)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        f"base_model.model.{Q}.base_layer.bias",  # bias="all" / "lora_only", wrapped layer
+        f"base_model.model.{Q}.bias",
+        "base_model.model.model.layers.0.mlp.up_proj.bias",  # bias="all", a layer not adapted
+    ],
+)
+def test_from_peft_state_refuses_a_trained_bias(key: str) -> None:
+    """An adapter-only state (`get_peft_model_state_dict`) holds only what PEFT trained: a
+    bias there (`bias="all"` or `"lora_only"`) changes what the adapter computes, and a plain
+    LoRA cannot carry it. Skipped, the adapter would serve without it."""
+    state = {f"base_model.model.{k}": t for k, t in tensors().items()}
+    with pytest.raises(LoraError, match=f"{key}.*trained tensor.*bias"):
+        from_peft_state(state | {key: torch.zeros(6)}, CONFIG)
 
 
 def test_from_peft_state_empty() -> None:
@@ -336,3 +373,17 @@ async def test_a_registration_cut_by_its_caller_leaves_no_adapter_in_the_workers
     await asyncio.wait_for(asyncio.gather(*workers.sent), 10.0)
     assert workers.added == workers.removed == [1]
     assert adapters.policy is None and os.listdir(tmp_path) == []
+
+
+def test_the_workers_lora_targets_name_top_level_modules_without_a_dot() -> None:
+    """vLLM's LoRA layers by name, a packed one standing for what it packs; a top-level
+    module (lm_head) once came out as ".lm_head" and was then "missing" from its own list."""
+    from asyncroll.engines.vllm_worker import _lora_modules
+
+    modules = {"lm_head": 0, "model.layers.0.self_attn.qkv_proj": 0}
+    assert _lora_modules(modules, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}) == {
+        "lm_head",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.k_proj",
+        "model.layers.0.self_attn.v_proj",
+    }

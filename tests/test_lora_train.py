@@ -165,6 +165,38 @@ def test_bad_targets_and_double_wrapping_are_refused_with_what_to_change() -> No
         wrap_lora(model, CONFIG)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_output_head_is_refused_at_wrap_lora(name: str) -> None:
+    """vLLM serves no adapter on the output head (nor the embedding) that asyncroll can
+    load: refused when wrapping, with the reason, not by the engine after training."""
+    model = load(MODELS[name])
+    with pytest.raises(LoraError, match="lm_head is the model's output head"):
+        wrap_lora(model, LoraConfig(rank=2, alpha=2.0, target_modules=("q_proj", "lm_head")))
+    assert not list(lora_layers(model))
+
+
+def test_a_and_b_train_in_float32_on_a_bfloat16_model() -> None:
+    """As PEFT does by default (`autocast_adapter_dtype`): A and B of a 16-bit model are
+    float32 (a bf16 B would round away most of a small optimizer step), the layer's output
+    keeps the model's dtype, and the adapter is float32."""
+    model = wrap_lora(load(TinyModelConfig()).to(torch.bfloat16), CONFIG)
+    layer = dict(lora_layers(model))["model.layers.0.self_attn.q_proj"]
+    assert layer.lora_A.weight.dtype == layer.lora_B.weight.dtype == torch.float32
+    assert layer.base_layer.weight.dtype == torch.bfloat16
+    randomise(model)
+    logits = model(input_ids=input_ids()).logits
+    assert logits.dtype == torch.bfloat16
+    logits.float().logsumexp(-1).sum().backward()
+    grad = layer.lora_B.weight.grad
+    assert grad is not None and grad.dtype == torch.float32 and bool(grad.any())
+    before = layer.lora_B.weight.detach().clone()
+    torch.optim.SGD(trainable_parameters(model), lr=1e-6).step()
+    moved = layer.lora_B.weight.detach() - before
+    assert bool(moved.any())
+    assert not bool((before.to(torch.bfloat16) - (before + moved).to(torch.bfloat16)).any())
+    assert all(t.dtype == torch.float32 for t in adapter_of(model).tensors.values())
+
+
 def test_only_the_targets_are_wrapped() -> None:
     model = wrap_lora(
         load(TinyModelConfig()), LoraConfig(rank=2, alpha=2.0, target_modules=("v_proj",))
@@ -199,8 +231,9 @@ def test_demo_trains_full_weights_unless_told_lora() -> None:
 def test_demo_lora_takes_its_own_defaults_and_a_given_flag_wins() -> None:
     """`asyncroll demo --lora` runs with `demo.LORA_DEFAULTS` (every group kept and an entropy
     bonus: with the filter, a letter the policy answers with one wrong letter scores 0 in every
-    sample, its groups are dropped and it never learns; README "LoRA"); a flag given wins; full
-    fine-tuning and `DemoConfig(...)` keep their own defaults; tool_echo's apply with --lora."""
+    sample, its groups are dropped and it never learns; docs/lora-training.md); a flag given
+    wins; full fine-tuning and `DemoConfig(...)` keep their own defaults; tool_echo's apply with
+    --lora."""
     from asyncroll import cli, demo_tool
     from asyncroll.demo import LORA_DEFAULTS, DemoConfig
 

@@ -862,6 +862,17 @@ def test_bad_config_names_the_field_and_the_fix(options: dict[str, Any], message
         make_producer(4, **options)
 
 
+def test_a_buffer_that_cannot_hold_one_batch_is_refused_at_construction() -> None:
+    """One group fitted, `batch_size` groups did not: construction accepted it and the first
+    `produce_batch` raised "can never fill" (with episodes, any max_buffer_bytes under
+    batch_size x 11,392 B built fine). Refused now where the fields are set, naming them."""
+    probe = make_producer(4)
+    one_group = probe.config.group_bytes(probe.engine.payload_bytes(16))
+    with pytest.raises(ValueError, match=r"max_buffer_bytes=\d+ cannot hold one batch"):
+        make_producer(4, batch_size=8, max_buffer_bytes=4 * one_group)
+    assert make_producer(4, batch_size=8, max_buffer_bytes=8 * one_group).config.batch_size == 8
+
+
 async def keep_none(group: RolloutGroup) -> bool:
     return False
 

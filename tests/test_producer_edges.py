@@ -38,6 +38,7 @@ from asyncroll import (
 from asyncroll.codec import encode
 from asyncroll.engines.base import GenerateRequest, SampleOutput, Weights
 from asyncroll.lifecycle import Phase
+from asyncroll.lora import LoraError
 from asyncroll.outcomes import FailureReason
 from asyncroll.producer import UpdateWeightsError
 from asyncroll.progress import LatencyHistogram, ProgressCounters
@@ -606,6 +607,31 @@ async def test_an_update_cut_before_the_engine_committed_leaves_both_at_the_old_
         consumed = await consume_all(producer, 2)
     assert len(consumed) == 6 and not drops  # no group fails a version check
     assert all(int(s.versions.max()) == 0 for g in consumed for s in g.samples)
+
+
+class RefusingUpdateEngine(SimEngine):
+    """Refuses every update before loading anything, as an engine does with weights (or an
+    adapter) the model cannot take: its error names the tensor."""
+
+    async def update_weights(self, weights: Weights | None, *, version: int) -> None:
+        if weights is not None:
+            raise LoraError("adapter tensor 'layers.0.q_proj.lora_A' is float8: not servable")
+        await super().update_weights(weights, version=version)
+
+
+async def test_a_refused_update_keeps_the_engines_reason_as_its_cause() -> None:
+    """The caller gets one type for "not committed, the run goes on" (`UpdateWeightsError`),
+    with the engine's own error (a `LoraError` naming the tensor, say) as its cause: it used
+    to be raised `from None`, and the reason was only in the message."""
+    engine = RefusingUpdateEngine(vocab_size=VOCAB)
+    producer = Producer(
+        engine, prompts(4), ones, group_size=2, sampling=SamplingConfig(max_new_tokens=4)
+    )
+    async with producer:
+        with pytest.raises(UpdateWeightsError, match="float8") as caught:
+            await producer.update_weights([("w", np.zeros(2))])
+        assert isinstance(caught.value.__cause__, LoraError)
+        assert producer.version == 0 and len(await consume_all(producer, 2)) == 4
 
 
 class CancellingUpdateEngine(SimEngine):

@@ -52,6 +52,24 @@ async def test_task_mix_drains_every_task() -> None:
     assert sorted(p.prompt_id for p in got if p.task == "b") == ["b/0", "b/1"]
 
 
+async def test_a_mix_labels_what_carries_no_task_and_refuses_a_prompt_of_another() -> None:
+    """A `Prompt` kept its own task in a `TaskMix`: chat prompts built without `task=` (so
+    "default", ids "default/<row>") went into the mix's "math" under the wrong task, and two
+    such sources gave the same prompt ids. Rows without a task take the mix's; a `Prompt` of
+    another task is an error naming the source and the fix."""
+    rows = [{"tokens": [1, 2]}, {"tokens": [3], "prompt_id": "r1"}]
+    got = await draw_all(PromptStream(TaskMix({"math": rows}, seed=0)))
+    assert [(p.task, p.prompt_id) for p in got] == [("math", "math/0"), ("math", "r1")]
+    mislabelled = PromptStream(TaskMix({"math": [Prompt(tokens=[1], prompt_id="default/0")]}))
+    with pytest.raises(
+        ValueError, match=r"TaskMix source 'math' gave prompt 'default/0' of task 'default'"
+    ):
+        await mislabelled.next()
+    # outside a mix a prompt keeps the task it carries
+    kept = await draw_all(PromptStream([Prompt(tokens=[1], task="code")]))
+    assert [p.task for p in kept] == ["code"]
+
+
 async def test_cursor_resumes_exactly() -> None:
     def source() -> TaskMix:
         return TaskMix(

@@ -1,5 +1,6 @@
-"""README.md stands on its own: its links resolve inside the repository, and its training-loop
-example keeps blocking torch work off the event loop."""
+"""README.md is a short front door: at most 250 lines, the two commands right after the pitch,
+the GPU status near the top, its links inside the repository (tests/test_docs.py checks that
+they resolve), and a training-loop example that keeps blocking torch work off the event loop."""
 
 from __future__ import annotations
 
@@ -20,10 +21,18 @@ def python_blocks() -> list[ast.Module]:
 def test_links_point_inside_the_repository() -> None:
     assert "../shared" not in README
     links = re.findall(r"\]\(([^)#]+)\)", README)
-    local = [link for link in links if not link.startswith("http")]
-    assert "docs/design.md" in local
-    for link in local:
-        assert (ROOT / link).exists(), link
+    assert not [link for link in links if link.startswith("http")]
+    assert "docs/design.md" in links and "docs/configuration.md" in links
+
+
+def test_it_is_a_front_door() -> None:
+    lines = README.splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move detail into docs/"
+    first_block = README.index("```bash")
+    assert first_block < README.index("\n## "), "the two commands come before any section"
+    commands = README[first_block:].split("```", 2)[1]
+    assert "make demo" in commands and "make test" in commands
+    assert "GPU" in "\n".join(lines[:25]), "say near the top that the GPU paths have not run"
 
 
 def test_the_training_loop_runs_torch_work_off_the_event_loop() -> None:

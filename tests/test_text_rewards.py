@@ -393,3 +393,13 @@ async def test_several_functions_add_up_with_weights_as_in_trl(tiny: Any) -> Non
         text_reward([correct], tiny, weights=[1.0, 2.0])
     with pytest.raises(ValueError, match="at least one"):
         text_reward([], tiny)
+
+
+def test_trls_own_reward_function_works_unchanged(qwen3: Any) -> None:
+    """TRL's `think_format_reward` (trl is a test dependency of the chat episodes) scores the
+    decoded replies of a Qwen3 group: Qwen3's reasoning tags are text, not special tokens, so
+    decoding with `skip_special_tokens=True` keeps them for it."""
+    trl_rewards = pytest.importorskip("trl.rewards")
+    replies = ["<think>\nsix times seven\n</think>\n42", "42", "<think>\nhm\n42"]
+    group = group_of(qwen3, replies, ROWS[0])
+    assert text_reward(trl_rewards.think_format_reward, qwen3)(group) == [1.0, 0.0, 0.0]

@@ -72,3 +72,49 @@ def test_long_lists_are_cut() -> None:
     names = [f"t{i}" for i in range(20)]
     with pytest.raises(WeightMismatchError, match="and 12 more"):
         weight_check.check([report(missing=names)], None, "e")
+
+
+def served_layout(tmp_path: Any) -> dict[str, weight_check.Layout]:
+    from safetensors.torch import save_file
+
+    save_file(
+        {"q.weight": torch.zeros(4, 3), "norm.weight": torch.zeros(3, dtype=torch.bfloat16)},
+        str(tmp_path / "model.safetensors"),
+    )
+    layout = weight_check.checkpoint_layout(str(tmp_path))
+    assert layout == {"q.weight": ((4, 3), "F32"), "norm.weight": ((3,), "BF16")}
+    return layout
+
+
+def test_an_update_of_the_served_shapes_and_float_dtypes_passes(tmp_path: Any) -> None:
+    """Any 16-64-bit float goes (vLLM casts it to the served dtype); names the checkpoint
+    lacks are not its business (a tied head a state_dict lists, say)."""
+    named = [
+        ("q.weight", torch.zeros(4, 3, dtype=torch.float64)),
+        ("norm.weight", torch.zeros(3)),
+        ("lm_head.weight", torch.zeros(9, 3)),
+    ]
+    weight_check.check_layout(named, served_layout(tmp_path), "engine X")
+    weight_check.check_layout(named, None, "engine X")  # a hub id: nothing to check against
+
+
+@pytest.mark.parametrize(
+    ("tensor", "words"),
+    [
+        (torch.zeros(3, 4), r"q.weight has shape \(3, 4\); the served checkpoint's is \(4, 3\)"),
+        (torch.zeros(4), r"q.weight has shape \(4,\)"),
+        (torch.zeros(4, 3, dtype=torch.int64), "q.weight is torch.int64; the served .* F32"),
+        (torch.zeros(4, 3).to(torch.float8_e4m3fn), "q.weight is torch.float8_e4m3fn"),
+    ],
+)
+def test_an_update_the_model_cannot_take_is_refused_naming_the_tensor(
+    tmp_path: Any, tensor: Any, words: str
+) -> None:
+    """A wrong shape reaching vLLM's reload resizes the parameter and fails every later
+    update too: refused before anything is sent, every bad tensor named."""
+    named = [("norm.weight", torch.zeros(5)), ("q.weight", tensor)]
+    with pytest.raises(weight_check.WeightLayoutError, match=words) as refused:
+        weight_check.check_layout(named, served_layout(tmp_path), "engine X")
+    assert str(refused.value).startswith("engine X: ")
+    assert r"norm.weight has shape (5,)" in str(refused.value)
+    assert "nothing was loaded" in str(refused.value)

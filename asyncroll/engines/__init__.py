@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 from asyncroll.engines.base import (
     Engine,
     EngineDeadError,
+    EngineDefaults,
     GenerateRequest,
     SampleOutput,
     SampleRequest,
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Engine",
     "EngineDeadError",
+    "EngineDefaults",
     "GenerateRequest",
     "ReplicaError",
     "SampleOutput",

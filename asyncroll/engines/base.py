@@ -8,6 +8,7 @@ the policy version it was sampled under; the producer tells it the version in `u
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -145,6 +146,12 @@ class RecentIds:
 class Engine(Protocol):
     """A generation backend driven from the producer's event loop.
 
+    The members below are required: they are those the protocol had before LoRA support,
+    and `REQUIRED_MEMBERS` names them. Members added since are optional, with the defaults of
+    `EngineDefaults` (inherit it, or leave them out: the producer applies the same defaults,
+    `engine_options`); `OPTIONAL_MEMBERS` names them. A required member missing is named when
+    the producer is built (`TypeError`). docs/engine-protocol.md is the user's page.
+
     The contract every engine keeps (`tests/test_engine_conformance.py` checks it):
 
     * **Request ids name one request for the engine's lifetime.** `generate` with an id that
@@ -214,28 +221,6 @@ class Engine(Protocol):
         0 until the first `update_weights`."""
         ...
 
-    @property
-    def adapter_slots(self) -> int | None:
-        """How many LoRA adapters the engine keeps registered at once; None: it serves none
-        (an adapter given to `update_weights` raises `LoraError`).
-
-        An engine that serves adapters binds one to each request for the request's whole
-        life, which is what lets an adapter update skip the pause: requests already running
-        finish under the adapter they started with (each token labelled with its version),
-        new ones take the new adapter. So tokens sampled after `update_weights(adapter, k)`
-        returned may still carry older labels, always naming the weights that sampled them.
-        The producer relies on this: it does not pause for an adapter update, and refuses at
-        construction a `max_staleness` whose window needs more adapters than `adapter_slots`."""
-        ...
-
-    @property
-    def pause_bound_s(self) -> float | None:
-        """The longest `pause_generation` or `resume_generation` may take, where the engine
-        bounds it itself (`VLLMServerEngine`: its per-replica deadlines); None: no bound of its
-        own. The producer's wait for a pause must outlast it, or a pause still under way
-        would stop the run as a timeout; it refuses an `abort_timeout_s` that does not."""
-        ...
-
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
         """Generate the samples of `request` (see the class docstring for the contract)."""
         ...
@@ -267,3 +252,91 @@ class Engine(Protocol):
     async def close(self) -> None:
         """Stop serving for good (see "Closed is dead"); calling it again does nothing."""
         ...
+
+
+REQUIRED_MEMBERS: tuple[str, ...] = (
+    "vocab_size", "max_model_len", "payload_bytes", "supports_keep_pause", "version",
+    "generate", "abort", "pause_generation", "resume_generation", "update_weights", "close",
+)  # fmt: skip
+"""The `Engine` members with no default: an engine without one cannot be driven."""
+
+
+class EngineDefaults:
+    """The optional `Engine` members with their defaults: inherit it to have them, and
+    override those your engine does differently. An engine that neither inherits nor defines
+    one gets the same default from the producer (`engine_options`), so a member added to the
+    protocol never breaks an engine written before it."""
+
+    @property
+    def adapter_slots(self) -> int | None:
+        """How many LoRA adapters the engine keeps registered at once; None (the default): it
+        serves none (an adapter given to `update_weights` raises `LoraError`, or is the
+        engine's own business), and the producer pauses for an adapter update as for any.
+
+        An engine that serves adapters binds one to each request for the request's whole
+        life, which is what lets an adapter update skip the pause: requests already running
+        finish under the adapter they started with (each token labelled with its version),
+        new ones take the new adapter. So tokens sampled after `update_weights(adapter, k)`
+        returned may still carry older labels, always naming the weights that sampled them.
+        The producer relies on this: it does not pause for an adapter update, and refuses at
+        construction a `max_staleness` whose window needs more adapters than `adapter_slots`."""
+        return None
+
+    @property
+    def pause_bound_s(self) -> float | None:
+        """The longest `pause_generation` or `resume_generation` may take, where the engine
+        bounds it itself (`VLLMServerEngine`: its per-replica deadlines); None (the default):
+        no bound of its own. The producer's wait for a pause must outlast it, or a pause still
+        under way would stop the run as a timeout; it refuses an `abort_timeout_s` that does
+        not."""
+        return None
+
+
+OPTIONAL_MEMBERS: tuple[str, ...] = ("adapter_slots", "pause_bound_s")
+"""The `Engine` members added since LoRA support, each with `EngineDefaults`' default."""
+
+
+class EngineOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """The optional members of one engine, as it states them or by default."""
+
+    adapter_slots: int | None = None
+    pause_bound_s: float | None = None
+
+
+_MISSING = object()
+
+
+def _has(engine: object, member: str) -> bool:
+    # Looked up without running it: a property that raises AttributeError inside would
+    # otherwise read as a missing member.
+    return inspect.getattr_static(engine, member, _MISSING) is not _MISSING
+
+
+def engine_options(engine: object) -> EngineOptions:
+    """Check that `engine` has every required `Engine` member and read its optional ones,
+    with `EngineDefaults`' default for any it lacks; `TypeError` names a missing member or an
+    optional one of the wrong kind. The producer calls it once, at construction."""
+    name = type(engine).__name__
+    missing = [m for m in REQUIRED_MEMBERS if not _has(engine, m)]
+    if missing:
+        raise TypeError(
+            f"{name} lacks the Engine member(s) {missing}, which have no default: every engine "
+            f"needs {list(REQUIRED_MEMBERS)} (docs/engine-protocol.md); optional members "
+            f"{list(OPTIONAL_MEMBERS)} may be left out, or inherited from EngineDefaults"
+        )
+    stated = {m: getattr(engine, m) for m in OPTIONAL_MEMBERS if _has(engine, m)}
+    slots = stated.get("adapter_slots")
+    if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
+        raise TypeError(
+            f"{name}.adapter_slots={slots!r}: must be an int >= 1, or None (the default: the "
+            "engine serves no LoRA adapters)"
+        )
+    bound = stated.get("pause_bound_s")
+    if bound is not None and (
+        not isinstance(bound, int | float) or isinstance(bound, bool) or not 0 <= bound < math.inf
+    ):
+        raise TypeError(
+            f"{name}.pause_bound_s={bound!r}: must be a number of seconds >= 0, or None (the "
+            "default: no bound of its own)"
+        )
+    return EngineOptions(**stated)

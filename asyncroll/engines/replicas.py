@@ -29,7 +29,7 @@ class ReplicaState(enum.Enum):
     STALE = "stale"  # answers, but missed an NCCL broadcast: out until the next weight update
 
 
-class Core(enum.Enum):
+class CoreHealth(enum.Enum):
     """What the last one-token generate told of a replica's engine core. vLLM's `/health`
     passes a hung one, so only another generate brings a HUNG one back."""
 
@@ -75,7 +75,7 @@ class Replica:
         # the folder it was last told to load (None: none since the model it started from);
         # one an update reached before any committed may serve that update's weights
         self.loaded: Path | None = None
-        self.core = Core.ANSWERED
+        self.core = CoreHealth.ANSWERED
         self.syncing = asyncio.Lock()
 
     def mark_down(self, error: str, retry_at: float) -> None:

@@ -101,9 +101,9 @@ class ReplicaClient:
             try:
                 await rp.liveness(self.session(), replica, body, self.liveness_timeout_s)
             except ReplicaError:
-                replica.core = rp.Core.HUNG
+                replica.core = rp.CoreHealth.HUNG
                 raise
-        replica.core = rp.Core.ANSWERED
+        replica.core = rp.CoreHealth.ANSWERED
 
     @contextlib.contextmanager
     def dead_if_closed(self) -> Iterator[None]:

@@ -95,21 +95,21 @@ _NO_LORA = (
 )
 
 
-class AdapterState(enum.Enum):
+class ServedAdapterState(enum.Enum):
     LOADING = "loading"  # being loaded by an update that has not committed
     SERVING = "serving"  # the policy: requests sent now carry it
     RETIRED = "retired"  # superseded (or its update failed): goes once nothing holds it
 
 
 @dataclass(eq=False)
-class Adapter:
+class ServedAdapter:
     """One adapter the engine wrote: its vLLM name, version, folder, and what holds it."""
 
     name: str
     version: int
     folder: Path
     check: dict[str, Any]  # what the workers check it with (`_PROBLEM`'s arguments)
-    state: AdapterState = AdapterState.LOADING
+    state: ServedAdapterState = ServedAdapterState.LOADING
     holds: int = 0  # requests sent with it that have not ended, re-syncs loading it
     loaded_on: set[Replica] = field(default_factory=set)
 
@@ -128,11 +128,11 @@ class ServerAdapters:
         if slots is not None and not isinstance(slots, LoraSlots):
             raise ValueError(f"lora={slots!r}: give a LoraSlots (or None: no LoRA)")
         self.slots = slots
-        self.current: Adapter | None = None
+        self.current: ServedAdapter | None = None
         self._client = client
         self._on_failed = on_failed
         self._cleanups: set[asyncio.Task[None]] = set()
-        self._written: list[Adapter] = []  # every folder not deleted yet
+        self._written: list[ServedAdapter] = []  # every folder not deleted yet
         self._closed = False
         self.base_of: dict[int, int] = {}  # an adapter's label -> the base weights' version
         self._base: int | None = None  # the base weights' version while an adapter serves
@@ -144,7 +144,7 @@ class ServerAdapters:
         vLLM when they load it)."""
         check_servable(self.slots, adapter, "VLLMServerEngine")
 
-    async def write(self, adapter: LoraAdapter, weights_dir: Path, version: int) -> Adapter:
+    async def write(self, adapter: LoraAdapter, weights_dir: Path, version: int) -> ServedAdapter:
         """Write `adapter` once, in PEFT's layout, into a fresh folder under `weights_dir`."""
         name = f"{_NAME_PREFIX}{version}-{uuid.uuid4().hex[:8]}"
         modules = {}
@@ -152,7 +152,7 @@ class ServerAdapters:
             a, b = (adapter.tensors[f"{module}.lora_{x}.weight"] for x in "AB")
             modules[module] = [int(b.shape[0]), int(a.shape[1])]  # out, in features
         check = {"modules": modules, "config": peft_config(adapter.config)}
-        record = Adapter(name, version, weights_dir / name, check)
+        record = ServedAdapter(name, version, weights_dir / name, check)
         self._written.append(record)
         try:
             await asyncio.to_thread(write_peft, adapter, record.folder)
@@ -162,7 +162,7 @@ class ServerAdapters:
             raise
         return record
 
-    async def load(self, replica: Replica, record: Adapter) -> None:
+    async def load(self, replica: Replica, record: ServedAdapter) -> None:
         """Have `replica`'s workers check `record` against the model, then load it there,
         each call within `control_timeout_s`: `LoraError` when the adapter is refused,
         `ReplicaError` for any other failure. Loading it again (a retried call whose first
@@ -182,7 +182,7 @@ class ServerAdapters:
                 raise
         record.loaded_on.add(replica)
 
-    async def _check_on(self, replica: Replica, record: Adapter) -> None:
+    async def _check_on(self, replica: Replica, record: ServedAdapter) -> None:
         """Before vLLM's loader sees it (see the module docstring)."""
         body = {"method": _PROBLEM, "kwargs": record.check}
         try:
@@ -200,14 +200,14 @@ class ServerAdapters:
         if problems:
             raise LoraError(f"replica {replica.url} refused the adapter: {problems[0]}")
 
-    def commit(self, record: Adapter | None, previous_version: int) -> None:
+    def commit(self, record: ServedAdapter | None, previous_version: int) -> None:
         """`record` is the policy from now on (None: new full weights), replacing the policy
         labelled `previous_version`; the adapter before retires."""
         previous, self.current = self.current, record
         if record is None:
             self._base = None
         else:
-            record.state = AdapterState.SERVING
+            record.state = ServedAdapterState.SERVING
             if previous is None:
                 self._base = previous_version
             self.relabelled(record.version)
@@ -220,14 +220,14 @@ class ServerAdapters:
         if self._base is not None and self._base_requests:
             self.base_of[version] = self._base
 
-    def retire(self, record: Adapter) -> None:
+    def retire(self, record: ServedAdapter) -> None:
         """`record` serves no new request (superseded, or its update failed): it is unloaded
         and its folder deleted once nothing holds it."""
-        record.state = AdapterState.RETIRED
+        record.state = ServedAdapterState.RETIRED
         self._collect(record)
 
     @contextlib.contextmanager
-    def holding(self, record: Adapter) -> Iterator[Adapter]:
+    def holding(self, record: ServedAdapter) -> Iterator[ServedAdapter]:
         """Keep `record`'s folder and names while a request of it runs or a re-sync loads it."""
         record.holds += 1
         try:
@@ -235,7 +235,7 @@ class ServerAdapters:
         finally:
             self.release(record)
 
-    def bind(self) -> Adapter | None:
+    def bind(self) -> ServedAdapter | None:
         """The adapter a request sent now carries (None: the base weights), held until
         `release`d."""
         record = self.current
@@ -245,7 +245,7 @@ class ServerAdapters:
             record.holds += 1
         return record
 
-    def release(self, record: Adapter | None) -> None:
+    def release(self, record: ServedAdapter | None) -> None:
         if record is None:
             self._base_requests -= 1
             if not self._base_requests:
@@ -278,16 +278,16 @@ class ServerAdapters:
                 log.warning("%s", error)
                 raise error from None
 
-    def _collect(self, record: Adapter) -> None:
+    def _collect(self, record: ServedAdapter) -> None:
         if self._closed or record not in self._written:
             return
-        if record.state is AdapterState.RETIRED and record.holds == 0:
+        if record.state is ServedAdapterState.RETIRED and record.holds == 0:
             self._written.remove(record)
             task = asyncio.ensure_future(self._remove(record))
             self._cleanups.add(task)
             task.add_done_callback(self._cleanups.discard)
 
-    async def _remove(self, record: Adapter) -> None:
+    async def _remove(self, record: ServedAdapter) -> None:
         """Unload `record` from every replica that loaded it, then delete its folder. A
         replica that cannot be reached is that replica's failure (its supervisor checks it);
         one that no longer knows the name (it restarted) has nothing to unload."""

@@ -23,7 +23,7 @@ from asyncroll.engines import replicas as rp
 from asyncroll.engines import vllm_groups
 from asyncroll.engines.base import SampleOutput, SamplingConfig
 from asyncroll.engines.replicas import Replica, ReplicaError, UnsyncedReplicaError
-from asyncroll.engines.server_lora import Adapter
+from asyncroll.engines.server_lora import ServedAdapter
 
 IN_FLIGHT_BYTES_PER_TOKEN = 10  # a token id and a logprob, 4 B each, and the arrays' growth
 IN_FLIGHT_SAMPLE_BYTES = 512  # a `Sample` and its two arrays, empty
@@ -70,7 +70,7 @@ class Part:
         self.max_tokens = max_tokens
         self.indices = indices  # positions in the group's request.samples
         self.started = False  # sent to the replica (so an abort has to reach it there)
-        self.adapter: Adapter | None = None  # the LoRA adapter it was sent with
+        self.adapter: ServedAdapter | None = None  # the LoRA adapter it was sent with
 
 
 class Live:

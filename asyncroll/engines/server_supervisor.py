@@ -19,7 +19,7 @@ Why this shape. A replica's failure must cost that replica only. So:
   a row (`replicas.backoff_s`), back in once a re-sync and a liveness probe pass.
 * Paused replicas cannot generate (vLLM queues the request), and `/health` proves nothing of
   a hung core: a failure's check waits for the resume, then generates (no request is sent
-  to the replica meanwhile); a replica whose generate failed (`Core.HUNG`) is not re-synced
+  to the replica meanwhile); a replica whose generate failed (`CoreHealth.HUNG`) is not re-synced
   while the engine is paused, but after the resume. Checks made during the chaos run's
   updates (every 0.4 s) had let a wedged replica stay, or come back, on `/health` alone.
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 from asyncroll._signal import Signal
 from asyncroll.engines.base import EngineDeadError
 from asyncroll.engines.replicas import (
-    Core,
+    CoreHealth,
     Replica,
     ReplicaError,
     ReplicaState,
@@ -160,7 +160,7 @@ class Supervisor:
         generate can show it alive again, and a paused engine's replicas cannot generate.
         It stays out of the rotation until the resume lets its probe run (`/health`, which
         a hung core passes, once brought a wedged replica back during every pause)."""
-        return self.replica.core is Core.HUNG and self._state.paused
+        return self.replica.core is CoreHealth.HUNG and self._state.paused
 
     def start(self) -> asyncio.Task[None]:
         """Its sync in a task of its own (the one in progress, if any): the engine waits for

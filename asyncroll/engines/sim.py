@@ -71,7 +71,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("SimConfig: min_new_tokens must be >= 1, payload bytes >= 0")
 
 
-class _Live:
+class _SimRequest:
     """A running simulated request and its simulated clock.
 
     Time only counts while the request runs (`since` is set): a pause, an abort or a version
@@ -145,7 +145,7 @@ class SimEngine:
         self._token_pool = self._rng.integers(2, cfg.vocab_size, _POOL, dtype=np.int32)
         self._logprob_pool = -self._rng.exponential(2.0, _POOL).astype(np.float32) - 1e-3
         self._version = 0
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, _SimRequest] = {}
         self._recent = RecentIds()
         self._generated = 0
         self._running = asyncio.Event()  # cleared while paused in place
@@ -199,7 +199,7 @@ class SimEngine:
         cfg = self.config
         draw = self._rng.random()
         malformed = draw < cfg.hang_rate + cfg.fail_rate + cfg.malformed_rate
-        live = _Live([], cfg.first_token_latency_s, cfg.per_token_latency_s)
+        live = _SimRequest([], cfg.first_token_latency_s, cfg.per_token_latency_s)
         self._live[rid] = live
         try:
             if draw < cfg.hang_rate:
@@ -320,9 +320,9 @@ class SimEngine:
         if self._closed:
             raise EngineDeadError("SimEngine is closed")
 
-    async def _run(self, live: _Live) -> None:
+    async def _run(self, live: _SimRequest) -> None:
         """Advance simulated time until the longest sample is done or the request is aborted.
-        Time only runs while the engine is not paused (see `_Live`): a request without
+        Time only runs while the engine is not paused (see `_SimRequest`): a request without
         latency, too, waits for the resume before it is done."""
         while not live.aborted and (live.duration == 0 or live.active < live.duration):
             live.wake.clear()

@@ -59,7 +59,7 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
-from asyncroll.engines.vllm_lora import Adapter, AdapterSet
+from asyncroll.engines.vllm_lora import Adapter, AdapterSet, AdapterState
 from asyncroll.lora import LoraAdapter, LoraSlots, check_servable
 
 log = logging.getLogger(__name__)
@@ -161,14 +161,16 @@ class VLLMEngine:
     GPU); "cuda_ipc" shares CUDA tensors with the worker without a copy (needs the tensors on
     the GPU of a single-GPU engine); "auto" picks "cuda_ipc" when that holds, else "file".
 
-    Every update must cover the served checkpoint: a tensor of its files that the update
-    lacks, or a layer that got no tensor, fails it (`weight_check.WeightMismatchError`, naming
-    them). `verify_weights=True` also checks, in each worker, that every tensor arrived with
-    the bytes sent and that the model serves them (see `asyncroll.engines.weight_check`; its
-    cost is in benchmarks/README.md). After a failed check, or an update cut off (or failed)
-    once the workers had it, the engine refuses to generate (`WeightMismatchError`; running
-    requests end as aborted) until an update succeeds: no token is labelled with weights that
-    are not the trainer's.
+    Every update must fit and cover the served checkpoint: a tensor whose shape or dtype is not
+    its checkpoint tensor's is refused before anything is sent
+    (`weight_check.WeightLayoutError`, naming each; the engine serves on unchanged), and a
+    tensor of its files that the update lacks, or a layer that got no tensor, fails it
+    (`weight_check.WeightMismatchError`, naming them). `verify_weights=True` also checks, in
+    each worker, that every tensor arrived with the bytes sent and that the model serves them
+    (see `asyncroll.engines.weight_check`; its cost is in benchmarks/README.md). After a failed
+    check, or an update cut off (or failed) once the workers had it, the engine refuses to
+    generate (`WeightMismatchError`; running requests end as aborted) until an update succeeds:
+    no token is labelled with weights that are not the trainer's.
 
     `lora`: serve LoRA adapters (`update_weights` with a `asyncroll.lora.LoraAdapter`), with
     `LoraSlots(max_rank=, slots=)` as vLLM's `max_lora_rank` and `max_loras` (None: no LoRA,
@@ -179,9 +181,12 @@ class VLLMEngine:
     of a request is labelled with its adapter's version, and no request straddles two
     adapters. An adapter that is not the policy is unloaded as soon as no running request uses
     it; when all `slots` hold adapters in use, the requests of the oldest are aborted (their
-    partial samples can be continued) to make room (`asyncroll.engines.vllm_lora`).
-    A full-weight update aborts the requests that run under an adapter (the base weights would
-    change under it) and serves the new base weights without an adapter.
+    partial samples can be continued) to make room (`asyncroll.engines.vllm_lora`). With one
+    slot that oldest is the policy itself: requests that start while its requests end wait
+    for the new adapter (within `control_timeout_s`) instead of binding to the old one.
+    A full-weight update ends the adapter policy first (vLLM's reload drops the workers'
+    adapters), aborts the requests that run under an adapter (the base weights would change
+    under them), and serves the new base weights without an adapter.
     """
 
     def __init__(
@@ -273,6 +278,7 @@ class VLLMEngine:
         self._adapters = AdapterSet(
             self._llm, self._call, f"vLLM engine {self.model}", _WEIGHTS_DIR
         )
+        self._layout = weight_check.checkpoint_layout(self.model)  # what updates must fit
 
     # -- Engine protocol -------------------------------------------------------------------------
 
@@ -315,6 +321,8 @@ class VLLMEngine:
             raise ValueError(f"request id {rid!r} is already running")
         parts = self._split(request)
         samples = [_Sample() for _ in request.samples]
+        if not self._adapters.admitting:  # the policy makes room for its successor: wait
+            await self._wait_admitting(rid)
         adapter = self._adapters.acquire()
         live = self._live[rid] = _Live(parts, samples, adapter)
         live.aborted = self._recent.take_early_abort(rid)  # aborted before it got here
@@ -381,20 +389,32 @@ class VLLMEngine:
         if isinstance(weights, LoraAdapter) or (weights is None and policy is not None):
             await self._update_adapter(weights if weights is not None else policy, version)
             return
+        named = None if weights is None else self._fitting(weights)
         async with self._control:
             self._check_alive()
             pause_here = not self._paused
             if pause_here:
                 await self._call(self._llm.pause_generation(mode="keep", clear_cache=False))
+            had_policy = self._adapters.policy is not None
             try:
+                # Before the load: vLLM's reload drops every adapter in the workers, and a
+                # request bound to one meanwhile would make a worker load it from its
+                # (unreadable) path and kill the engine core. From here requests start on
+                # the base weights, paused until the new ones serve.
+                await self._adapters.end_policy()
                 await self._end_adapter_requests()
-                if weights is not None:
-                    await self._load_checked(weights)
+                if named is not None:
+                    await self._load_checked(named)
                 self._check_weights()
                 if not await self._call(self._llm.reset_prefix_cache(reset_running_requests=True)):
                     raise RuntimeError("vLLM could not reset its prefix cache after the update")
-                await self._adapters.end_policy()  # the base weights serve from here
                 await self._label(version)
+            except BaseException:
+                if had_policy and self._weights is WeightsState.SERVED:
+                    # The adapter the current label names no longer serves: refuse to
+                    # generate (its label on the base weights) until an update succeeds.
+                    self._weights = WeightsState.PARTIAL
+                raise
             finally:
                 if pause_here and not self._dead():
                     await self._call(self._llm.resume_generation())
@@ -570,13 +590,25 @@ class VLLMEngine:
             f"vLLM engine {self.model}: the last weight update {why}; update the weights again"
         )
 
-    async def _load_checked(self, weights: Weights) -> None:
+    def _fitting(self, weights: Weights) -> list[tuple[str, Any]]:
+        """`weights` as named tensors, refused (`WeightLayoutError`, naming each tensor)
+        unless every one that the served checkpoint has fits its shape and dtype: checked
+        before anything is sent, so a refused update changes nothing."""
+        named = weights_file.detached(weights)
+        if not named:
+            raise ValueError("update_weights got no tensors (use None to only set the version)")
+        weight_check.check_layout(named, self._layout, f"vLLM engine {self.model}")
+        if self.transfer == "cuda_ipc" and not all(t.is_cuda for _, t in named):
+            raise ValueError("transfer='cuda_ipc' needs every tensor on a CUDA device")
+        return named
+
+    async def _load_checked(self, named: list[tuple[str, Any]]) -> None:
         """`_load`; when it fails its check, or is cut off or fails once the workers have it,
         end what runs (its tokens so far were sampled by the previous weights and are labelled
         so) and refuse to generate until a later update succeeds: the label on the old weights
         must not go on to weights that may be partly new."""
         try:
-            await self._load(weights)
+            await self._load(named)
         except BaseException as exc:
             if isinstance(exc, weight_check.WeightMismatchError):
                 self._weights = WeightsState.MISMATCHED
@@ -611,10 +643,7 @@ class VLLMEngine:
             self._weights = WeightsState.PARTIAL
             raise
 
-    async def _load(self, weights: Weights) -> None:
-        named = weights_file.detached(weights)
-        if not named:
-            raise ValueError("update_weights got no tensors (use None to only set the version)")
+    async def _load(self, named: list[tuple[str, Any]]) -> None:
         on_gpu = all(t.is_cuda for _, t in named)
         use_ipc = self.transfer == "cuda_ipc" or (
             self.transfer == "auto" and on_gpu and self._world_size == 1
@@ -644,8 +673,6 @@ class VLLMEngine:
         from torch.multiprocessing import reductions
 
         reduce_tensor: Any = reductions.reduce_tensor
-        if not all(t.is_cuda for _, t in named):
-            raise ValueError("transfer='cuda_ipc' needs every tensor on a CUDA device")
         keep = [t.contiguous() for _, t in named]  # alive until the workers have copied them
         handles = [reduce_tensor(t)[1] for t in keep]
         payload = pickle.dumps(([name for name, _ in named], handles))
@@ -675,11 +702,19 @@ class VLLMEngine:
             await self._adapters.unload_unused()
             if self._adapters.oldest_if_full(slots) is not None:
                 await self._adapters.check(adapter, self._version)
-            while (oldest := self._adapters.oldest_if_full(slots)) is not None:
-                await self._end_requests_under(oldest)
-                await self._adapters.unload(oldest)
-            await self._adapters.register(adapter, version, self._version)
-            self._version = version
+            try:
+                while (oldest := self._adapters.oldest_if_full(slots)) is not None:
+                    if oldest.state is AdapterState.POLICY:
+                        # The one slot holds the policy: requests that start now would bind
+                        # to it and it would never end. They wait for its successor.
+                        self._adapters.hold_admission()
+                    await self._end_requests_under(oldest)
+                    await self._adapters.unload(oldest)
+                await self._adapters.register(adapter, version, self._version)
+                self._version = version
+            finally:
+                self._adapters.admit()
+                self._progress.notify()  # requests waiting for admission go on
             await self._adapters.unload_unused()  # the previous policy, unless still in use
 
     async def _end_requests_under(self, adapter: Adapter) -> None:
@@ -689,7 +724,25 @@ class VLLMEngine:
         for request_id, live in list(self._live.items()):
             if live.adapter is adapter:
                 await self.abort(request_id)
-        await self.wait_progress(lambda: adapter.unused, self.control_timeout_s)
+        try:
+            await self.wait_progress(lambda: adapter.unused, self.control_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"vLLM engine {self.model}: {adapter.users} aborted request(s) under adapter "
+                f"version {adapter.version} did not end within control_timeout_s="
+                f"{self.control_timeout_s}; the adapter update was not made"
+            ) from None
+
+    async def _wait_admitting(self, request_id: str) -> None:
+        """Wait while an adapter update ends the policy's requests to make room for its
+        successor (`LoraSlots(slots=1)`): this request then starts under the successor."""
+        try:
+            await self.wait_progress(lambda: self._adapters.admitting, self.control_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"vLLM engine {self.model}: {request_id} waited control_timeout_s="
+                f"{self.control_timeout_s} for an adapter update to make room"
+            ) from None
 
     async def _end_adapter_requests(self) -> None:
         """Before a full-weight update: abort the requests that run under an adapter (the

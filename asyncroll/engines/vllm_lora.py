@@ -39,6 +39,13 @@ class AdapterState(enum.Enum):
     UNLOADED = "unloaded"  # removed from vLLM: no request may start under it
 
 
+class Admission(enum.Enum):
+    """Whether requests may start under the policy now."""
+
+    OPEN = "open"
+    HELD = "held"  # the policy is being unloaded for its successor: requests wait
+
+
 class Adapter:
     """A LoRA adapter registered in vLLM: the policy of `version`, bound to every request
     started while it was the engine's policy (`users` of them still run)."""
@@ -76,6 +83,22 @@ class AdapterSet:
         self._policy: Adapter | None = None
         self._policy_tensors: LoraAdapter | None = None  # the policy's adapter, to relabel it
         self._serial = 0  # the last lora_int_id given
+        self._admission = Admission.OPEN
+
+    @property
+    def admitting(self) -> bool:
+        """Whether a request may start now (`acquire`); not while an update ends the policy's
+        requests to make room for its successor (`hold_admission`)."""
+        return self._admission is Admission.OPEN
+
+    def hold_admission(self) -> None:
+        """No request may start until `admit`: the policy's requests are being ended to
+        unload it (its one slot is needed), and a request bound to it would keep it in use."""
+        self._admission = Admission.HELD
+
+    def admit(self) -> None:
+        """Requests may start again (under the policy then registered, if any)."""
+        self._admission = Admission.OPEN
 
     @property
     def policy(self) -> LoraAdapter | None:

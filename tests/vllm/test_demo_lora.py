@@ -1,7 +1,7 @@
 """`asyncroll demo --lora` end to end, short, with --lora's defaults (every group kept, an
 entropy bonus): real vLLM serving the trainer's LoRA adapter, only the adapter moving each step,
 the producer's ledger balanced. That it learns (reward up by more than 0.5 for two seeds) takes
-about 3 minutes per seed: README's LoRA section has the figures, measured with
+about 3 minutes per seed: benchmarks/results/demo-runs.md has the figures, measured with
 `asyncroll demo --lora --seed 1` and `--seed 2`."""
 
 from __future__ import annotations
