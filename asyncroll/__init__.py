@@ -20,6 +20,7 @@ from asyncroll.engines import (
     SimEngine,
 )
 from asyncroll.episode import Episode, EpisodeError, RolloutFn, Turn, single_turn
+from asyncroll.evaluation import EvalResult, Evaluator
 from asyncroll.producer import (
     DropRecord,
     Ledger,
@@ -49,6 +50,8 @@ __all__ = [
     "EngineDefaults",
     "Episode",
     "EpisodeError",
+    "EvalResult",
+    "Evaluator",
     "Ledger",
     "LedgerError",
     "ProduceBatchResult",

@@ -20,7 +20,7 @@ from typing import TextIO
 import psutil
 from tqdm import tqdm
 
-from asyncroll import __version__, demo_tool
+from asyncroll import __version__, demo_chat, demo_tool
 from asyncroll.demo import LORA_DEFAULTS, DemoConfig, demo_config, run_demo
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.engines.sim import SimConfig, SimEngine
@@ -36,7 +36,9 @@ these commands show it at work; `asyncroll COMMAND --help` describes one and its
 DEMO_DESCRIPTION = """\
 Build a 361k-parameter Llama and its tokenizer locally (nothing is downloaded), serve it with
 vLLM in this process and train it with GRPO on the "echo" task (prompt "q:", reward = share of
-response tokens equal to "q"), or with --task tool_echo on a multi-turn task. Generation
+response tokens equal to "q"), with --task tool_echo on a multi-turn task, or with --task chat
+on a question in a chat template, scored on the decoded reply and evaluated on held-out
+questions every --eval-every steps (eval.jsonl, and the curve in demo.png). Generation
 overlaps training within --max-staleness versions. With --lora the trainer trains a LoRA
 adapter (base weights frozen) and each step moves only the adapter into vLLM. Writes
 metrics.jsonl, summary.txt, demo.png and engine.log to --out.
@@ -63,6 +65,7 @@ DEMO_NUMBERS = (
     ("--max-staleness", "versions a token may lag when trained on; 0: synchronous"),
     ("--lr", "AdamW learning rate"),
     ("--entropy", "weight of an entropy bonus on the trained tokens"),
+    ("--eval-every", "chat: steps between evaluations on the held-out questions; 0: none"),
 )
 
 
@@ -123,8 +126,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--task",
         default=d.task,
-        help="echo (single turn) or tool_echo (multi-turn: a tool answers each turn with a "
-        "letter the policy must echo on its next turn; default %(default)s)",
+        help="echo (single turn), tool_echo (multi-turn: a tool answers each turn with a "
+        "letter the policy must echo on its next turn) or chat (a question in a chat template, "
+        "a verifier on the decoded reply, greedy evaluation on held-out questions; "
+        "default %(default)s)",
     )
     demo.add_argument(
         "--credit",
@@ -188,13 +193,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _defaults(name: str, default: object) -> str:
-    """Help text of an option's defaults: `DemoConfig`'s, and tool_echo's and --lora's where
-    they differ."""
+    """Help text of an option's defaults: `DemoConfig`'s, and tool_echo's, chat's and --lora's
+    where they differ."""
     tool = demo_tool.DEFAULTS.get(name, default)
+    chat = demo_chat.DEFAULTS.get(name, default)
     lora = LORA_DEFAULTS.get(name, default)
     return (
         f"default {default}"
         + (f"; tool_echo: {tool}" if tool != default else "")
+        + (f"; chat: {chat}" if chat != default else "")
         + (f"; --lora: {lora}" if lora != default else "")
     )
 

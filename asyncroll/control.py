@@ -7,6 +7,11 @@ groups that resume later; groups being scored finish) or freezes requests in the
 "keep" mode (their generate deadlines stop with them: `engine_call.Freezes`). Whatever undoes a
 close (opening the gate, resuming the engine) is shielded from the caller's anyio scopes, and
 every wait has a deadline of its own.
+
+Guests (an evaluator's requests, `guest_generate`) use the same engine under the same gate but
+are none of the run's: they start only while the gate is open, a drain aborts them with the
+groups (they end "abort" and their caller runs them again), a "keep"-mode freeze stops their
+deadlines too, and nothing of the run (counters, versions, the buffer) hears of them.
 """
 
 from __future__ import annotations
@@ -15,14 +20,15 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
 
+from asyncroll import engine_call
 from asyncroll.attempt import Flight
 from asyncroll.core import Core, ProducerError
 from asyncroll.engine_call import Freezes
-from asyncroll.engines.base import EngineDeadError
+from asyncroll.engines.base import EngineDeadError, GenerateRequest, SampleOutput
 from asyncroll.episode import Parking
 from asyncroll.lifecycle import Gate, Hold, Phase, Stage, move
 
@@ -38,6 +44,7 @@ class Control:
         self.stuck = stuck  # why no reward can finish (every worker hung), or None
         self.gate = Gate.OPEN
         self.holds: Counter[Hold] = Counter()
+        self.guests: set[str] = set()  # request ids of guest requests in the engine
         self._lock = asyncio.Lock()
 
     @property
@@ -137,15 +144,39 @@ class Control:
         finally:  # requests frozen in an engine that did not resume fail at their deadline
             self.freezes.thaw()
 
+    async def guest_generate(
+        self, request: GenerateRequest, timeout_s: float
+    ) -> Sequence[SampleOutput]:
+        """Generate `request` for a guest of the run (see the module docstring): once the gate
+        is open, within `timeout_s` of engine time (`engine_call.generate`: every failure an
+        `EngineCallError`). `RuntimeError` once the producer has stopped. A gate that stays
+        closed is waited for without a deadline here: the guest's caller bounds its own wait."""
+        core = self.core
+        await core.changed.wait_until(lambda: self.gate is Gate.OPEN or not core.running)
+        if not core.running:
+            raise RuntimeError("the producer has stopped: nothing more runs on its engine")
+        self.guests.add(request.request_id)  # no await since the gate was seen open
+        try:
+            return await engine_call.generate(
+                core.engine,
+                request,
+                timeout_s=timeout_s,
+                abort_timeout_s=core.config.abort_timeout_s,
+                freezes=self.freezes,
+            )
+        finally:
+            self.guests.discard(request.request_id)
+            core.changed.notify()
+
     async def drain(self) -> None:
         """Abort every request in flight and wait until each group has landed: as a partial
         waiting to resume, or finished. Groups being scored finish (their reward has its own
         deadline); groups whose engine ignores the abort for `abort_timeout_s` are cancelled."""
         core = self.core
-        if not core.inflight:
+        if not core.inflight and not self.guests:
             return
         stopping = core.phase is not Phase.RUNNING
-        ids: list[str] = []
+        ids: list[str] = list(self.guests)
         for flight in core.inflight.values():
             episodes = flight.episodes
             if episodes is not None and flight.stage is Stage.GENERATING:
@@ -161,6 +192,7 @@ class Control:
                     flight.move(Stage.ABORTING)
                     ids.append(flight.request_id)
         await self._abort(ids)
+        await self._guests_gone()
         generating = (Stage.STARTING, Stage.CANCELLED, Stage.GENERATING, Stage.ABORTING)
 
         def parked(f: Flight) -> bool:  # episodes with nothing in the engine stay in flight
@@ -179,6 +211,19 @@ class Control:
         await self._land_within(
             lambda f: not parked(f), scoring_s, "being scored", futile=self.stuck
         )
+
+    async def _guests_gone(self) -> None:
+        """Wait (within `abort_timeout_s`) for the aborted guest requests to end. One that
+        ignores its abort is its caller's to end (its own deadline); the update that follows
+        stamps the tokens it samples later with the new version, and the guest tells so."""
+        core = self.core
+        try:
+            await core.changed.wait_until(lambda: not self.guests, core.config.abort_timeout_s)
+        except TimeoutError:
+            log.warning(
+                "%d guest request(s) ignored their abort for abort_timeout_s=%s; going on",
+                len(self.guests), core.config.abort_timeout_s,
+            )  # fmt: skip
 
     async def _land_within(
         self,

@@ -22,7 +22,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TextIO
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from asyncroll.engines.vllm import VLLMEngine
 
 LETTERS = "abcdefgh"
-TASKS = ("echo", "tool_echo")
+TASKS = ("echo", "tool_echo", "chat")
 CREDITS = ("turn", "episode")
 FILTERS = ("nonzero_std", "none")  # --filter: an `asyncroll.filters` name, or keep every group
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -90,6 +90,10 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     lora: bool = False
     lora_rank: int = 8
     lora_alpha: float = 16.0
+    # chat: evaluate greedily on the held-out questions every this many steps, and before the
+    # first (0: never); stop once an evaluation's accuracy reaches `solved_accuracy` (0: never)
+    eval_every: int = 0
+    solved_accuracy: float = 0.9
 
     def __post_init__(self) -> None:
         for name in ("steps", "group_size", "batch_groups", "max_new_tokens"):
@@ -99,6 +103,10 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--group-size must be >= 2: GRPO compares samples within a group")
         if self.max_staleness < 0 or not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError("--max-staleness must be >= 0 and --lr a positive number")
+        if self.eval_every < 0:
+            raise ValueError("--eval-every must be >= 0 (0: no evaluation)")
+        if self.eval_every and self.task != "chat":
+            raise ValueError("--eval-every needs a held-out set: only --task chat has one")
         if not (self.entropy >= 0 and math.isfinite(self.entropy)):
             raise ValueError("--entropy must be a finite number >= 0")
         from asyncroll.training import CORRECTIONS
@@ -127,11 +135,13 @@ def demo_config(**options: Any) -> DemoConfig:
     """The config of `asyncroll demo`: `options` over the task's own defaults (tool_echo's are
     `asyncroll.demo_tool.DEFAULTS`) and --lora's (`LORA_DEFAULTS`) over `DemoConfig`'s.
     `DemoConfig(...)` alone keeps the echo task's full fine-tuning defaults whatever it is told."""
-    from asyncroll import demo_tool
+    from asyncroll import demo_chat, demo_tool
 
-    defaults: dict[str, Any] = (
-        dict(demo_tool.DEFAULTS) if options.get("task") == "tool_echo" else {}
-    )
+    task_defaults: dict[str, Mapping[str, Any]] = {
+        "tool_echo": demo_tool.DEFAULTS,
+        "chat": demo_chat.DEFAULTS,
+    }
+    defaults: dict[str, Any] = dict(task_defaults.get(options.get("task", "echo"), {}))
     if options.get("lora"):
         defaults.update(LORA_DEFAULTS)
     return DemoConfig(**{**defaults, **options})
@@ -155,6 +165,21 @@ class StepRecord(msgspec.Struct, kw_only=True):
     staleness_mean: float
     idle_s: float  # time with no group in flight since the previous step
     offpolicy: dict[str, float]  # asyncroll.training.mismatch_metrics of the step's batch
+    tokens: int = 0  # response tokens of the batch (what the step trained on)
+
+
+class EvalRecord(msgspec.Struct, kw_only=True):
+    """One evaluation on the held-out set (also written to eval.jsonl): after `step` training
+    steps, at policy `version`; `accuracy` is its pass@1 (greedy), `train_wall_s` the training
+    loop's wall time so far (evaluations included)."""
+
+    step: int
+    version: int | None
+    accuracy: float
+    reward: float
+    eval_s: float
+    train_wall_s: float
+    metrics: dict[str, float]
 
 
 def echo_prompts(tokenizer: Any, seed: int) -> Iterator[Prompt]:
@@ -385,6 +410,7 @@ async def run_demo(
     from tqdm import tqdm
 
     from asyncroll.engines.vllm import VLLMEngine
+    from asyncroll.evaluation import Evaluator
     from asyncroll.producer import Producer
 
     torch.set_num_threads(1)  # vLLM's worker holds the other core
@@ -395,6 +421,7 @@ async def run_demo(
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens)
     step = 0
     turn_rewards: TurnRewards | None = None
+    chat: Any = None
     if cfg.task == "tool_echo":
         from asyncroll import demo_tool
 
@@ -407,6 +434,11 @@ async def run_demo(
             "max_turns": demo_tool.TURNS,
             "max_episode_tokens": demo_tool.episode_tokens(cfg.max_new_tokens),
         }
+    elif cfg.task == "chat":
+        from asyncroll.demo_chat import ChatTask
+
+        chat = ChatTask(model_dir, cfg.seed)
+        prompts, reward, episodes = chat.prompts(), chat.reward, {}
     else:
         prompts, reward, episodes = echo_prompts(tokenizer, cfg.seed), echo_reward, {}
     lora = cfg.lora_config()
@@ -444,8 +476,27 @@ async def run_demo(
             total=cfg.steps, initial=step, disable=not progress, desc=f"GRPO {cfg.task}",
             file=console,
         )  # fmt: skip
+        evaluator = (
+            Evaluator(producer, chat.held_out, chat.reward) if chat and cfg.eval_every else None
+        )
+        evals: list[EvalRecord] = []
+        loop_start = time.perf_counter()
+
+        async def evaluate() -> None:
+            assert evaluator is not None
+            result = await evaluator.run()
+            evals.append(_eval_record(step, result, time.perf_counter() - loop_start))
+            _log(out, evals[-1], "eval.jsonl")
+            bar.write(_eval_line(evals[-1], result.error), file=console)
+
         async with producer:
-            while step < cfg.steps and not _solved(records, cfg.solved_reward):
+            if evaluator is not None and step % cfg.eval_every == 0:
+                await evaluate()
+            while (
+                step < cfg.steps
+                and not _solved(records, cfg.solved_reward)
+                and not _accurate(evals, cfg.solved_accuracy)
+            ):
                 start = time.perf_counter()
                 try:
                     batch = await producer.produce_batch(timeout=cfg.batch_timeout_s)
@@ -467,13 +518,17 @@ async def run_demo(
                 _log(out, records[-1])
                 bar.update(1)
                 bar.set_postfix(_postfix(records[-1]))
+                if evaluator is not None and step % cfg.eval_every == 0:
+                    await evaluate()
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     async with producer.pausing():
                         trainer.save(out / "trainer.pt", step)
                         await producer.save(out / "producer.ckpt")
+            if evaluator is not None and (not evals or evals[-1].step != step):
+                await evaluate()  # the last evaluation is of the final policy
         bar.close()
         producer.check_ledger()
-    _summarise(out, records, producer.progress.counters.copy(), staleness, cfg.task, console)
+    _summarise(out, records, producer.progress.counters.copy(), staleness, cfg.task, console, evals)
     return records
 
 
@@ -484,6 +539,31 @@ def _lora_engine_args(lora: LoraConfig | None, max_staleness: int) -> dict[str, 
         return {}
     max_rank = min(r for r in VLLM_MAX_RANKS if r >= lora.rank)
     return {"lora": LoraSlots(max_rank=max_rank, slots=max(2, max_staleness + 1))}
+
+
+def _accurate(evals: list[EvalRecord], threshold: float) -> bool:
+    return threshold > 0 and bool(evals) and evals[-1].accuracy >= threshold
+
+
+def _eval_record(step: int, result: Any, train_wall_s: float) -> EvalRecord:
+    metrics = result.metrics()
+    return EvalRecord(
+        step=step,
+        version=result.version,
+        accuracy=metrics["eval/pass@1"],
+        reward=metrics["eval/reward_mean"],
+        eval_s=result.wall_s,
+        train_wall_s=train_wall_s,
+        metrics=metrics,
+    )
+
+
+def _eval_line(e: EvalRecord, error: str | None) -> str:
+    line = (
+        f"eval after step {e.step} (version {e.version}): accuracy {e.accuracy:.3f}, "
+        f"reward {e.reward:.3f} ({e.eval_s:.1f} s)"
+    )
+    return line if error is None else f"{line}; ended early: {error}"
 
 
 def _solved(records: list[StepRecord], threshold: float) -> bool:
@@ -517,6 +597,7 @@ def _record(
         staleness_mean=m["rollout/staleness_mean"],
         idle_s=batch.delta.idle_s,
         offpolicy=offpolicy,
+        tokens=sum(s.num_tokens for g in batch.groups for s in g.samples),
     )
 
 
@@ -542,8 +623,8 @@ def _postfix(r: StepRecord) -> dict[str, Any]:
     }
 
 
-def _log(out: Path, record: StepRecord) -> None:
-    with (out / "metrics.jsonl").open("ab") as f:
+def _log(out: Path, record: StepRecord | EvalRecord, name: str = "metrics.jsonl") -> None:
+    with (out / name).open("ab") as f:
         f.write(msgspec.json.encode(record) + b"\n")
 
 
@@ -554,6 +635,7 @@ def _summarise(
     staleness: Counter[int],
     task: str,
     console: TextIO,
+    evals: list[EvalRecord],
 ) -> None:
     if not records:
         return
@@ -581,11 +663,20 @@ def _summarise(
             f"{counters.policy_tokens} / {counters.environment_tokens}, "
             f"{(counters.policy_turns + counters.environment_turns) / counters.episodes:.1f}",
         ))  # fmt: skip
+    if evals:
+        rows += [
+            ("held-out accuracy, first / last evaluation",
+             f"{evals[0].accuracy:.3f} (step {evals[0].step}) / {evals[-1].accuracy:.3f} "
+             f"(step {evals[-1].step})"),
+            ("evaluations, s each (median)",
+             f"{len(evals)}, {np.median([e.eval_s for e in evals]):.2f}"),
+            ("training loop wall s (evaluations included)", f"{evals[-1].train_wall_s:.0f}"),
+        ]  # fmt: skip
     width = max(len(str(r[0])) for r in rows)
     text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
     print(text, file=console)
     (out / "summary.txt").write_text(text + "\n")
-    _plot(out / "demo.png", records, task)
+    _plot(out / "demo.png", records, task, evals)
 
 
 def _shares(counts: Counter[int]) -> str:
@@ -605,7 +696,7 @@ def _mean_kl(records: list[StepRecord]) -> str:
     return ", ".join(f"{k}: {np.mean(v):.2g}" for k, v in sorted(per.items()))
 
 
-def _plot(path: Path, records: list[StepRecord], task: str) -> None:
+def _plot(path: Path, records: list[StepRecord], task: str, evals: list[EvalRecord]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -613,7 +704,12 @@ def _plot(path: Path, records: list[StepRecord], task: str) -> None:
 
     steps = [r.step for r in records]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    axes[0].plot(steps, [r.reward for r in records])
+    axes[0].plot(steps, [r.reward for r in records], label="training reward")
+    if evals:
+        axes[0].plot(
+            [e.step for e in evals], [e.accuracy for e in evals], "o-", label="held-out accuracy"
+        )
+        axes[0].legend()
     axes[0].set(title=f"reward ({task} task)", xlabel="step", ylim=(0, 1))
     for name in ("filtered_groups", "failed_groups", "expired_groups"):
         axes[1].plot(steps, [getattr(r, name) for r in records], label=name)

@@ -31,7 +31,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,13 @@ from asyncroll.config import ProducerConfig, make_config
 from asyncroll.control import Control
 from asyncroll.core import Core, ProducerError
 from asyncroll.drops import DropCallback, OnDrop
-from asyncroll.engines.base import Engine, Weights, engine_options
+from asyncroll.engines.base import (
+    Engine,
+    GenerateRequest,
+    SampleOutput,
+    Weights,
+    engine_options,
+)
 from asyncroll.episode import RolloutFn
 from asyncroll.flights import DropRecord, Flights
 from asyncroll.ledger import Ledger, LedgerError
@@ -495,6 +501,22 @@ class Producer:
         finally:
             with anyio.CancelScope(shield=True):
                 await self.resume()
+
+    async def guest_generate(
+        self, request: GenerateRequest, *, timeout_s: float | None = None
+    ) -> Sequence[SampleOutput]:
+        """Generate `request` on this producer's engine for a caller outside the run (an
+        `asyncroll.evaluation.Evaluator`), leaving the run untouched: no counter, version,
+        buffer or ledger entry hears of it. It starts only while no pause, update or save
+        holds the engine, and a drain (in "abort" mode) aborts it like the run's own requests:
+        it then returns samples finished "abort", and each token's version says which weights
+        sampled it (`Engine`), so the caller can tell a request an update cut. Within
+        `timeout_s` of engine time (default `generate_timeout_s`); every failure of the engine
+        raises `engine_call.EngineCallError`, `RuntimeError` once the producer has stopped.
+        The wait for a closed gate has no deadline of its own: bound it from the caller."""
+        self._require_running()
+        timeout = self.config.generate_timeout_s if timeout_s is None else timeout_s
+        return await self._control.guest_generate(request, timeout)
 
     # -- accounting ------------------------------------------------------------------------------
 
