@@ -151,6 +151,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     staleness_mean: float
     idle_s: float  # time with no group in flight since the previous step
     offpolicy: dict[str, float]  # asyncroll.training.mismatch_metrics of the step's batch
+    # the task's own view of the batch (tool_echo: `asyncroll.demo_tool.step_metrics`) and the
+    # policy's mean entropy at the trained tokens ("entropy")
+    task_metrics: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 def echo_prompts(tokenizer: Any, seed: int) -> Iterator[Prompt]:
@@ -230,7 +233,10 @@ class Trainer:
         self.sampling = sampling
         self.correction = CORRECTIONS[correction]
         self.turn_rewards = turn_rewards
+        self.turn_advantages: Callable[[npt.NDArray[np.float64]], npt.NDArray[np.float64]] | None
+        self.turn_advantages = None  # turn_loss's `advantages_of` (None: GRPO's)
         self.entropy = entropy
+        self.last_entropy = math.nan  # mean entropy at the trained tokens of the last step
 
     def step(self, groups: list[RolloutGroup], version: int) -> tuple[float, dict[str, float]]:
         """One optimizer step on the batch; `version` is the policy version of the current
@@ -254,10 +260,15 @@ class Trainer:
                 logprobs, batch, correction=self.correction, proximal_logprobs=anchor
             )
         else:
-            loss = turn_loss(logprobs, batch, groups, self.turn_rewards, self.correction, anchor)
+            loss = turn_loss(
+                logprobs, batch, groups, self.turn_rewards, self.correction, anchor,
+                self.turn_advantages,
+            )  # fmt: skip
+        entropy = mean_entropy(logits, batch, s.temperature)
         if self.entropy:
-            loss = loss - self.entropy * mean_entropy(logits, batch, s.temperature)
+            loss = loss - self.entropy * entropy
         metrics = mismatch_metrics(proximal, batch, version=version, correction=self.correction)
+        self.last_entropy = float(entropy.detach())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         self.torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], 1.0)
@@ -293,8 +304,10 @@ def turn_loss(
     turn_rewards: TurnRewards,
     correction: Any,
     anchor: Any,
+    advantages_of: Callable[[npt.NDArray[np.float64]], npt.NDArray[np.float64]] | None = None,
 ) -> Any:
-    """The policy loss with GRPO advantages per policy turn: the token-weighted sum of one
+    """The policy loss with GRPO advantages per policy turn (or `advantages_of` each turn's
+    [groups, samples] rewards): the token-weighted sum of one
     loss per turn index, each over that turn's tokens. It is the same mean over all trained
     tokens as `policy_loss` of the batch, with each token's advantage its own turn's."""
     import torch
@@ -309,7 +322,8 @@ def turn_loss(
         mask = batch.loss_mask & (turn == k)
         if not bool(mask.any()):
             continue
-        advantages = group_advantages(rewards[:, :, k]).astype(np.float32).reshape(-1)
+        of_turn = (advantages_of or group_advantages)(rewards[:, :, k])
+        advantages = of_turn.astype(np.float32).reshape(-1)
         part = msgspec.structs.replace(
             batch, loss_mask=mask, advantages=torch.from_numpy(advantages)
         )
@@ -390,10 +404,15 @@ async def run_demo(
         }
     else:
         prompts, reward, episodes = echo_prompts(tokenizer, cfg.seed), echo_reward, {}
+    task_metrics: Callable[[ProduceBatchResult], dict[str, float]] = (
+        (lambda b: demo_tool.step_metrics(b.groups)) if cfg.task == "tool_echo" else lambda b: {}
+    )
     lora = cfg.lora_config()
     trainer = Trainer(
         model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy, lora
     )
+    if turn_rewards is not None:
+        trainer.turn_advantages = demo_tool.turn_advantages
     slots = _lora_engine_args(lora, cfg.max_staleness)
     async with VLLMEngine(model_dir, seed=cfg.seed, **slots) as engine:
         producer = Producer(
@@ -437,6 +456,7 @@ async def run_demo(
                 await producer.update_weights(trainer.weights())
                 step += 1
                 records.append(_record(step, batch, loss, offpolicy, train_s, waited, start))
+                records[-1].task_metrics = {"entropy": trainer.last_entropy, **task_metrics(batch)}
                 _log(out, records[-1])
                 bar.update(1)
                 bar.set_postfix(_postfix(records[-1]))

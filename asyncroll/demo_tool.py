@@ -69,6 +69,7 @@ def tool_echo_prompts(tokenizer: Any, seed: int) -> Iterator[Prompt]:
             task="tool_echo",
             prompt_id=f"tool_echo/{index}",
             metadata={
+                "letters": "".join(letters),
                 "targets": [tokenizer.token_to_id(letter) for letter in letters],
                 "answers": [tokenizer.encode(f"{letter}:").ids for letter in letters[1:]],
             },
@@ -96,6 +97,26 @@ def turn_rewards(group: RolloutGroup) -> npt.NDArray[np.float64]:
     return out
 
 
+def turn_advantages(rewards: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """GRPO advantages of one policy turn ([groups, samples] rewards), except that a group
+    whose samples all scored the same is measured against the whole batch's turn instead.
+
+    GRPO's baseline is the group's mean, so a group that always misses gets no gradient. In
+    tool_echo that stalls whole letters: as the policy learns to echo the letters it hit by
+    chance, it says them more and the others less, until a letter it never hit is not sampled
+    at all; its groups are then all 0 and nothing ever teaches it (seed 2 stalled at 0.75 with
+    "c" and "h" at 0). Against the batch, such a group's advantage is negative: what the policy
+    says to that letter is pushed down until a sample hits it and GRPO takes over. A group that
+    always hits is pushed up, which only confirms an answer already right."""
+    from asyncroll.training import group_advantages
+
+    advantages = group_advantages(rewards)
+    flat = np.ptp(rewards, axis=1) == 0
+    if flat.any():
+        advantages[flat] = (rewards[flat] - rewards.mean()) / (rewards.std() + 1e-6)
+    return advantages
+
+
 def tool_echo_reward(group: RolloutGroup) -> list[float]:
     """Fraction of policy tokens equal to the letter given just before their turn."""
     targets = group.metadata["targets"]
@@ -108,3 +129,21 @@ def tool_echo_reward(group: RolloutGroup) -> list[float]:
             total += len(tokens)
         rewards.append(hits / total if total else 0.0)
     return rewards
+
+
+def step_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
+    """What shows where learning stalls, per training batch: each turn's and each target
+    letter's hit rate, and the share of (group, turn) problems whose samples all scored the
+    same (GRPO gives them no advantage), split into all wrong (0) and all right (1)."""
+    rewards = np.stack([turn_rewards(g) for g in groups])  # [groups, samples, turns]
+    out = {f"turn{k}": float(rewards[:, :, k].mean()) for k in range(TURNS)}
+    per_problem = rewards.mean(axis=1)  # [groups, turns]
+    flat = rewards.std(axis=1) == 0
+    out["zero_std"] = float(flat.mean())
+    out["zero_std_wrong"] = float((flat & (per_problem == 0)).mean())
+    out["zero_std_right"] = float((flat & (per_problem == 1)).mean())
+    letters = np.array([list(g.metadata["letters"]) for g in groups])  # [groups, turns]
+    for letter in LETTERS:
+        if (letters == letter).any():
+            out[f"letter_{letter}"] = float(per_problem[letters == letter].mean())
+    return out
