@@ -233,8 +233,6 @@ class Trainer:
         self.sampling = sampling
         self.correction = CORRECTIONS[correction]
         self.turn_rewards = turn_rewards
-        self.turn_advantages: Callable[[npt.NDArray[np.float64]], npt.NDArray[np.float64]] | None
-        self.turn_advantages = None  # turn_loss's `advantages_of` (None: GRPO's)
         self.entropy = entropy
         self.last_entropy = math.nan  # mean entropy at the trained tokens of the last step
 
@@ -260,10 +258,7 @@ class Trainer:
                 logprobs, batch, correction=self.correction, proximal_logprobs=anchor
             )
         else:
-            loss = turn_loss(
-                logprobs, batch, groups, self.turn_rewards, self.correction, anchor,
-                self.turn_advantages,
-            )  # fmt: skip
+            loss = turn_loss(logprobs, batch, groups, self.turn_rewards, self.correction, anchor)
         entropy = mean_entropy(logits, batch, s.temperature)
         if self.entropy:
             loss = loss - self.entropy * entropy
@@ -304,10 +299,8 @@ def turn_loss(
     turn_rewards: TurnRewards,
     correction: Any,
     anchor: Any,
-    advantages_of: Callable[[npt.NDArray[np.float64]], npt.NDArray[np.float64]] | None = None,
 ) -> Any:
-    """The policy loss with GRPO advantages per policy turn (or `advantages_of` each turn's
-    [groups, samples] rewards): the token-weighted sum of one
+    """The policy loss with GRPO advantages per policy turn: the token-weighted sum of one
     loss per turn index, each over that turn's tokens. It is the same mean over all trained
     tokens as `policy_loss` of the batch, with each token's advantage its own turn's."""
     import torch
@@ -322,8 +315,7 @@ def turn_loss(
         mask = batch.loss_mask & (turn == k)
         if not bool(mask.any()):
             continue
-        of_turn = (advantages_of or group_advantages)(rewards[:, :, k])
-        advantages = of_turn.astype(np.float32).reshape(-1)
+        advantages = group_advantages(rewards[:, :, k]).astype(np.float32).reshape(-1)
         part = msgspec.structs.replace(
             batch, loss_mask=mask, advantages=torch.from_numpy(advantages)
         )
@@ -411,8 +403,6 @@ async def run_demo(
     trainer = Trainer(
         model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy, lora
     )
-    if turn_rewards is not None:
-        trainer.turn_advantages = demo_tool.turn_advantages
     slots = _lora_engine_args(lora, cfg.max_staleness)
     async with VLLMEngine(model_dir, seed=cfg.seed, **slots) as engine:
         producer = Producer(

@@ -97,26 +97,6 @@ def turn_rewards(group: RolloutGroup) -> npt.NDArray[np.float64]:
     return out
 
 
-def turn_advantages(rewards: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-    """GRPO advantages of one policy turn ([groups, samples] rewards), except that a group
-    whose samples all scored the same is measured against the whole batch's turn instead.
-
-    GRPO's baseline is the group's mean, so a group that always misses gets no gradient. In
-    tool_echo that stalls whole letters: as the policy learns to echo the letters it hit by
-    chance, it says them more and the others less, until a letter it never hit is not sampled
-    at all; its groups are then all 0 and nothing ever teaches it (seed 2 stalled at 0.75 with
-    "c" and "h" at 0). Against the batch, such a group's advantage is negative: what the policy
-    says to that letter is pushed down until a sample hits it and GRPO takes over. A group that
-    always hits is pushed up, which only confirms an answer already right."""
-    from asyncroll.training import group_advantages
-
-    advantages = group_advantages(rewards)
-    flat = np.ptp(rewards, axis=1) == 0
-    if flat.any():
-        advantages[flat] = (rewards[flat] - rewards.mean()) / (rewards.std() + 1e-6)
-    return advantages
-
-
 def tool_echo_reward(group: RolloutGroup) -> list[float]:
     """Fraction of policy tokens equal to the letter given just before their turn."""
     targets = group.metadata["targets"]

@@ -196,21 +196,6 @@ def test_mean_entropy_is_of_the_distributions_that_sampled_the_trained_tokens() 
     assert logits.grad is not None and (logits.grad[~before] == 0).all()
 
 
-def test_tool_echo_turn_advantages_push_down_a_group_that_always_misses() -> None:
-    """GRPO gives a group of equal rewards no advantage, so a letter the policy never hits is
-    never taught; `demo_tool.turn_advantages` measures such a group against the batch instead:
-    always missing is negative, always hitting positive, and groups that vary keep GRPO's."""
-    from asyncroll.demo_tool import turn_advantages
-    from asyncroll.training import group_advantages
-
-    rewards = np.array([[0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.5, 1.0, 0.5]])
-    got = turn_advantages(rewards)
-    assert (got[0] < 0).all() and (got[1] > 0).all()
-    np.testing.assert_allclose(got[0], -rewards.mean() / rewards.std(), rtol=1e-5)
-    np.testing.assert_array_equal(got[2], group_advantages(rewards)[2])
-    assert (turn_advantages(np.zeros((2, 4))) == 0).all()  # nothing to compare against
-
-
 def test_tool_echo_step_metrics_name_the_letter_that_stalls() -> None:
     """Per-letter hit rates and the share of zero-variance problems, from a batch of groups."""
     from asyncroll.demo_tool import TURNS, step_metrics
