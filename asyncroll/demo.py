@@ -166,6 +166,9 @@ class StepRecord(msgspec.Struct, kw_only=True):
     idle_s: float  # time with no group in flight since the previous step
     offpolicy: dict[str, float]  # asyncroll.training.mismatch_metrics of the step's batch
     tokens: int = 0  # response tokens of the batch (what the step trained on)
+    # the task's own view of the batch (tool_echo: `asyncroll.demo_tool.step_metrics`) and the
+    # policy's mean entropy at the trained tokens ("entropy")
+    task_metrics: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class EvalRecord(msgspec.Struct, kw_only=True):
@@ -260,6 +263,7 @@ class Trainer:
         self.correction = CORRECTIONS[correction]
         self.turn_rewards = turn_rewards
         self.entropy = entropy
+        self.last_entropy = math.nan  # mean entropy at the trained tokens of the last step
 
     def step(self, groups: list[RolloutGroup], version: int) -> tuple[float, dict[str, float]]:
         """One optimizer step on the batch; `version` is the policy version of the current
@@ -284,9 +288,11 @@ class Trainer:
             )
         else:
             loss = turn_loss(logprobs, batch, groups, self.turn_rewards, self.correction, anchor)
+        entropy = mean_entropy(logits, batch, s.temperature)
         if self.entropy:
-            loss = loss - self.entropy * mean_entropy(logits, batch, s.temperature)
+            loss = loss - self.entropy * entropy
         metrics = mismatch_metrics(proximal, batch, version=version, correction=self.correction)
+        self.last_entropy = float(entropy.detach())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         self.torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], 1.0)
@@ -441,6 +447,9 @@ async def run_demo(
         prompts, reward, episodes = chat.prompts(), chat.reward, {}
     else:
         prompts, reward, episodes = echo_prompts(tokenizer, cfg.seed), echo_reward, {}
+    task_metrics: Callable[[ProduceBatchResult], dict[str, float]] = (
+        (lambda b: demo_tool.step_metrics(b.groups)) if cfg.task == "tool_echo" else lambda b: {}
+    )
     lora = cfg.lora_config()
     trainer = Trainer(
         model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy, lora
@@ -515,6 +524,7 @@ async def run_demo(
                 await producer.update_weights(trainer.weights())
                 step += 1
                 records.append(_record(step, batch, loss, offpolicy, train_s, waited, start))
+                records[-1].task_metrics = {"entropy": trainer.last_entropy, **task_metrics(batch)}
                 _log(out, records[-1])
                 bar.update(1)
                 bar.set_postfix(_postfix(records[-1]))

@@ -69,6 +69,7 @@ def tool_echo_prompts(tokenizer: Any, seed: int) -> Iterator[Prompt]:
             task="tool_echo",
             prompt_id=f"tool_echo/{index}",
             metadata={
+                "letters": "".join(letters),
                 "targets": [tokenizer.token_to_id(letter) for letter in letters],
                 "answers": [tokenizer.encode(f"{letter}:").ids for letter in letters[1:]],
             },
@@ -108,3 +109,21 @@ def tool_echo_reward(group: RolloutGroup) -> list[float]:
             total += len(tokens)
         rewards.append(hits / total if total else 0.0)
     return rewards
+
+
+def step_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
+    """What shows where learning stalls, per training batch: each turn's and each target
+    letter's hit rate, and the share of (group, turn) problems whose samples all scored the
+    same (GRPO gives them no advantage), split into all wrong (0) and all right (1)."""
+    rewards = np.stack([turn_rewards(g) for g in groups])  # [groups, samples, turns]
+    out = {f"turn{k}": float(rewards[:, :, k].mean()) for k in range(TURNS)}
+    per_problem = rewards.mean(axis=1)  # [groups, turns]
+    flat = rewards.std(axis=1) == 0
+    out["zero_std"] = float(flat.mean())
+    out["zero_std_wrong"] = float((flat & (per_problem == 0)).mean())
+    out["zero_std_right"] = float((flat & (per_problem == 1)).mean())
+    letters = np.array([list(g.metadata["letters"]) for g in groups])  # [groups, turns]
+    for letter in LETTERS:
+        if (letters == letter).any():
+            out[f"letter_{letter}"] = float(per_problem[letters == letter].mean())
+    return out

@@ -194,3 +194,22 @@ def test_mean_entropy_is_of_the_distributions_that_sampled_the_trained_tokens() 
     logits.requires_grad_()
     mean_entropy(logits, batch, 1.0).backward()
     assert logits.grad is not None and (logits.grad[~before] == 0).all()
+
+
+def test_tool_echo_step_metrics_name_the_letter_that_stalls() -> None:
+    """Per-letter hit rates and the share of zero-variance problems, from a batch of groups."""
+    from asyncroll.demo_tool import TURNS, step_metrics
+
+    groups = []
+    for letters, said in (("abc", "abb"), ("cab", "xab")):  # "c" is never echoed
+        group = scored_turn_group(2)
+        targets = [ord(ch) for ch in letters]
+        a, b, c = (ord(ch) for ch in said)  # turns at 0-2, 4, 7-9 (`scored_turn_group`)
+        tokens = np.array([a, a, 0, 0, b, 0, 0, c, c], dtype=group.samples[0].tokens.dtype)
+        samples = [msgspec.structs.replace(s, tokens=tokens) for s in group.samples]
+        meta = {"letters": letters, "targets": targets}
+        groups.append(msgspec.structs.replace(group, samples=tuple(samples), metadata=meta))
+    got = step_metrics(groups)
+    assert got["letter_c"] == 0.0 and got["letter_a"] == 1.0 and got["letter_b"] == 1.0
+    assert got["zero_std"] == 1.0 and got["zero_std_wrong"] == 2 / (2 * TURNS)
+    assert got["turn0"] == 0.5 and got["turn2"] == 0.5
