@@ -51,10 +51,10 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from asyncroll import rollout
-from asyncroll._signal import Signal
+from asyncroll._core import rollout
+from asyncroll._core.engine_call import EngineCallError
+from asyncroll._core.signal import Signal
 from asyncroll.config import ProducerConfig
-from asyncroll.engine_call import EngineCallError
 from asyncroll.engines.base import (
     Engine,
     GenerateRequest,

@@ -37,12 +37,12 @@ import anyio
 import msgspec
 import numpy as np
 
-from asyncroll import rollout
-from asyncroll.engine_call import EngineCallError
+from asyncroll._core import rollout
+from asyncroll._core.engine_call import EngineCallError
+from asyncroll._core.rewards import RewardDeadline, RewardFn, RewardRunner
 from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest, SamplingConfig
 from asyncroll.outcomes import NOT_ABSORBED, cancelling
 from asyncroll.prompts import PromptLike, as_prompt
-from asyncroll.rewards import RewardDeadline, RewardFn, RewardRunner
 from asyncroll.types import EMPTY_INT32, Prompt, RolloutGroup, RolloutState, Status
 
 if TYPE_CHECKING:

@@ -37,15 +37,23 @@ from typing import Any
 
 import anyio
 
-from asyncroll import checkpoint, engine_call, filters, ledger
-from asyncroll._signal import Signal
-from asyncroll.admission import Admission, Staged
-from asyncroll.attempt import Attempts, Flight
+from asyncroll import filters
+from asyncroll._core import checkpoint, engine_call, ledger
+from asyncroll._core.admission import Admission, Staged
+from asyncroll._core.attempt import Attempts, Flight
+from asyncroll._core.control import Control
+from asyncroll._core.core import Core, ProducerError
+from asyncroll._core.drops import DropCallback, OnDrop
+from asyncroll._core.flights import DropRecord, Flights
+from asyncroll._core.ledger import Ledger, LedgerError
+from asyncroll._core.lifecycle import Gate, Hold, Phase, move
+from asyncroll._core.logs import FailureWarnings
+from asyncroll._core.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
+from asyncroll._core.rewards import RewardFn, RewardRunner
+from asyncroll._core.signal import Signal
+from asyncroll._core.state import ProducerState, dumps, loads, write_atomic
 from asyncroll.buffer import RolloutBuffer
 from asyncroll.config import ProducerConfig, make_config
-from asyncroll.control import Control
-from asyncroll.core import Core, ProducerError
-from asyncroll.drops import DropCallback, OnDrop
 from asyncroll.engines.base import (
     Engine,
     GenerateRequest,
@@ -54,15 +62,8 @@ from asyncroll.engines.base import (
     engine_options,
 )
 from asyncroll.episode import RolloutFn
-from asyncroll.flights import DropRecord, Flights
-from asyncroll.ledger import Ledger, LedgerError
-from asyncroll.lifecycle import Gate, Hold, Phase, move
-from asyncroll.logs import FailureWarnings
 from asyncroll.lora import LoraAdapter
-from asyncroll.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
 from asyncroll.prompts import PromptSource, PromptStream, TaskMix
-from asyncroll.rewards import RewardFn, RewardRunner
-from asyncroll.state import ProducerState, dumps, loads, write_atomic
 
 __all__ = [
     "DropRecord",
@@ -113,7 +114,7 @@ class Producer:
     `on_drop` is called with a `DropRecord` (no payload) for every failed, filtered or expired
     group, after the counters include it, e.g. to log which prompts failed and why. It may be
     `async def`: then it is awaited off the landing path, in order, each call within
-    `on_drop_timeout_s` (`asyncroll.drops` says what a callback that raises or hangs does).
+    `on_drop_timeout_s` (`asyncroll._core.drops` says what a callback that raises or hangs does).
 
     `rollout_fn` (`async def rollout_fn(episode: Episode) -> None`) makes each sample a
     multi-turn episode driven by user code (see `asyncroll.episode`); without it each group is

@@ -62,11 +62,11 @@ async def cost(calls: int, sim: bool = False) -> dict[str, Any]:
 
     from asyncroll import Episode, Producer, SamplingConfig, SimEngine
     from asyncroll.agents import AgentEndpoint, agent_reward
+    from asyncroll.app.models import build_tiny_model
     from asyncroll.chat.episode import ChatEpisode
     from asyncroll.chat.parse import TextParser
     from asyncroll.chat.template import ChatFormat
-    from asyncroll.engines.vllm import VLLMEngine
-    from asyncroll.models import build_tiny_model
+    from asyncroll.engines import VLLMEngine
 
     path = build_tiny_model()
     tok = transformers.AutoTokenizer.from_pretrained(str(path))

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from _common import DEFAULT_OUT, info_line, new_figure, print_section, run_info, save_outputs
 
-from asyncroll.demo import demo_config, run_demo
+from asyncroll.app.demo import demo_config, run_demo
 
 
 async def measure(
@@ -39,8 +39,8 @@ async def measure(
 ) -> dict[int, list[dict[str, Any]]]:
     from safetensors.torch import load_file
 
-    from asyncroll.engines.vllm import VLLMEngine
-    from asyncroll.models import TinyModelConfig, build_tiny_model
+    from asyncroll.app.models import TinyModelConfig, build_tiny_model
+    from asyncroll.engines import VLLMEngine
 
     model_dir = build_tiny_model(TinyModelConfig(seed=seed))
     original = load_file(model_dir / "model.safetensors")

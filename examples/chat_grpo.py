@@ -18,12 +18,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncroll import Producer, SamplingConfig
+from asyncroll import ProduceBatchResult, Producer, SamplingConfig
 from asyncroll.chat import chat_prompts, text_reward
 from asyncroll.engines import Engine, VLLMEngine
 from asyncroll.evaluation import Evaluator
-from asyncroll.progress import ProduceBatchResult
-from asyncroll.training import CORRECTIONS, policy_loss, to_batch, token_logprobs
+from asyncroll.train import CORRECTIONS, policy_loss, to_batch, token_logprobs
 
 
 # 1. A dataset of chat messages with reference answers: any iterable of rows (a list of dicts,
@@ -108,8 +107,8 @@ async def train(
 async def main(model_name: str | None, steps: int, eval_every: int) -> list[dict[str, float]]:
     chat_template = None
     if model_name is None:  # the tiny local model stands in, with a small chat template
+        from asyncroll.app.models import build_tiny_model
         from asyncroll.chat import TINY_CHAT_TEMPLATE
-        from asyncroll.models import build_tiny_model
 
         model_name, chat_template = str(build_tiny_model()), TINY_CHAT_TEMPLATE
     tokenizer = AutoTokenizer.from_pretrained(model_name)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 import asyncroll
-from asyncroll import cli, demo_chat, demo_tool
-from asyncroll.demo import DemoConfig, run_demo
+from asyncroll.app import cli, demo_chat, demo_tool
+from asyncroll.app.demo import DemoConfig, run_demo
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

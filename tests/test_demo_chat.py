@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncroll.demo_chat import HELD_OUT, ChatTask, letter_reward, rows
+from asyncroll.app.demo_chat import HELD_OUT, ChatTask, letter_reward, rows
 from asyncroll.types import RolloutGroup, RolloutState, Status
 
 

@@ -187,8 +187,7 @@ def _arguments(cls: type) -> dict[str, object]:
 
 def _config_sources() -> dict[str, dict[str, object]]:
     from asyncroll import Producer, ProducerConfig, SamplingConfig, SimConfig
-    from asyncroll.engines.vllm import VLLMEngine
-    from asyncroll.engines.vllm_server import VLLMServerEngine
+    from asyncroll.engines import VLLMEngine, VLLMServerEngine
     from asyncroll.lora import LoraSlots
 
     return {

@@ -9,9 +9,8 @@ import pytest
 
 from asyncroll.codec import decode, encode
 from asyncroll.config import ProducerConfig
-from asyncroll.demo import turn_index, turn_loss
 from asyncroll.engines.base import SamplingConfig
-from asyncroll.training import to_batch
+from asyncroll.train import to_batch, turn_index, turn_loss
 from asyncroll.types import RolloutGroup, RolloutState, Status
 from tests.factories import make_group
 
@@ -143,7 +142,7 @@ def test_turn_loss_with_every_turn_scored_as_the_episode_is_the_episode_loss() -
     """Per-turn credit reduces to the plain loss when each turn's reward is the sample's:
     the turn masks partition the trained tokens and the weights add back to one mean."""
     torch = pytest.importorskip("torch")
-    from asyncroll.training import CORRECTIONS, policy_loss
+    from asyncroll.train import CORRECTIONS, policy_loss
 
     groups = [scored_turn_group(4), scored_turn_group(4)]
     batch = to_batch(groups)
@@ -178,7 +177,7 @@ def test_mean_entropy_is_of_the_distributions_that_sampled_the_trained_tokens() 
     from: uniform there (entropy log V) and a certain token everywhere else (entropy 0) must
     give exactly log V, at any temperature; off by one position it would give 0."""
     torch = pytest.importorskip("torch")
-    from asyncroll.demo import mean_entropy
+    from asyncroll.train import mean_entropy
 
     batch = to_batch([scored_turn_group(2)])
     vocab = 16
@@ -198,7 +197,7 @@ def test_mean_entropy_is_of_the_distributions_that_sampled_the_trained_tokens() 
 
 def test_tool_echo_step_metrics_name_the_letter_that_stalls() -> None:
     """Per-letter hit rates and the share of zero-variance problems, from a batch of groups."""
-    from asyncroll.demo_tool import TURNS, step_metrics
+    from asyncroll.app.demo_tool import TURNS, step_metrics
 
     groups = []
     for letters, said in (("abc", "abb"), ("cab", "xab")):  # "c" is never echoed

@@ -22,7 +22,7 @@ from asyncroll.agents import AgentEndpoint, agent_reward
 from asyncroll.chat.parse import RenderersParser
 from asyncroll.chat.template import ChatFormat
 from asyncroll.engines.base import GenerateRequest, SampleOutput
-from asyncroll.training import token_logprobs
+from asyncroll.train import token_logprobs
 from tests.chat.qwen3_model import build_tiny_qwen3
 
 pytestmark = pytest.mark.vllm
@@ -58,7 +58,7 @@ def qwen3_model() -> Path:
 
 @pytest_asyncio.fixture(scope="module")
 async def engine(qwen3_model: Path) -> AsyncIterator[Any]:
-    from asyncroll.engines.vllm import VLLMEngine
+    from asyncroll.engines import VLLMEngine
 
     eng = VLLMEngine(qwen3_model, max_model_len=MAX_LEN, dtype="float32", seed=0)
     try:

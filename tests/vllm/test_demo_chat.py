@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncroll.demo import demo_config, run_demo
-from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.app.demo import demo_config, run_demo
+from asyncroll.engines import VLLMEngine
 
 pytestmark = pytest.mark.vllm
 

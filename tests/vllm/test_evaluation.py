@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from asyncroll import Producer, Prompt, RolloutGroup, SamplingConfig
-from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.engines import VLLMEngine
 from asyncroll.evaluation import Evaluator
 from tests.vllm.conftest import DEADLINE_S, original_weights
 from tests.vllm.helpers import ids, request

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncroll.chat import TINY_CHAT_TEMPLATE
-from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.engines import VLLMEngine
 
 pytestmark = pytest.mark.vllm
 
