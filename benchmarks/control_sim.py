@@ -709,10 +709,12 @@ def _scratch() -> tempfile.TemporaryDirectory[str]:
     return tempfile.TemporaryDirectory(prefix="control-sim-", dir=shm if memory else None)
 
 
-def _slice(args: tuple[int, int, int]) -> list[tuple[int, str]]:
-    """Run seeds `first`, `first + step`, ... below `stop` in one process: its failures."""
+def _slice(args: tuple[int, int, int]) -> tuple[list[tuple[int, str]], float]:
+    """Run seeds `first`, `first + step`, ... below `stop` in one process: its failures, and
+    the CPU seconds it took (on a shared machine wall time says more of the neighbours)."""
     first, step, stop = args
     failures = []
+    cpu = time.process_time()
     with _scratch() as tmp:
         for seed in range(first, stop, step):
             try:
@@ -721,7 +723,7 @@ def _slice(args: tuple[int, int, int]) -> list[tuple[int, str]]:
                 failures.append((seed, f"{exc!r:.400}"))
             except asyncio.CancelledError as exc:
                 failures.append((seed, f"{exc!r} escaped the run"))
-    return failures
+    return failures, time.process_time() - cpu
 
 
 def main() -> None:
@@ -745,12 +747,14 @@ def main() -> None:
         with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
             results = pool.map(_slice, slices)
     took = time.perf_counter() - start
-    failures = sorted(f for part in results for f in part)
+    failures = sorted(f for part, _ in results for f in part)
+    cpu = sum(cpu_s for _, cpu_s in results)
     for seed, what in failures[:20]:
         print(f"FAIL {what}  (replay: --replay {seed})")
     print(
         f"{args.seeds} seeds in {took:.1f} s ({args.seeds / took:.0f} seeds/s, {args.jobs}"
-        f" processes), {len(failures)} failed: {[seed for seed, _ in failures[:20]]}"
+        f" processes; {cpu:.1f} CPU s, {args.seeds / cpu:.0f} seeds per CPU s),"
+        f" {len(failures)} failed: {[seed for seed, _ in failures[:20]]}"
     )
     sys.exit(1 if failures else 0)
 
