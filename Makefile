@@ -25,8 +25,8 @@ simulate: install
 	$(VENV)/bin/asyncroll simulate
 
 lint: install
-	$(VENV)/bin/ruff check asyncroll tests benchmarks
-	$(VENV)/bin/ruff format --check asyncroll tests benchmarks
+	$(VENV)/bin/ruff check asyncroll tests benchmarks examples
+	$(VENV)/bin/ruff format --check asyncroll tests benchmarks examples
 	$(VENV)/bin/mypy
 
 # The documentation site (mkdocs.yml): every page builds, every link and API reference resolves.

@@ -9,6 +9,8 @@ counted on the producer (`ProduceProgress`).
 from importlib import metadata as _metadata
 
 from asyncroll import codec, filters
+from asyncroll._core.progress import ProduceBatchResult, ProduceProgress, ProgressCounters
+from asyncroll._core.state import CheckpointError, ProducerState
 from asyncroll.buffer import BufferStats, PutOutcome, RolloutBuffer
 from asyncroll.config import ProducerConfig
 from asyncroll.engines import (
@@ -20,6 +22,7 @@ from asyncroll.engines import (
     SimEngine,
 )
 from asyncroll.episode import Episode, EpisodeError, RolloutFn, Turn, single_turn
+from asyncroll.evaluation import EvalResult, Evaluator
 from asyncroll.producer import (
     DropRecord,
     Ledger,
@@ -30,9 +33,7 @@ from asyncroll.producer import (
     RewardFn,
     StalledError,
 )
-from asyncroll.progress import ProduceBatchResult, ProduceProgress, ProgressCounters
 from asyncroll.prompts import TaskMix
-from asyncroll.state import CheckpointError, ProducerState
 from asyncroll.types import Prompt, RolloutGroup, RolloutState, Status, group_status
 
 try:
@@ -49,6 +50,8 @@ __all__ = [
     "EngineDefaults",
     "Episode",
     "EpisodeError",
+    "EvalResult",
+    "Evaluator",
     "Ledger",
     "LedgerError",
     "ProduceBatchResult",

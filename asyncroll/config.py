@@ -51,8 +51,9 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # counts them by reason (a reward that always raises, a filter that rejects everything).
     # None: never stop.
     max_dropped_in_a_row: int | None = 1024
-    # Deadline of one call of an async `on_drop` callback (`asyncroll.drops` says what a late one
-    # does), and the least time between two WARNING summaries of failed groups (`asyncroll.logs`).
+    # Deadline of one call of an async `on_drop` callback (`asyncroll._core.drops` says what a late
+    # one does), and the least time between two WARNING summaries of failed groups
+    # (`asyncroll._core.logs`).
     on_drop_timeout_s: float = 10.0
     failure_log_interval_s: float = 60.0
     # Multi-turn episodes (a `rollout_fn`): policy turns per episode, response tokens per

@@ -51,10 +51,10 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from asyncroll import rollout
-from asyncroll._signal import Signal
+from asyncroll._core import rollout
+from asyncroll._core.engine_call import EngineCallError
+from asyncroll._core.signal import Signal
 from asyncroll.config import ProducerConfig
-from asyncroll.engine_call import EngineCallError
 from asyncroll.engines.base import (
     Engine,
     GenerateRequest,
@@ -187,6 +187,20 @@ class Episode:
     @property
     def policy_tokens(self) -> int:
         return sum(int(m.sum()) for m in self._mask) + self._pending
+
+    @property
+    def tokens_left(self) -> int:
+        """Response tokens the episode may still hold (`max_episode_tokens`, or what the
+        engine's max_model_len leaves after the prompt): for a caller that must refuse a
+        request past the budget instead of failing the group. 0 once its group has ended."""
+        run = self._run_ref()
+        return 0 if run is None else max(0, run.token_limit - len(self._tokens))
+
+    @property
+    def turns_left(self) -> int:
+        """Policy turns the episode may still take (`max_turns`); 0 once its group has ended."""
+        run = self._run_ref()
+        return 0 if run is None else max(0, run.config.max_turns - self.policy_turns)
 
     async def generate(
         self, max_new_tokens: int | None = None, *, sampling: SamplingConfig | None = None

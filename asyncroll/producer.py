@@ -31,32 +31,39 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from asyncroll import checkpoint, engine_call, filters, ledger
-from asyncroll._signal import Signal
-from asyncroll.admission import Admission, Staged
-from asyncroll.attempt import Attempts, Flight
+from asyncroll import filters
+from asyncroll._core import checkpoint, engine_call, ledger
+from asyncroll._core.admission import Admission, Staged
+from asyncroll._core.attempt import Attempts, Flight
+from asyncroll._core.control import Control
+from asyncroll._core.core import Core, ProducerError
+from asyncroll._core.drops import DropCallback, OnDrop
+from asyncroll._core.flights import DropRecord, Flights
+from asyncroll._core.ledger import Ledger, LedgerError
+from asyncroll._core.lifecycle import Gate, Hold, Phase, move
+from asyncroll._core.logs import FailureWarnings
+from asyncroll._core.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
+from asyncroll._core.rewards import RewardFn, RewardRunner
+from asyncroll._core.signal import Signal
+from asyncroll._core.state import ProducerState, dumps, loads, write_atomic
 from asyncroll.buffer import RolloutBuffer
 from asyncroll.config import ProducerConfig, make_config
-from asyncroll.control import Control
-from asyncroll.core import Core, ProducerError
-from asyncroll.drops import DropCallback, OnDrop
-from asyncroll.engines.base import Engine, Weights, engine_options
+from asyncroll.engines.base import (
+    Engine,
+    GenerateRequest,
+    SampleOutput,
+    Weights,
+    engine_options,
+)
 from asyncroll.episode import RolloutFn
-from asyncroll.flights import DropRecord, Flights
-from asyncroll.ledger import Ledger, LedgerError
-from asyncroll.lifecycle import Gate, Hold, Phase, move
-from asyncroll.logs import FailureWarnings
 from asyncroll.lora import LoraAdapter
-from asyncroll.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
 from asyncroll.prompts import PromptSource, PromptStream, TaskMix
-from asyncroll.rewards import RewardFn, RewardRunner
-from asyncroll.state import ProducerState, dumps, loads, write_atomic
 
 __all__ = [
     "DropRecord",
@@ -107,7 +114,7 @@ class Producer:
     `on_drop` is called with a `DropRecord` (no payload) for every failed, filtered or expired
     group, after the counters include it, e.g. to log which prompts failed and why. It may be
     `async def`: then it is awaited off the landing path, in order, each call within
-    `on_drop_timeout_s` (`asyncroll.drops` says what a callback that raises or hangs does).
+    `on_drop_timeout_s` (`asyncroll._core.drops` says what a callback that raises or hangs does).
 
     `rollout_fn` (`async def rollout_fn(episode: Episode) -> None`) makes each sample a
     multi-turn episode driven by user code (see `asyncroll.episode`); without it each group is
@@ -495,6 +502,22 @@ class Producer:
         finally:
             with anyio.CancelScope(shield=True):
                 await self.resume()
+
+    async def guest_generate(
+        self, request: GenerateRequest, *, timeout_s: float | None = None
+    ) -> Sequence[SampleOutput]:
+        """Generate `request` on this producer's engine for a caller outside the run (an
+        `asyncroll.evaluation.Evaluator`), leaving the run untouched: no counter, version,
+        buffer or ledger entry hears of it. It starts only while no pause, update or save
+        holds the engine, and a drain (in "abort" mode) aborts it like the run's own requests:
+        it then returns samples finished "abort", and each token's version says which weights
+        sampled it (`Engine`), so the caller can tell a request an update cut. Within
+        `timeout_s` of engine time (default `generate_timeout_s`); every failure of the engine
+        raises `engine_call.EngineCallError`, `RuntimeError` once the producer has stopped.
+        The wait for a closed gate has no deadline of its own: bound it from the caller."""
+        self._require_running()
+        timeout = self.config.generate_timeout_s if timeout_s is None else timeout_s
+        return await self._control.guest_generate(request, timeout)
 
     # -- accounting ------------------------------------------------------------------------------
 

@@ -45,10 +45,16 @@ import aiohttp
 import anyio
 import numpy as np
 
-from asyncroll.engines import EngineDeadError, GenerateRequest, SampleRequest, SamplingConfig
-from asyncroll.engines.replicas import NoReplicaError, ReplicaError
-from asyncroll.engines.vllm_server import VLLMServerEngine
-from asyncroll.engines.weight_check import WeightMismatchError
+from asyncroll.engines import (
+    EngineDeadError,
+    GenerateRequest,
+    ReplicaError,
+    SampleRequest,
+    SamplingConfig,
+    VLLMServerEngine,
+)
+from asyncroll.engines.server.replicas import NoReplicaError
+from asyncroll.engines.vllm.weight_check import WeightMismatchError
 
 STRIDE = 16  # token id = weights * STRIDE + noise: which weights sampled it
 TOKEN_S = 0.01  # virtual seconds per sampled token

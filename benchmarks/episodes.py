@@ -122,8 +122,8 @@ async def single_turn(groups: int, group_size: int, tokens: int) -> float:
 
 async def reprefill(contexts: Sequence[int], tokens: int, repeats: int) -> list[list[Any]]:
     """Seconds of a whole turn vs the same turn in two requests, per context length."""
-    from asyncroll.engines.vllm import VLLMEngine
-    from asyncroll.models import build_tiny_model
+    from asyncroll.app.models import build_tiny_model
+    from asyncroll.engines import VLLMEngine
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, 200, 8, dtype=np.int32)

@@ -92,8 +92,22 @@ run_in() {
 }
 
 # A clear, early failure without CUDA, instead of a step that fails half-way in vLLM's start.
+# Checked once per run (after install, the only step that changes the venv): each later step
+# replays the answer instead of starting a python that imports torch and vllm again.
 require_cuda() {
   [ "$DRY" = 0 ] || return 0
+  if [ -f "$OUT/.require_cuda.rc" ]; then
+    cat "$OUT/.require_cuda.log"
+    return "$(cat "$OUT/.require_cuda.rc")"
+  fi
+  local rc=0
+  check_cuda > "$OUT/.require_cuda.log" 2>&1 || rc=$?
+  cat "$OUT/.require_cuda.log"
+  echo "$rc" > "$OUT/.require_cuda.rc"
+  return "$rc"
+}
+
+check_cuda() {
   if ! command -v "$PY" >/dev/null 2>&1 && [ ! -x "$PY" ]; then
     echo "gpu_check: no python at '$PY': run the install step first, or give --python" >&2
     return 1
@@ -181,8 +195,8 @@ for s in "${CHOSEN[@]}"; do
   echo "== gpu_check: $s (at most ${LIMIT_S[$s]} s): ${WHAT[$s]}"
   start=$(date +%s)
   # `timeout` runs the step in a child shell of this script, so the step functions are exported
-  export -f "step_$s" require_cuda run_in
-  export ROOT PY VENV DRY WHEELHOUSE
+  export -f "step_$s" require_cuda check_cuda run_in
+  export ROOT PY VENV DRY WHEELHOUSE OUT
   timeout --kill-after=30 "${LIMIT_S[$s]}" bash -c "step_$s \"\$1\"" _ "$dir" > "$dir/log.txt" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))

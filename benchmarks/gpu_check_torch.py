@@ -150,7 +150,7 @@ def check_logprobs(
 ) -> dict[str, Any]:
     import torch
 
-    from asyncroll.training import token_logprobs
+    from asyncroll.train import token_logprobs
 
     vocab = shape[-1]
     sizes = {"vocab/2": vocab // 2, "vocab": vocab}
@@ -193,7 +193,7 @@ def check_logprobs(
 def check_policy_loss(device: Any, shape: tuple[int, int, int], dtype: Any) -> dict[str, Any]:
     import torch
 
-    from asyncroll.training import Correction, TrainBatch, policy_loss, token_logprobs
+    from asyncroll.train import Correction, TrainBatch, policy_loss, token_logprobs
 
     b, length, vocab = shape
     ids = torch.randint(vocab, (b, length), generator=torch.Generator(device).manual_seed(2),
@@ -244,8 +244,13 @@ def check_wrap_lora(device: Any) -> dict[str, Any]:
     from torch import nn
 
     from asyncroll.lora import LoraConfig, merged_weights
-    from asyncroll.lora_train import adapter_of, lora_layers, trainable_parameters, wrap_lora
-    from asyncroll.training import token_logprobs
+    from asyncroll.train import (
+        adapter_of,
+        lora_layers,
+        token_logprobs,
+        trainable_parameters,
+        wrap_lora,
+    )
 
     class Toy(nn.Module):
         """Embedding, two blocks of q/v projections, an untied head: what wrap_lora needs."""

@@ -122,7 +122,7 @@ def _reset_peak() -> int:
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from asyncroll.training import token_logprobs
+    from asyncroll.train import token_logprobs
 
     b, length, vocab = spec["shape"]
     torch.manual_seed(0)

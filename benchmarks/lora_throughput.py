@@ -60,8 +60,8 @@ from _common import DEFAULT_OUT, info_line, new_figure, print_section, run_info,
 from lora_update import MODELS, random_adapter
 
 from asyncroll import Producer, SamplingConfig
+from asyncroll.app.models import build_tiny_model
 from asyncroll.lora import LoraAdapter, LoraSlots
-from asyncroll.models import build_tiny_model
 
 RANK = 8
 STREAM_INTERVAL = 1
@@ -170,7 +170,7 @@ def _scaled_adapter(adapter: LoraAdapter, scale: float) -> LoraAdapter:
 
 @asynccontextmanager
 async def _engine(model: Path, kind: str, slots: int) -> AsyncIterator[Any]:
-    from asyncroll.engines.vllm import VLLMEngine
+    from asyncroll.engines import VLLMEngine
 
     lora = LoraSlots(max_rank=RANK, slots=slots) if kind == "lora" else None
     async with VLLMEngine(

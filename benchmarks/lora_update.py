@@ -35,10 +35,10 @@ from typing import Any
 
 from _common import DEFAULT_OUT, MIB, info_line, new_figure, print_section, run_info, save_outputs
 
-from asyncroll.demo import tree_rss_mib
+from asyncroll.app.demo import tree_rss_mib
+from asyncroll.app.models import TinyModelConfig, build_tiny_model
 from asyncroll.engines.base import Engine
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraSlots
-from asyncroll.models import TinyModelConfig, build_tiny_model
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MODELS = {
@@ -131,9 +131,8 @@ def _perturbed_adapter(adapter: LoraAdapter, version: int) -> LoraAdapter:
 async def _engine(path: str, model: Path, *, lora_rank: int | None) -> AsyncIterator[Engine]:
     """An in-process `VLLMEngine`, or a `VLLMServerEngine` on one `vllm serve` (the shared-
     folder path), with LoRA slots for `lora_rank` or without LoRA."""
-    from asyncroll.engines.vllm import VLLMEngine
-    from asyncroll.engines.vllm_serve import ServerProcess
-    from asyncroll.engines.vllm_server import VLLMServerEngine
+    from asyncroll.engines import VLLMEngine, VLLMServerEngine
+    from asyncroll.engines.server.launch import ServerProcess
 
     lora = None if lora_rank is None else LoraSlots(max_rank=lora_rank, slots=2)
     if path == "in-process":

@@ -203,8 +203,8 @@ def build_engine(w: Workload) -> Any:
     """SimEngine with seeded aborts, or real vLLM on the tiny local model (its aborts are real:
     every weight update pauses and aborts what is in flight)."""
     if w.engine == "vllm":
-        from asyncroll.engines.vllm import VLLMEngine
-        from asyncroll.models import build_tiny_model
+        from asyncroll.app.models import build_tiny_model
+        from asyncroll.engines import VLLMEngine
 
         return VLLMEngine(build_tiny_model(), max_model_len=len(PROMPT) + w.max_new_tokens + 8)
     return WorkloadEngine(

@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 from _common import DEFAULT_OUT, info_line, new_figure, print_section, run_info, save_outputs
 
-from asyncroll.demo import DemoConfig, StepRecord, demo_model, run_demo
+from asyncroll.app.demo import DemoConfig, StepRecord, demo_model, run_demo
 
 Key = tuple[int, str]  # (max_staleness, correction)
 
@@ -74,7 +74,7 @@ async def run_all(configs: list[DemoConfig]) -> list[list[StepRecord]]:
     cores), each starting from its model's weights at version 0 as a fresh engine would."""
     from safetensors.torch import load_file
 
-    from asyncroll.engines.vllm import VLLMEngine
+    from asyncroll.engines import VLLMEngine
 
     out = []
     async with VLLMEngine(demo_model(configs[0]), seed=configs[0].seed) as engine:

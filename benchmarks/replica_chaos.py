@@ -74,7 +74,7 @@ from asyncroll import (
     SamplingConfig,
     StalledError,
 )
-from asyncroll.engines.vllm_server import VLLMServerEngine
+from asyncroll.engines import VLLMServerEngine
 from asyncroll.producer import LedgerError, UpdateWeightsError
 
 VOCAB = 1 << 16

@@ -31,8 +31,8 @@ import numpy as np
 from _common import DEFAULT_OUT, info_line, new_figure, print_section, run_info, save_outputs
 from vllm_throughput import bench_llm, run_producer, time_updates
 
-from asyncroll.engines.vllm_serve import ServerProcess, free_port
-from asyncroll.models import build_tiny_model
+from asyncroll.app.models import build_tiny_model
+from asyncroll.engines.server.launch import ServerProcess, free_port
 
 PATHS = (
     ("llm_generate", "vLLM LLM.generate (offline)"),
@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def bench_server(
     model: Path, prompts: list[list[int]], args: argparse.Namespace, max_len: int
 ) -> dict[str, list[float]]:
-    from asyncroll.engines.vllm_server import VLLMServerEngine
+    from asyncroll.engines import VLLMServerEngine
 
     start = time.perf_counter()
     server = await asyncio.to_thread(ServerProcess.start, model, max_model_len=max_len)
@@ -119,7 +119,7 @@ async def bench_server(
 async def bench_inprocess(
     model: Path, prompts: list[list[int]], args: argparse.Namespace, engine_args: dict[str, Any]
 ) -> dict[str, list[float]]:
-    from asyncroll.engines.vllm import VLLMEngine
+    from asyncroll.engines import VLLMEngine
 
     engine = VLLMEngine(model, parallel_sampling=True, **engine_args)
     out: dict[str, list[float]] = {}

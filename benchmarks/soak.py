@@ -78,8 +78,8 @@ from asyncroll import (
     SimEngine,
     StalledError,
 )
+from asyncroll._core.state import loads
 from asyncroll.outcomes import FailureReason
-from asyncroll.state import loads
 
 T = TypeVar("T")
 VOCAB = 1000

@@ -42,8 +42,8 @@ import anyio.to_thread
 import numpy as np
 
 from asyncroll import Producer, RolloutGroup, RolloutState, SamplingConfig, SimConfig, SimEngine
+from asyncroll.app.models import build_tiny_model
 from asyncroll.chat import PromptBuilder, decode_completions, text_reward, tiny_chat_tokenizer
-from asyncroll.models import build_tiny_model
 from asyncroll.types import Status
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

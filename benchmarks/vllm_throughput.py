@@ -31,7 +31,7 @@ import numpy as np
 from _common import DEFAULT_OUT, info_line, new_figure, print_section, run_info, save_outputs
 
 from asyncroll import Producer, SamplingConfig
-from asyncroll.models import TinyModelConfig, build_tiny_model
+from asyncroll.app.models import TinyModelConfig, build_tiny_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +148,7 @@ async def bench_producer(
 ) -> dict[str, list[float]]:
     """The producer on VLLMEngine, with a group's samples as k requests and as one n=k
     request, alternated run by run; then `update_weights` with all the model's weights."""
-    from asyncroll.engines.vllm import VLLMEngine
+    from asyncroll.engines import VLLMEngine
 
     start = time.perf_counter()
     engine = VLLMEngine(model, **engine_args)

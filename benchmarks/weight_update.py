@@ -6,7 +6,7 @@ Each update sends every tensor, perturbed (so every update really changes the we
 a new version; the engines run one after the other (one vLLM at a time), each updated
 `--reps` times per setting after one warm-up update. An update with verification also hashes
 every tensor in this process (sha256) and in the worker, and runs each linear layer's kernel on
-a probe input (see `asyncroll.engines.weight_check`).
+a probe input (see `asyncroll.engines.vllm.weight_check`).
 
     python benchmarks/weight_update.py --out benchmarks/results
     python benchmarks/weight_update.py --quick          # the tiny model only
@@ -27,11 +27,10 @@ from typing import Any
 
 from _common import DEFAULT_OUT, info_line, new_figure, print_section, run_info, save_outputs
 
+from asyncroll.app.models import TinyModelConfig, build_tiny_model
+from asyncroll.engines import VLLMEngine, VLLMServerEngine
 from asyncroll.engines.base import Engine
-from asyncroll.engines.vllm import VLLMEngine
-from asyncroll.engines.vllm_serve import ServerProcess
-from asyncroll.engines.vllm_server import VLLMServerEngine
-from asyncroll.models import TinyModelConfig, build_tiny_model
+from asyncroll.engines.server.launch import ServerProcess
 
 MODELS = {
     "tiny": TinyModelConfig(),

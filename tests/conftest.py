@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from asyncroll.engines.vllm import VLLMEngine
-from asyncroll.models import build_tiny_model
+from asyncroll.app.models import build_tiny_model
+from asyncroll.engines import VLLMEngine
 from asyncroll.types import RolloutGroup
 from tests.factories import make_group
 from tests.vllm.server import (  # noqa: F401

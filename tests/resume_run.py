@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from asyncroll import DropRecord, Episode, Producer, PutOutcome, SamplingConfig, SimEngine
-from asyncroll.state import dumps, write_atomic
+from asyncroll._core.state import dumps, write_atomic
 
 PROMPTS = 160
 BATCH = 8

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 
-from asyncroll.engines.vllm_serve import free_port
+from asyncroll.engines.server.launch import free_port
 
 
 @contextlib.asynccontextmanager

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 import asyncroll
-from asyncroll import cli, demo_tool
-from asyncroll.demo import DemoConfig, run_demo
+from asyncroll.app import cli, demo_chat, demo_tool
+from asyncroll.app.demo import DemoConfig, run_demo
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,7 +62,21 @@ def test_tool_echo_takes_its_own_defaults_and_a_given_flag_wins() -> None:
     assert {k: getattr(tool, k) for k in demo_tool.DEFAULTS} == demo_tool.DEFAULTS
     assert config("--task", "tool_echo", "--max-new-tokens", "8").max_new_tokens == 8
     assert config("--max-new-tokens", "3").max_new_tokens == 3
-    assert "(default 8; tool_echo: 4)" in " ".join(_demo_help(parser).split())  # both
+    assert "(default 8; tool_echo: 4; chat: 4)" in " ".join(_demo_help(parser).split())
+
+
+def test_chat_takes_its_own_defaults_and_evaluates_only_with_a_held_out_set() -> None:
+    parser = cli._parser()
+
+    def config(*flags: str) -> DemoConfig:
+        return cli._demo_config(parser.parse_args(["demo", *flags]))
+
+    chat = config("--task", "chat")
+    assert {k: getattr(chat, k) for k in demo_chat.DEFAULTS} == demo_chat.DEFAULTS
+    assert chat.eval_every == 10 and config("--task", "chat", "--eval-every", "5").eval_every == 5
+    assert config().eval_every == 0
+    with pytest.raises(ValueError, match="only --task chat has one"):
+        config("--eval-every", "3")
 
 
 def test_the_demo_filter_is_an_option_and_a_task_default() -> None:

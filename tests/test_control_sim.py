@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import control_sim
 
-from asyncroll.engines import server_client
+from asyncroll.engines.server import client as server_client
 
 
 def test_seeds_keep_every_invariant(tmp_path: Path) -> None:

@@ -26,11 +26,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
-# Pages other branches add: linked from the nav and the docs map before they land. Once a page
-# is here, remove it from this set (test_arriving_pages_are_still_missing says which).
-ARRIVING = {
-    "getting-started.md",
-}
 MARKER = re.compile(r"<!--\s*docs-test:\s*(skip|run)\b(.*?)-->")
 FENCE = re.compile(r"^ *```(\S*)\s*$")
 
@@ -127,8 +122,6 @@ def _local_links(page: Path) -> list[str]:
 def test_links_resolve(page: Path) -> None:
     for link in filter(None, _local_links(page)):
         target = (page.parent / link).resolve()
-        if target.parent == DOCS and target.name in ARRIVING:
-            continue
         assert target.exists(), f"{page.name} links to {link}, which does not exist"
 
 
@@ -140,17 +133,10 @@ def _nav_pages() -> list[str]:
 def test_the_nav_lists_every_page_and_each_exists() -> None:
     nav = _nav_pages()
     assert sorted(nav) == sorted(set(nav)), "a page is in the nav twice"
-    missing = [p for p in nav if not (DOCS / p).exists() and p not in ARRIVING]
+    missing = [p for p in nav if not (DOCS / p).exists()]
     assert not missing, f"nav entries without a page: {missing}"
     unlisted = sorted(p.name for p in DOCS.glob("*.md") if p.name not in nav)
     assert not unlisted, f"pages missing from mkdocs.yml's nav: {unlisted}"
-
-
-def test_arriving_pages_are_still_missing() -> None:
-    """A page of ARRIVING that exists has landed: take it out of ARRIVING (and mkdocs.yml's
-    relaxed `validation:` once the set is empty)."""
-    landed = sorted(p for p in ARRIVING if (DOCS / p).exists())
-    assert not landed, f"remove from ARRIVING in tests/test_docs.py: {landed}"
 
 
 def test_user_docs_name_no_issue_numbers() -> None:
@@ -201,8 +187,7 @@ def _arguments(cls: type) -> dict[str, object]:
 
 def _config_sources() -> dict[str, dict[str, object]]:
     from asyncroll import Producer, ProducerConfig, SamplingConfig, SimConfig
-    from asyncroll.engines.vllm import VLLMEngine
-    from asyncroll.engines.vllm_server import VLLMServerEngine
+    from asyncroll.engines import VLLMEngine, VLLMServerEngine
     from asyncroll.lora import LoraSlots
 
     return {

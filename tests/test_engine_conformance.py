@@ -166,8 +166,7 @@ def check_outputs(outputs: Sequence[SampleOutput], request: GenerateRequest) -> 
 def make_subject(kind: str, vllm_engine: object = None) -> Subject:
     if kind == "sim":
         return Subject(SimEngine(vocab_size=512, per_token_latency_s=SIM_TOKEN_S), 1 << 20)
-    from asyncroll.engines.vllm import VLLMEngine
-    from asyncroll.engines.vllm_server import VLLMServerEngine
+    from asyncroll.engines import VLLMEngine, VLLMServerEngine
 
     assert isinstance(vllm_engine, VLLMEngine | VLLMServerEngine)
     engine = vllm_engine
@@ -256,7 +255,7 @@ async def own_subject(request: pytest.FixtureRequest, engine_kind: str) -> Async
         finally:
             await asyncio.wait_for(client.close(), DEADLINE_S)
         return
-    from asyncroll.engines.vllm import VLLMEngine
+    from asyncroll.engines import VLLMEngine
 
     model = request.getfixturevalue("tiny_model")
     assert isinstance(model, Path)

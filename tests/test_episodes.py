@@ -25,7 +25,7 @@ from asyncroll import (
 )
 from asyncroll.engines.base import GenerateRequest, SampleOutput, Weights
 from asyncroll.outcomes import FailureReason
-from asyncroll.training import to_batch
+from asyncroll.train import to_batch
 from asyncroll.types import RolloutGroup, Status
 from tests.test_producer import watch_ledger
 
@@ -627,7 +627,8 @@ async def test_a_checkpoint_from_before_multi_turn_loads_with_its_ledger_whole(
     """Counters written before `policy_tokens` existed: every token was the policy's."""
     import msgspec
 
-    from asyncroll.state import ProducerState, dumps, loads
+    from asyncroll import ProducerState
+    from asyncroll._core.state import dumps, loads
 
     producer = Producer(SimEngine(vocab_size=VOCAB), prompts(6), length_reward, group_size=2)
     async with producer:

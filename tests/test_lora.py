@@ -357,7 +357,7 @@ async def test_a_registration_cut_by_its_caller_leaves_no_adapter_in_the_workers
     workers that the engine did not know: it held one of vLLM's `max_loras` slots for good.
     Now the cancelled call waits for the answer and removes what was added, then the
     cancellation goes on; the engine serves what it served before."""
-    from asyncroll.engines.vllm_lora import AdapterSet
+    from asyncroll.engines.vllm.lora import AdapterSet
 
     async def call(awaitable: Any) -> Any:
         return await awaitable
@@ -378,7 +378,7 @@ async def test_a_registration_cut_by_its_caller_leaves_no_adapter_in_the_workers
 def test_the_workers_lora_targets_name_top_level_modules_without_a_dot() -> None:
     """vLLM's LoRA layers by name, a packed one standing for what it packs; a top-level
     module (lm_head) once came out as ".lm_head" and was then "missing" from its own list."""
-    from asyncroll.engines.vllm_worker import _lora_modules
+    from asyncroll.engines.vllm.in_worker import _lora_modules
 
     modules = {"lm_head": 0, "model.layers.0.self_attn.qkv_proj": 0}
     assert _lora_modules(modules, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}) == {

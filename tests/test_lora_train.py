@@ -1,5 +1,5 @@
 """The training side of LoRA: a hand-wrapped HF model trains A and B only, through the unchanged
-`asyncroll.training`, and its adapter is exactly what `merged_weights` folds into the base."""
+`asyncroll.train.loss`, and its adapter is exactly what `merged_weights` folds into the base."""
 
 from __future__ import annotations
 
@@ -10,10 +10,18 @@ import msgspec
 import pytest
 import torch
 
+from asyncroll.app.models import TinyModelConfig, build_tiny_model
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, from_peft_state, merged_weights
-from asyncroll.lora_train import adapter_of, lora_layers, trainable_parameters, wrap_lora
-from asyncroll.models import TinyModelConfig, build_tiny_model
-from asyncroll.training import CORRECTIONS, policy_loss, to_batch, token_logprobs
+from asyncroll.train import (
+    CORRECTIONS,
+    adapter_of,
+    lora_layers,
+    policy_loss,
+    to_batch,
+    token_logprobs,
+    trainable_parameters,
+    wrap_lora,
+)
 from tests.factories import make_group
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -214,14 +222,14 @@ def test_only_the_targets_are_wrapped() -> None:
      ({"lora_alpha": 0.0}, "--lora-alpha"), ({"lora_alpha": float("nan")}, "--lora-alpha")],
 )  # fmt: skip
 def test_demo_lora_options_are_refused_by_flag(options: dict[str, Any], flag: str) -> None:
-    from asyncroll.demo import DemoConfig
+    from asyncroll.app.demo import DemoConfig
 
     with pytest.raises(ValueError, match=flag):
         DemoConfig(lora=True, **options)
 
 
 def test_demo_trains_full_weights_unless_told_lora() -> None:
-    from asyncroll.demo import LORA_TARGETS, DemoConfig
+    from asyncroll.app.demo import LORA_TARGETS, DemoConfig
 
     assert DemoConfig().lora_config() is None
     config = DemoConfig(lora=True, lora_rank=16, lora_alpha=8.0).lora_config()
@@ -234,8 +242,8 @@ def test_demo_lora_takes_its_own_defaults_and_a_given_flag_wins() -> None:
     sample, its groups are dropped and it never learns; docs/lora-training.md); a flag given
     wins; full fine-tuning and `DemoConfig(...)` keep their own defaults; tool_echo's apply with
     --lora."""
-    from asyncroll import cli, demo_tool
-    from asyncroll.demo import LORA_DEFAULTS, DemoConfig
+    from asyncroll.app import cli, demo_tool
+    from asyncroll.app.demo import LORA_DEFAULTS, DemoConfig
 
     parser = cli._parser()
 

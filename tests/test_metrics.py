@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from asyncroll import Producer, Prompt, RolloutGroup, SamplingConfig, SimConfig, SimEngine, TaskMix
+from asyncroll._core.state import dumps, loads
 from asyncroll.outcomes import FailureReason
-from asyncroll.state import dumps, loads
 from tests.test_producer import VOCAB, make_producer, parity_reward
 
 REASONS = [f"failed_groups_by_reason/{r.value}" for r in FailureReason]

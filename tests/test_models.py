@@ -1,4 +1,4 @@
-"""`asyncroll.models`: the tiny model is built locally, deterministically, atomically."""
+"""`asyncroll.app.models`: the tiny model is built locally, deterministically, atomically."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from asyncroll.models import TinyModelConfig, build_tiny_model
+from asyncroll.app.models import TinyModelConfig, build_tiny_model
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 

@@ -23,10 +23,15 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from asyncroll.engines import GenerateRequest, SampleRequest, SamplingConfig
-from asyncroll.engines.nccl_transfer import NCCLWeightTransfer
-from asyncroll.engines.replicas import NoReplicaError, ReplicaError, ReplicaState
-from asyncroll.engines.vllm_server import VLLMServerEngine
+from asyncroll.engines import (
+    GenerateRequest,
+    ReplicaError,
+    SampleRequest,
+    SamplingConfig,
+    VLLMServerEngine,
+)
+from asyncroll.engines.server.nccl_transfer import NCCLWeightTransfer
+from asyncroll.engines.server.replicas import NoReplicaError, ReplicaState
 from tests.stubs import served
 
 WAIT_S = 5.0
@@ -457,7 +462,7 @@ def test_trainer_side_config_and_ports_without_a_gpu() -> None:
 
 def test_the_modules_import_without_torch() -> None:
     code = (
-        "import sys, asyncroll.engines.nccl_transfer, asyncroll.engines.vllm_server;"
+        "import sys, asyncroll.engines.server.nccl_transfer, asyncroll.engines.server.engine;"
         "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)  # a loaded machine

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from asyncroll import DropRecord, ProducerError, PutOutcome, drops
+from asyncroll import DropRecord, ProducerError, PutOutcome
+from asyncroll._core import drops
 from tests.test_producer import consume_all, make_producer
 
 SIM = {"fail_rate": 0.3, "seed": 5}

@@ -28,9 +28,9 @@ from asyncroll import (
     StalledError,
     Status,
 )
+from asyncroll._core.state import dumps, loads
 from asyncroll.engines.base import GenerateRequest, SampleOutput
 from asyncroll.outcomes import FailureReason
-from asyncroll.state import dumps, loads
 
 VOCAB = 1000
 
@@ -262,7 +262,7 @@ async def test_a_run_of_bad_prompts_does_not_starve_the_event_loop() -> None:
 
 
 def test_prompt_longer_than_max_model_len_fails() -> None:
-    from asyncroll.rollout import RolloutError, prompt_array
+    from asyncroll._core.rollout import RolloutError, prompt_array
 
     with pytest.raises(RolloutError, match="max_model_len=4"):
         prompt_array([1, 2, 3, 4], 10, 4)
@@ -1028,7 +1028,7 @@ async def test_malformed_continuation_fails_the_group_not_the_producer() -> None
 
 
 def test_routed_experts_merge_rules() -> None:
-    from asyncroll.rollout import RolloutError
+    from asyncroll._core.rollout import RolloutError
     from asyncroll.types import RolloutState
     from tests.test_rollout import extend_one
 

@@ -27,23 +27,25 @@ from asyncroll import (
     Producer,
     ProducerError,
     ProducerExhausted,
+    ProducerState,
+    ProgressCounters,
     PutOutcome,
     RolloutGroup,
     SamplingConfig,
     SimEngine,
     StalledError,
-    rollout,
     single_turn,
 )
+from asyncroll._core import rollout
+from asyncroll._core.lifecycle import Phase
+from asyncroll._core.progress import LatencyHistogram
+from asyncroll._core.state import STATE_FORMAT, dumps, loads
 from asyncroll.codec import encode
 from asyncroll.engines.base import GenerateRequest, SampleOutput, Weights
-from asyncroll.lifecycle import Phase
 from asyncroll.lora import LoraError
 from asyncroll.outcomes import FailureReason
 from asyncroll.producer import UpdateWeightsError
-from asyncroll.progress import LatencyHistogram, ProgressCounters
 from asyncroll.prompts import PromptStream
-from asyncroll.state import STATE_FORMAT, ProducerState, dumps, loads
 from asyncroll.types import Prompt, Status
 from tests.factories import make_sample
 from tests.test_producer import VOCAB, consume_all, make_producer, parity_reward, prompts

@@ -2,7 +2,8 @@ import math
 
 import numpy as np
 
-from asyncroll.progress import LatencyHistogram, ProduceProgress, ProgressCounters
+from asyncroll import ProduceProgress, ProgressCounters
+from asyncroll._core.progress import LatencyHistogram
 
 
 def test_quantiles_within_one_bucket() -> None:

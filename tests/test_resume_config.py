@@ -31,9 +31,9 @@ from asyncroll import (
     SimEngine,
     single_turn,
 )
+from asyncroll._core.state import loads
 from asyncroll.config import ProducerConfig
 from asyncroll.engines.base import GenerateRequest, SampleOutput
-from asyncroll.state import loads
 
 GUARD_S = 60.0  # only against hangs: every wait below ends on an event long before
 VOCAB = 1000

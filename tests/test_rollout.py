@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest, SamplingConfig
-from asyncroll.filters import nonzero_std
-from asyncroll.rollout import (
+from asyncroll._core.rollout import (
     RolloutError,
     check_rewards,
     fresh_samples,
     interrupted,
     merge_outputs,
 )
+from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest, SamplingConfig
+from asyncroll.filters import nonzero_std
 from asyncroll.types import RolloutGroup, RolloutState, Status
 from tests.factories import make_group
 

@@ -16,11 +16,10 @@ import msgspec
 import pytest
 import torch
 
-from asyncroll._signal import Signal
-from asyncroll.engines import EngineDeadError, GenerateRequest
-from asyncroll.engines.replicas import NoReplicaError, Replica, ReplicaError, ReplicaState, pick
-from asyncroll.engines.vllm_server import VLLMServerEngine
-from asyncroll.engines.weight_check import WeightMismatchError, digest
+from asyncroll._core.signal import Signal
+from asyncroll.engines import EngineDeadError, GenerateRequest, ReplicaError, VLLMServerEngine
+from asyncroll.engines.server.replicas import NoReplicaError, Replica, ReplicaState, pick
+from asyncroll.engines.vllm.weight_check import WeightMismatchError, digest
 from tests.test_server_engine import (
     GENERATE,
     LIVENESS,
@@ -327,7 +326,7 @@ async def test_no_replica_answering_is_no_death_but_a_wait_bounded_by_the_caller
     """No replica up is a state: a pause or update records what the replicas must serve when
     they answer, and a request waits for one until its own deadline (then fails, naming each
     replica); only a closed engine is dead."""
-    from asyncroll.engines.vllm_serve import free_port
+    from asyncroll.engines.server.launch import free_port
 
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there
     engine = VLLMServerEngine(urls, vocab_size=512, request_timeout_s=0.5, weights_dir=tmp_path)

@@ -23,26 +23,27 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from asyncroll._signal import Signal
+from asyncroll._core.signal import Signal
 from asyncroll.engines import (
     EngineDeadError,
     GenerateRequest,
+    ReplicaError,
     SampleRequest,
     SamplingConfig,
-    vllm_serve,
+    VLLMServerEngine,
 )
-from asyncroll.engines.replicas import (
+from asyncroll.engines.server import launch as vllm_serve
+from asyncroll.engines.server.engine import attempt_session
+from asyncroll.engines.server.launch import ServerProcess, ServerStartError
+from asyncroll.engines.server.replicas import (
     MAX_BACKOFF_DOUBLINGS,
     NoReplicaError,
     Replica,
-    ReplicaError,
     ReplicaState,
     backoff_s,
     control,
     pick,
 )
-from asyncroll.engines.vllm_serve import ServerProcess, ServerStartError
-from asyncroll.engines.vllm_server import VLLMServerEngine, attempt_session
 from tests.stubs import not_http, served
 
 
@@ -877,7 +878,7 @@ def _model_folder(path: Path) -> Path:
     """A checkpoint folder standing for the model a replica was started from."""
     import torch
 
-    from asyncroll.engines import server_weights
+    from asyncroll.engines.server import weights as server_weights
 
     path.mkdir()
     server_weights.write([("w", torch.zeros(2))], path, digest=False)
@@ -988,8 +989,8 @@ def test_tokens_in_flight_are_within_the_payload_the_engine_declares() -> None:
     """A sample's streamed tokens wait here until its request ends, outside the buffer's
     byte bound unless `payload_bytes` counts them: it said 0, while Python lists of ints
     and floats held ~70 B a token."""
-    from asyncroll.engines import replicas as rp
-    from asyncroll.engines import server_samples
+    from asyncroll.engines.server import replicas as rp
+    from asyncroll.engines.server import samples as server_samples
 
     n, vocab = 5_000, 50_000
     event = json.dumps({"choices": [_choice([300 + (t % 40_000) for t in range(n)])]}).encode()

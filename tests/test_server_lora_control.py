@@ -15,10 +15,10 @@ import pytest
 import torch
 from aiohttp import web
 
-from asyncroll.engines.replicas import Replica, ReplicaError, ReplicaState, pick
-from asyncroll.engines.server_lora import LOAD, UNLOAD
-from asyncroll.engines.vllm_serve import serve_args
-from asyncroll.engines.vllm_server import VLLMServerEngine
+from asyncroll.engines import ReplicaError, VLLMServerEngine
+from asyncroll.engines.server.launch import serve_args
+from asyncroll.engines.server.lora import LOAD, UNLOAD
+from asyncroll.engines.server.replicas import Replica, ReplicaState, pick
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots
 from tests.test_server_engine import (
     GENERATE,

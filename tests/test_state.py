@@ -19,7 +19,7 @@ from asyncroll import (
     RolloutGroup,
     TaskMix,
 )
-from asyncroll.state import STATE_FORMAT, dumps, loads
+from asyncroll._core.state import STATE_FORMAT, dumps, loads
 from asyncroll.types import Prompt
 from tests.test_producer import VOCAB, SimEngine, consume_all, make_producer, parity_reward, prompts
 
@@ -154,7 +154,7 @@ async def test_checkpoint_of_another_shape_is_refused() -> None:
 
 
 def test_write_is_atomic_and_leaves_no_temp_files(tmp_path: Path) -> None:
-    from asyncroll.state import write_atomic
+    from asyncroll._core.state import write_atomic
 
     target = tmp_path / "sub" / "ckpt"
     write_atomic(target, b"one")
@@ -164,7 +164,7 @@ def test_write_is_atomic_and_leaves_no_temp_files(tmp_path: Path) -> None:
 
 
 def test_failed_write_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncroll import state as state_mod
+    from asyncroll._core import state as state_mod
 
     target = tmp_path / "ckpt"
     state_mod.write_atomic(target, b"old")

@@ -7,17 +7,11 @@ import msgspec
 import numpy as np
 import pytest
 
+from asyncroll import CheckpointError, ProducerState, ProgressCounters
+from asyncroll._core.progress import LatencyHistogram
+from asyncroll._core.state import STATE_FORMAT, dumps, fit_to_run, loads
 from asyncroll.codec import decode, encode
-from asyncroll.progress import LatencyHistogram, ProgressCounters
 from asyncroll.prompts import CursorState, PromptStream
-from asyncroll.state import (
-    STATE_FORMAT,
-    CheckpointError,
-    ProducerState,
-    dumps,
-    fit_to_run,
-    loads,
-)
 from asyncroll.types import Prompt, Status
 from tests.factories import make_group, make_sample
 

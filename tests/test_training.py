@@ -9,8 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from asyncroll.codec import decode, encode
-from asyncroll.training import (
-    CHUNK_BYTES,
+from asyncroll.train import (
     CORRECTIONS,
     Correction,
     TrainBatch,
@@ -22,6 +21,7 @@ from asyncroll.training import (
     to_batch,
     token_logprobs,
 )
+from asyncroll.train.loss import CHUNK_BYTES
 from tests.factories import make_group
 
 
@@ -450,10 +450,10 @@ def test_token_logprobs_chunks_agree_with_one_chunk(
     torch.manual_seed(2)
     logits = torch.randn(2, 9, 50, requires_grad=True)
     ids = torch.randint(0, 50, (2, 9))
-    monkeypatch.setattr("asyncroll.training._chunk_rows", lambda *_: 18)  # all rows at once
+    monkeypatch.setattr("asyncroll.train.loss._chunk_rows", lambda *_: 18)  # all rows at once
     whole = token_logprobs(logits, ids, temperature=0.8, **filters)  # type: ignore[arg-type]
     (g_whole,) = torch.autograd.grad(whole.sum(), logits)
-    monkeypatch.setattr("asyncroll.training._chunk_rows", lambda *_: 4)  # 4 + 4 + 4 + 4 + 2
+    monkeypatch.setattr("asyncroll.train.loss._chunk_rows", lambda *_: 4)  # 4 + 4 + 4 + 4 + 2
     chunked = token_logprobs(logits, ids, temperature=0.8, **filters)  # type: ignore[arg-type]
     (g_chunked,) = torch.autograd.grad(chunked.sum(), logits)
     assert torch.equal(whole.isneginf(), chunked.isneginf())

@@ -9,9 +9,8 @@ import pytest
 
 from asyncroll.codec import decode, encode
 from asyncroll.config import ProducerConfig
-from asyncroll.demo import turn_index, turn_loss
 from asyncroll.engines.base import SamplingConfig
-from asyncroll.training import to_batch
+from asyncroll.train import to_batch, turn_index, turn_loss
 from asyncroll.types import RolloutGroup, RolloutState, Status
 from tests.factories import make_group
 
@@ -143,7 +142,7 @@ def test_turn_loss_with_every_turn_scored_as_the_episode_is_the_episode_loss() -
     """Per-turn credit reduces to the plain loss when each turn's reward is the sample's:
     the turn masks partition the trained tokens and the weights add back to one mean."""
     torch = pytest.importorskip("torch")
-    from asyncroll.training import CORRECTIONS, policy_loss
+    from asyncroll.train import CORRECTIONS, policy_loss
 
     groups = [scored_turn_group(4), scored_turn_group(4)]
     batch = to_batch(groups)
@@ -178,7 +177,7 @@ def test_mean_entropy_is_of_the_distributions_that_sampled_the_trained_tokens() 
     from: uniform there (entropy log V) and a certain token everywhere else (entropy 0) must
     give exactly log V, at any temperature; off by one position it would give 0."""
     torch = pytest.importorskip("torch")
-    from asyncroll.demo import mean_entropy
+    from asyncroll.train import mean_entropy
 
     batch = to_batch([scored_turn_group(2)])
     vocab = 16
@@ -194,3 +193,22 @@ def test_mean_entropy_is_of_the_distributions_that_sampled_the_trained_tokens() 
     logits.requires_grad_()
     mean_entropy(logits, batch, 1.0).backward()
     assert logits.grad is not None and (logits.grad[~before] == 0).all()
+
+
+def test_tool_echo_step_metrics_name_the_letter_that_stalls() -> None:
+    """Per-letter hit rates and the share of zero-variance problems, from a batch of groups."""
+    from asyncroll.app.demo_tool import TURNS, step_metrics
+
+    groups = []
+    for letters, said in (("abc", "abb"), ("cab", "xab")):  # "c" is never echoed
+        group = scored_turn_group(2)
+        targets = [ord(ch) for ch in letters]
+        a, b, c = (ord(ch) for ch in said)  # turns at 0-2, 4, 7-9 (`scored_turn_group`)
+        tokens = np.array([a, a, 0, 0, b, 0, 0, c, c], dtype=group.samples[0].tokens.dtype)
+        samples = [msgspec.structs.replace(s, tokens=tokens) for s in group.samples]
+        meta = {"letters": letters, "targets": targets}
+        groups.append(msgspec.structs.replace(group, samples=tuple(samples), metadata=meta))
+    got = step_metrics(groups)
+    assert got["letter_c"] == 0.0 and got["letter_a"] == 1.0 and got["letter_b"] == 1.0
+    assert got["zero_std"] == 1.0 and got["zero_std_wrong"] == 2 / (2 * TURNS)
+    assert got["turn0"] == 0.5 and got["turn2"] == 0.5

@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from asyncroll.engines import weight_check  # noqa: E402
-from asyncroll.engines.weight_check import WeightMismatchError  # noqa: E402
+from asyncroll.engines.vllm import weight_check  # noqa: E402
+from asyncroll.engines.vllm.weight_check import WeightMismatchError  # noqa: E402
 
 SENT = [("a.weight", torch.arange(6.0).reshape(2, 3)), ("b.bias", torch.ones(3))]
 

@@ -1,4 +1,4 @@
-"""A small chat template for the tiny model's tokenizer (`asyncroll.models.build_tiny_model`).
+"""A small chat template for the tiny model's tokenizer (`asyncroll.app.models.build_tiny_model`).
 
 The tiny tokenizer has no chat template of its own (it knows only `<|bos|>`, `<|eos|>` and
 `<|pad|>`), so chat tests and the chat demo give it this one. It renders::

@@ -16,9 +16,9 @@ from asyncroll.engines.base import (
 from asyncroll.engines.sim import SimConfig, SimEngine, SimEngineError
 
 if TYPE_CHECKING:
-    from asyncroll.engines.replicas import ReplicaError
-    from asyncroll.engines.vllm import VLLMEngine
-    from asyncroll.engines.vllm_server import VLLMServerEngine
+    from asyncroll.engines.server.engine import VLLMServerEngine
+    from asyncroll.engines.server.replicas import ReplicaError
+    from asyncroll.engines.vllm.engine import VLLMEngine
 
 __all__ = [
     "Engine",
@@ -40,15 +40,15 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "VLLMEngine":
-        from asyncroll.engines.vllm import VLLMEngine
+        from asyncroll.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine
     if name == "VLLMServerEngine":
-        from asyncroll.engines.vllm_server import VLLMServerEngine
+        from asyncroll.engines.server.engine import VLLMServerEngine
 
         return VLLMServerEngine
     if name == "ReplicaError":
-        from asyncroll.engines.replicas import ReplicaError
+        from asyncroll.engines.server.replicas import ReplicaError
 
         return ReplicaError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

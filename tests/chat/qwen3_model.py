@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from asyncroll.models import default_cache_dir
+from asyncroll.app.models import default_cache_dir
 from tests.chat.templates import qwen3_dir
 
 FAVOURED = ("<|im_end|>", "<think>", "</think>", "hello", " world", "\n", " the")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from asyncroll.models import corpus
+from asyncroll.app.models import corpus
 
 TRL_TEMPLATES = (
     "llama3", "llama3_1", "llama3_2", "gemma", "gemma3", "deepseekv3", "deepseek_r1_distill",

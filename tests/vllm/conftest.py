@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import pytest_asyncio
 
-from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.engines import VLLMEngine
 from asyncroll.lora import LoraSlots
 from tests.conftest import VLLM_DEADLINE_S, VLLM_MAX_MODEL_LEN
 

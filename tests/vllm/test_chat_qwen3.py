@@ -20,7 +20,7 @@ from asyncroll.chat.episode import ChatEpisode
 from asyncroll.chat.parse import RenderersParser
 from asyncroll.chat.template import ChatFormat
 from asyncroll.engines.base import Engine
-from asyncroll.training import token_logprobs
+from asyncroll.train import token_logprobs
 from asyncroll.types import RolloutGroup
 from tests.chat.qwen3_model import build_tiny_qwen3
 
@@ -49,7 +49,7 @@ def chat(qwen3_model: Path) -> tuple[ChatFormat, RenderersParser]:
 
 @pytest.fixture(scope="module")
 def server(qwen3_model: Path) -> Iterator[Any]:
-    from asyncroll.engines.vllm_serve import ServerProcess
+    from asyncroll.engines.server.launch import ServerProcess
 
     proc = ServerProcess.start(qwen3_model, max_model_len=MAX_LEN)
     try:
@@ -61,11 +61,11 @@ def server(qwen3_model: Path) -> Iterator[Any]:
 @pytest_asyncio.fixture(params=["inproc", "serve"])
 async def engine(request: pytest.FixtureRequest, qwen3_model: Path) -> AsyncIterator[Engine]:
     if request.param == "inproc":
-        from asyncroll.engines.vllm import VLLMEngine
+        from asyncroll.engines import VLLMEngine
 
         eng: Any = VLLMEngine(qwen3_model, max_model_len=MAX_LEN, dtype="float32", seed=0)
     else:
-        from asyncroll.engines.vllm_server import VLLMServerEngine
+        from asyncroll.engines import VLLMServerEngine
 
         proc = request.getfixturevalue("server")
         eng = VLLMServerEngine(

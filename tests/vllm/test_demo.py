@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest_asyncio
 
-from asyncroll import demo_tool
-from asyncroll.demo import DemoConfig, StepRecord, demo_config, demo_model, run_demo
-from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.app import demo_tool
+from asyncroll.app.demo import DemoConfig, StepRecord, demo_config, demo_model, run_demo
+from asyncroll.engines import VLLMEngine
 from tests.vllm.conftest import original_weights
 
 

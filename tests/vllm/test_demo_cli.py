@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_demo_cli(out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "asyncroll.cli", "demo", "--steps", "2", "--batch-groups",
+    command = [sys.executable, "-m", "asyncroll.app.cli", "demo", "--steps", "2", "--batch-groups",
                "4", "--group-size", "4", "--out", str(out), *flags]  # fmt: skip
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from asyncroll.demo import LORA_DEFAULTS, demo_config, run_demo
-from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.app.demo import LORA_DEFAULTS, demo_config, run_demo
+from asyncroll.engines import VLLMEngine
 from asyncroll.lora import LoraAdapter
 from tests.vllm.test_demo import load_demo_model
 

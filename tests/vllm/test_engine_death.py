@@ -13,8 +13,7 @@ import psutil
 import pytest
 
 from asyncroll import Producer, ProducerError, SamplingConfig
-from asyncroll.engines import EngineDeadError
-from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.engines import EngineDeadError, VLLMEngine
 from tests.vllm.conftest import DEADLINE_S
 from tests.vllm.helpers import ids, request
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from asyncroll import Producer, SamplingConfig, Status
-from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.engines import VLLMEngine
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN
 from tests.vllm.helpers import ids, request
 

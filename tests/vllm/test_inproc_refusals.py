@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from asyncroll.engines import SampleOutput
-from asyncroll.engines.vllm import VLLMEngine
-from asyncroll.engines.weight_check import WeightLayoutError
+from asyncroll.engines import SampleOutput, VLLMEngine
+from asyncroll.engines.vllm.weight_check import WeightLayoutError
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.helpers import ids, request

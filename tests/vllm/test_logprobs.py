@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncroll.engines.vllm import VLLMEngine
-from asyncroll.training import token_logprobs
+from asyncroll.engines import VLLMEngine
+from asyncroll.train import token_logprobs
 from tests.vllm.conftest import DEADLINE_S
 from tests.vllm.helpers import ids, request
 

@@ -21,11 +21,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncroll.engines import SampleOutput
-from asyncroll.engines.vllm import VLLMEngine
-from asyncroll.engines.weights_file import write_safetensors
+from asyncroll.app.models import build_tiny_model
+from asyncroll.engines import SampleOutput, VLLMEngine
+from asyncroll.engines.vllm.weights_file import write_safetensors
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots, merged_weights
-from asyncroll.models import build_tiny_model
 from tests.vllm.conftest import DEADLINE_S, LORA_ID_BASE, MAX_MODEL_LEN, original_weights
 from tests.vllm.helpers import ids, request
 from tests.vllm.test_weight_parity import UNTIED, VERSION, assert_parity, serve

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncroll import Producer, RolloutGroup, SamplingConfig
-from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.engines import VLLMEngine
 from asyncroll.lora import LoraSlots
 from tests.vllm.conftest import DEADLINE_S, original_weights
 from tests.vllm.test_lora_parity import lora_ids, random_adapter

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from asyncroll import Producer, SamplingConfig, Status
-from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.engines import VLLMEngine
 from tests.vllm.conftest import DEADLINE_S, original_weights
 from tests.vllm.helpers import ids, request
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.engines import VLLMEngine
 from asyncroll.types import RolloutGroup
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncroll.engines.vllm import VLLMEngine
-from asyncroll.engines.weight_check import WeightMismatchError
+from asyncroll.engines import VLLMEngine
+from asyncroll.engines.vllm.weight_check import WeightMismatchError
 from tests.vllm.conftest import DEADLINE_S, original_weights
 from tests.vllm.helpers import ids, request
 
@@ -22,7 +22,7 @@ def messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "asyncroll.engines.vllm" and r.levelno == level
+        if r.name == "asyncroll.engines.vllm.engine" and r.levelno == level
     ]
 
 

@@ -12,8 +12,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from asyncroll.engines.vllm_serve import ServerProcess
-from asyncroll.engines.vllm_server import VLLMServerEngine
+from asyncroll.engines import VLLMServerEngine
+from asyncroll.engines.server.launch import ServerProcess
 from tests.vllm.conftest import DEADLINE_S, original_weights
 from tests.vllm.helpers import ids, request
 

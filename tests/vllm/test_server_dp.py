@@ -22,10 +22,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from asyncroll.engines import SampleOutput
-from asyncroll.engines.vllm import VLLMEngine
-from asyncroll.engines.vllm_serve import ServerProcess
-from asyncroll.engines.vllm_server import VLLMServerEngine
+from asyncroll.engines import SampleOutput, VLLMEngine, VLLMServerEngine
+from asyncroll.engines.server.launch import ServerProcess
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.helpers import ids, request
 

@@ -31,10 +31,9 @@ import numpy as np
 import pytest
 
 from asyncroll import Producer, SamplingConfig
-from asyncroll.engines import SampleOutput
-from asyncroll.engines.replicas import ReplicaState
-from asyncroll.engines.vllm_serve import ServerProcess
-from asyncroll.engines.vllm_server import VLLMServerEngine
+from asyncroll.engines import SampleOutput, VLLMServerEngine
+from asyncroll.engines.server.launch import ServerProcess
+from asyncroll.engines.server.replicas import ReplicaState
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots
 from tests.stubs import served
 from tests.test_server_lora_control import LoraStub

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncroll.engines.nccl_transfer import NCCLWeightTransfer
-from asyncroll.engines.vllm_serve import ServerProcess, free_port
-from asyncroll.engines.vllm_server import VLLMServerEngine
+from asyncroll.engines import VLLMServerEngine
+from asyncroll.engines.server.launch import ServerProcess, free_port
+from asyncroll.engines.server.nccl_transfer import NCCLWeightTransfer
 from tests.vllm.conftest import original_weights
 from tests.vllm.helpers import ids, request
 

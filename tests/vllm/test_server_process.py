@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from asyncroll.engines.vllm_serve import ServerProcess
+from asyncroll.engines.server.launch import ServerProcess
 
 
 def test_the_server_runs_in_the_callers_session_in_a_process_group_of_its_own(

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from asyncroll import DropRecord, Producer, PutOutcome, RolloutGroup, SamplingConfig
-from asyncroll.engines.replicas import ReplicaState
-from asyncroll.engines.vllm_serve import ServerProcess
-from asyncroll.engines.vllm_server import VLLMServerEngine
+from asyncroll.engines import VLLMServerEngine
+from asyncroll.engines.server.launch import ServerProcess
+from asyncroll.engines.server.replicas import ReplicaState
 from tests.vllm.conftest import DEADLINE_S
 from tests.vllm.helpers import ids, request
 from tests.vllm.server import SERVER_MAX_MODEL_LEN, server_engine_on

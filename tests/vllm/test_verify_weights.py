@@ -12,13 +12,12 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from asyncroll.engines import weight_check
+from asyncroll.engines import VLLMEngine, VLLMServerEngine
 from asyncroll.engines.base import EngineDeadError
-from asyncroll.engines.replicas import ReplicaState
-from asyncroll.engines.vllm import VLLMEngine
-from asyncroll.engines.vllm_serve import ServerProcess
-from asyncroll.engines.vllm_server import VLLMServerEngine
-from asyncroll.engines.weights_file import write_safetensors
+from asyncroll.engines.server.launch import ServerProcess
+from asyncroll.engines.server.replicas import ReplicaState
+from asyncroll.engines.vllm import weight_check
+from asyncroll.engines.vllm.weights_file import write_safetensors
 from tests.vllm.conftest import DEADLINE_S, original_weights
 from tests.vllm.helpers import ids, request
 from tests.vllm.server import server_engine_on

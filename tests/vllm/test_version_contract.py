@@ -10,8 +10,8 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncroll.engines.vllm import VLLMEngine
-from asyncroll.engines.weight_check import WeightMismatchError
+from asyncroll.engines import VLLMEngine
+from asyncroll.engines.vllm.weight_check import WeightMismatchError
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.helpers import ids, request
 

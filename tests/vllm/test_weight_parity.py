@@ -26,12 +26,11 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from asyncroll.engines import SampleOutput
+from asyncroll.app.models import build_tiny_model
+from asyncroll.engines import SampleOutput, VLLMEngine
 from asyncroll.engines.base import Engine
-from asyncroll.engines.vllm import VLLMEngine
-from asyncroll.engines.vllm_serve import ServerProcess
-from asyncroll.engines.weights_file import write_safetensors
-from asyncroll.models import build_tiny_model
+from asyncroll.engines.server.launch import ServerProcess
+from asyncroll.engines.vllm.weights_file import write_safetensors
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.helpers import ids, request
 from tests.vllm.server import server_engine_on
@@ -162,9 +161,9 @@ async def test_server_nccl_tied(cases: dict[str, Case]) -> None:
     for why two GPUs). The server runs on GPU 1, this process (the trainer) on GPU 0."""
     import torch
 
-    from asyncroll.engines.nccl_transfer import NCCLWeightTransfer
-    from asyncroll.engines.vllm_serve import free_port
-    from asyncroll.engines.vllm_server import VLLMServerEngine
+    from asyncroll.engines import VLLMServerEngine
+    from asyncroll.engines.server.launch import free_port
+    from asyncroll.engines.server.nccl_transfer import NCCLWeightTransfer
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs: NCCL refuses two ranks on one device")

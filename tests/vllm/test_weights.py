@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncroll.engines import SampleOutput
-from asyncroll.engines.vllm import VLLMEngine
+from asyncroll.engines import SampleOutput, VLLMEngine
 from asyncroll.types import Int32Array
 from tests.vllm.conftest import DEADLINE_S
 from tests.vllm.helpers import ids, request

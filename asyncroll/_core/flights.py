@@ -1,0 +1,228 @@
+"""Groups in flight: starting one, running its attempt, and landing it (buffer, counters,
+`on_drop`), and the expiry of groups at a version change.
+
+Every state change of a group (start, landing, expiry) happens here, in one synchronous step
+together with its counters, so the ledger identity (`Producer.check_ledger`) holds at every
+await point. A landing cannot raise: a group that cannot be stored is counted as FAILED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from asyncroll import codec
+from asyncroll._core.attempt import Attempts, Flight, Landing
+from asyncroll._core.core import Core
+from asyncroll._core.drops import DropCallback
+from asyncroll._core.logs import FailureWarnings
+from asyncroll._core.tasks import Tasks
+from asyncroll.buffer import PutOutcome
+from asyncroll.episode import Parking
+from asyncroll.outcomes import FailureReason
+from asyncroll.types import Prompt, RolloutGroup, Status
+
+log = logging.getLogger("asyncroll.producer")
+
+
+class DropRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """Who was dropped and why, without the payload: what `on_drop` callbacks receive."""
+
+    uid: int
+    prompt_id: str
+    task: str
+    outcome: PutOutcome
+    reason: FailureReason | None  # why it failed (None unless outcome is DROPPED_FAILED)
+    error: str | None
+    samples: int
+    tokens: int
+    version: int
+
+
+class Flights:
+    """Starts groups, runs each attempt in a task of its own (owned by `tasks`), lands it."""
+
+    def __init__(
+        self,
+        core: Core,
+        attempts: Attempts,
+        drops: DropCallback[DropRecord],
+        failure_log: FailureWarnings,
+        *,
+        reporting: bool,
+        parking: Callable[[], Parking],
+        run_id: str,
+    ) -> None:
+        self.core = core
+        self.attempts = attempts
+        self.drops = drops
+        self.failure_log = failure_log
+        self.reporting = reporting  # an `on_drop` is set: build a `DropRecord` per drop
+        self.parking = parking
+        self.run_id = run_id  # request ids stay unique on a shared engine
+        self.tasks = Tasks()  # one per group in flight, owned by the producer's runner
+        self.idle_since: float | None = None  # when the last group in flight landed
+        self.dropped_in_a_row: Counter[str] = Counter()
+
+    def start(self, group: RolloutGroup, reserved: int, *, resumed: bool = False) -> None:
+        """Put `group` in flight (one synchronous step with its counters) and run its attempt."""
+        core = self.core
+        flight = Flight(group, f"{self.run_id}-{group.uid}-{group.attempts}", reserved)
+        core.inflight[group.uid] = flight
+        core.progress.count_start(group, resumed=resumed)
+        self.count_idle()
+        if group.error is not None:  # a bad prompt: fails without reaching the engine
+            self.land(
+                self.attempts.failed(group, flight, FailureReason.BAD_PROMPT, group.error), flight
+            )
+            return
+        flight.task = self.tasks.spawn(self._run(group, flight), f"asyncroll-group-{group.uid}")
+
+    async def _run(self, group: RolloutGroup, flight: Flight) -> None:
+        """Run one attempt and land it exactly once, however the attempt ends (cancelled: by a
+        drain whose abort the engine ignored, or by the producer's own end)."""
+        try:
+            landing = await self.attempts.run(
+                group, flight, self.core.current_version, self.parking
+            )
+        except asyncio.CancelledError:
+            self.land(self.attempts.interrupted(group, flight), flight)
+            raise
+        except BaseException as exc:  # a bug in asyncroll, or KeyboardInterrupt / SystemExit
+            message = f"internal error in group {group.uid}: {type(exc).__name__}: {exc}"
+            self.land(self.attempts.failed(group, flight, FailureReason.INTERNAL, message), flight)
+            self.core.fail(message)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self.land(landing, flight)
+
+    def land(self, landing: Landing, flight: Flight) -> None:
+        """Hand a finished attempt to the buffer and count it: one synchronous step that cannot
+        raise (a group that cannot be stored is counted as FAILED instead)."""
+        core = self.core
+        group, reason = landing.group, landing.reason
+        del core.inflight[group.uid]
+        try:
+            outcome = core.buffer.put(group, flight.reserved)
+        except Exception as exc:  # put changed nothing: fail the group instead
+            if isinstance(exc, codec.CodecError):
+                reason = FailureReason.UNSTORABLE
+                error = f"the group could not be stored: {exc}"
+            else:
+                reason = FailureReason.INTERNAL
+                error = f"internal error storing group {group.uid}: {type(exc).__name__}: {exc}"
+                core.fail(error)
+            group = msgspec.structs.replace(group, status=Status.FAILED, error=error)
+            outcome = core.buffer.put(group, flight.reserved)  # dropped: nothing to encode
+        core.progress.count_landing(group, outcome, reason, flight.tokens, landing.rewards)
+        if landing.restart is not None:
+            core.progress.count_restart(*landing.restart)
+        self.count_idle()
+        if outcome is PutOutcome.DROPPED_EXPIRED:
+            self._requeue(group)
+        if landing.fatal is not None:
+            core.fail(landing.fatal)
+        self._track_drops(outcome, reason)
+        if outcome not in (PutOutcome.STORED_READY, PutOutcome.STORED_RESUME):
+            self._report_drop(group, outcome, reason)
+        core.changed.notify()
+
+    def _track_drops(self, outcome: PutOutcome, reason: FailureReason | None) -> None:
+        """Stop the run when `max_dropped_in_a_row` groups in a row fail, are filtered or
+        expire on arrival: an endless source would otherwise burn compute forever without a
+        word. (Groups that expire at an update are the trainer's pace, not a storm: they are
+        not counted. One that is already too stale when it lands never can be ready.)"""
+        cfg = self.core.config
+        limit = cfg.max_dropped_in_a_row
+        match outcome:
+            case PutOutcome.STORED_READY:
+                self.dropped_in_a_row.clear()
+                return
+            case PutOutcome.DROPPED_FAILED:
+                self.dropped_in_a_row[f"failed ({reason.value if reason else 'unknown'})"] += 1
+            case PutOutcome.DROPPED_FILTERED:
+                self.dropped_in_a_row["filtered"] += 1
+            case PutOutcome.DROPPED_EXPIRED:
+                self.dropped_in_a_row["expired on arrival"] += 1
+            case _:
+                return
+        total = self.dropped_in_a_row.total()
+        if limit is not None and total >= limit:
+            counts = ", ".join(f"{k}: {v}" for k, v in self.dropped_in_a_row.most_common())
+            self.core.fail(
+                f"{total} groups in a row failed, were filtered or expired on arrival ({counts}) "
+                "and none completed: check the reward function, the filter and the engine (a "
+                "group expires on arrival when the engine stamps versions older than "
+                f"version - max_staleness={cfg.max_staleness}: was its version label "
+                "set back by another producer on it?) (max_dropped_in_a_row="
+                f"{limit}; raise it, or None, if this is expected)"
+            )
+
+    def _requeue(self, group: RolloutGroup) -> None:
+        """Queue an expired group's prompt again, so no prompt is silently lost."""
+        self.core.prompts.requeue(
+            Prompt(
+                tokens=group.prompt_tokens.tolist(),
+                task=group.task,
+                prompt_id=group.prompt_id,
+                metadata={k: _detached(v) for k, v in group.metadata.items()},
+            )
+        )
+
+    def _report_drop(
+        self, group: RolloutGroup, outcome: PutOutcome, reason: FailureReason | None
+    ) -> None:
+        log.debug("group %s (%s) %s: %s", group.uid, group.prompt_id, outcome.value, group.error)
+        if outcome is PutOutcome.DROPPED_FAILED:
+            self.failure_log.record(
+                (reason or FailureReason.INTERNAL).value, group.task, group.error
+            )
+        if not self.reporting:
+            return
+        record = DropRecord(
+            uid=group.uid,
+            prompt_id=group.prompt_id,
+            task=group.task,
+            outcome=outcome,
+            reason=reason,
+            error=group.error,
+            samples=group.num_samples,
+            tokens=group.num_tokens,
+            version=self.core.version,
+        )
+        self.drops.deliver(record, self.core.fail)
+
+    def set_version(self, version: int) -> None:
+        """Move to `version`: count every group that expired and re-queue its prompt first,
+        then report them, so `on_drop` never sees a half-updated ledger."""
+        core = self.core
+        log.debug("policy version %d -> %d", core.version, version)
+        core.version = version
+        expired = core.buffer.set_version(version)
+        for group in expired:
+            core.progress.count_expired(group)
+            self._requeue(group)
+        for group in expired:
+            self._report_drop(group, PutOutcome.DROPPED_EXPIRED, None)
+        core.changed.notify()
+
+    def count_idle(self) -> None:
+        """Add the idle time since the last group landed (if none is in flight) to `idle_s`."""
+        now = time.monotonic()
+        if self.idle_since is not None:
+            self.core.progress.counters.idle_s += now - self.idle_since
+        self.idle_since = None if self.core.inflight else now
+
+
+def _detached(value: Any) -> Any:
+    """A copy of an array that may be a view into a decoded group's bytes (so keeping it does
+    not keep the whole group alive); anything else as is."""
+    return np.array(value) if isinstance(value, np.ndarray) else value

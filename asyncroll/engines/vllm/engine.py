@@ -1,0 +1,867 @@
+"""`VLLMEngine`: vLLM's `AsyncLLM` in this process, driven from the caller's event loop.
+
+No HTTP server and no Ray: the engine core and its workers are vLLM's own child processes, and
+every request is an async generator in this loop. The pieces of vLLM (>= 0.32) it builds on:
+
+* **Per-token versions.** The engine core labels every step's outputs with its current weight
+  version, and a finished output carries the label spans over its tokens. `update_weights`
+  changes the label only while the scheduler is paused, so each token's version is the version
+  of the weights that sampled it, including tokens sampled before a pause and received after
+  it. Versions are exact in both pause modes; nothing is stamped on arrival.
+* **Keep-in-place pause.** `pause_generation` freezes running requests inside vLLM
+  (`mode="keep"`) with their KV cache. A weight update then preempts them
+  (`reset_prefix_cache(reset_running_requests=True)`), so on resume vLLM recomputes their KV
+  cache under the new weights: tokens after the update are exactly what the new weights sample
+  given the prefix, as after an abort and re-prefill, without leaving vLLM. A pause without an
+  update keeps the KV cache.
+* **Abort keeps partial samples.** Aborting a request makes vLLM emit a final output with
+  every token (and logprob and version span) received so far, finish reason "abort".
+* **Weight reload** through `WeightLoaderExtension` (`asyncroll.engines.vllm.in_worker`), mixed
+  into vLLM's workers.
+* **Routed experts** (MoE router replay), when the engine is built with
+  `enable_return_routed_experts=True`: one row of layers x top-k expert ids per new token.
+  vLLM 0.32 returns them only with its model runner V2 (`VLLM_USE_V2_MODEL_RUNNER=1`), which
+  needs Triton: GPU only.
+
+Samples are streamed as DELTA outputs: the first token, then (by default) everything at the end.
+The first-token output makes progress observable (`generated_tokens`, `wait_generated`) and
+lets an abort that raced with a request still being added reach it at once. Outputs every
+`stream_interval` tokens are available, at a price: on 2 CPU cores with the tiny model, an
+output every 32 tokens cost about 5% of throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import pickle
+import sysconfig
+import tempfile
+import typing
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from asyncroll._core.signal import Signal
+from asyncroll._core.tasks import finish
+from asyncroll.engines.base import (
+    EngineDeadError,
+    GenerateRequest,
+    RecentIds,
+    SampleOutput,
+    SamplingConfig,
+    Weights,
+)
+from asyncroll.engines.vllm import groups as vllm_groups
+from asyncroll.engines.vllm import weight_check, weights_file
+from asyncroll.engines.vllm.lora import Adapter, AdapterSet, AdapterState
+from asyncroll.lora import LoraAdapter, LoraSlots, check_servable
+
+log = logging.getLogger(__name__)
+
+_EXTENSION = "asyncroll.engines.vllm.in_worker.WeightLoaderExtension"
+_FINISH_REASONS = frozenset({"stop", "length", "abort"})
+_INITIAL_LABEL = "default"  # vLLM's weight version label before any update: our version 0
+_WEIGHTS_DIR = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+
+# How long vLLM's shutdown waits for its engine core to exit after SIGTERM before it kills it.
+# An idle engine core sometimes never runs its SIGTERM handler (CPython runs Python handlers
+# only when the main thread runs bytecode, and it sat blocked in `input_queue.get()`): with
+# `control_timeout_s` (300 s) as the grace, a close then took 300 s (seen in 1 of 6 LoRA engine
+# closes under load; benchmarks/README.md, lora_throughput). vLLM's own default grace is 5 s.
+SHUTDOWN_GRACE_S = 30.0
+_LORA_ARGS = frozenset({"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"})
+
+Transfer = Literal["auto", "file", "cuda_ipc"]
+
+
+class WeightsState(enum.Enum):
+    """Whether the engine serves weights it can vouch for."""
+
+    SERVED = "served"  # the start-up checkpoint, or the last update, loaded and checked
+    MISMATCHED = "mismatched"  # an update failed its check: vLLM holds weights nobody sent
+    PARTIAL = "partial"  # an update was cut off (or failed) once sent: part of it may be loaded
+
+
+class _Sample:
+    """One sample's tokens as they stream in."""
+
+    __slots__ = ("experts", "finish", "logprobs", "spans", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: str | None = None
+        self.spans: list[Any] | None = None
+        self.experts: Any = None
+
+
+class _Part:
+    """One vLLM request of a group: `n` samples continuing the same prompt + prefix."""
+
+    __slots__ = ("indices", "max_tokens", "prompt", "vllm_id")
+
+    def __init__(self, vllm_id: str, prompt: list[int], max_tokens: int, indices: list[int]):
+        self.vllm_id = vllm_id
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.indices = indices  # positions in the group's request.samples
+
+
+class _Live:
+    """A running group: its vLLM requests, its samples as they stream in, the tasks
+    streaming them (which `close` cancels, so that no `generate` outlives the engine), and
+    the adapter it runs under (None: the base weights)."""
+
+    __slots__ = ("aborted", "adapter", "parts", "samples", "tasks")
+
+    def __init__(self, parts: list[_Part], samples: list[_Sample], adapter: Adapter | None) -> None:
+        self.parts = parts
+        self.samples = samples
+        self.adapter = adapter
+        self.aborted = False
+        self.tasks: list[asyncio.Task[None]] = []
+
+
+class VLLMEngine:
+    """The `Engine` protocol on vLLM `AsyncLLM` (see the module docstring).
+
+    `model` is a Hugging Face model folder (e.g. `asyncroll.app.models.build_tiny_model()`).
+    `engine_args` go to `vllm.AsyncEngineArgs` unchanged (`tensor_parallel_size`,
+    `data_parallel_size`, `gpu_memory_utilization`, `max_model_len`, `dtype`, `seed`,
+    `kv_cache_memory_bytes`, `enable_return_routed_experts`, ...). Defaults fill what the
+    caller did not give: `skip_tokenizer_init=True` (prompts are token ids),
+    `logprobs_mode="processed_logprobs"` (logprobs of the distribution that sampled),
+    `disable_log_stats=True`, and on a CPU build `enforce_eager=True` and a 128 MiB KV cache
+    (vLLM's CPU default reserves a share of the NUMA node that can exceed free memory).
+
+    Constructing starts vLLM's processes and blocks while it does (11-20 s on 2 CPU cores); the
+    engine then belongs to the event loop that first uses it.
+
+    `parallel_sampling`: True sends the fresh samples of a group as one vLLM request with
+    `n=k` (not when greedy: vLLM refuses n > 1 then); False, the default, sends one request per
+    sample, as resumed samples need anyway since their prefixes differ. vLLM fans `n=k` out
+    into k requests in its front end, so both share the prompt's KV blocks through the prefix
+    cache, and `benchmarks/vllm_throughput.py` measures no difference beyond noise (tiny model,
+    2 CPU cores); one code path for fresh and resumed samples decides it.
+
+    `stream_interval`: also receive a sample's tokens every that many tokens (None: only its
+    first token and the rest at the end, the fastest; see the module docstring).
+
+    `generate_timeout_s` bounds one `generate` call (its vLLM requests are aborted when it
+    runs out) and `control_timeout_s` every other call into vLLM: nothing here waits forever.
+
+    `transfer`: how `update_weights` moves tensors into the workers. "file" writes one
+    safetensors file to /dev/shm that each worker memory-maps (works for any placement, CPU or
+    GPU); "cuda_ipc" shares CUDA tensors with the worker without a copy (needs the tensors on
+    the GPU of a single-GPU engine); "auto" picks "cuda_ipc" when that holds, else "file".
+
+    Every update must fit and cover the served checkpoint: a tensor whose shape or dtype is not
+    its checkpoint tensor's is refused before anything is sent
+    (`weight_check.WeightLayoutError`, naming each; the engine serves on unchanged), and a
+    tensor of its files that the update lacks, or a layer that got no tensor, fails it
+    (`weight_check.WeightMismatchError`, naming them). `verify_weights=True` also checks, in
+    each worker, that every tensor arrived with the bytes sent and that the model serves them
+    (see `asyncroll.engines.vllm.weight_check`; its cost is in benchmarks/README.md). After a failed
+    check, or an update cut off (or failed) once the workers had it, the engine refuses to
+    generate (`WeightMismatchError`; running requests end as aborted) until an update succeeds:
+    no token is labelled with weights that are not the trainer's.
+
+    `lora`: serve LoRA adapters (`update_weights` with a `asyncroll.lora.LoraAdapter`), with
+    `LoraSlots(max_rank=, slots=)` as vLLM's `max_lora_rank` and `max_loras` (None: no LoRA,
+    and an adapter update raises `LoraError`). Each adapter update registers the adapter in
+    vLLM's workers (a file in /dev/shm, as full weights), under a new id and name, and every
+    request started after it carries it (vLLM binds an adapter to a request for the request's
+    life): requests already running finish under the adapter they started with, every token
+    of a request is labelled with its adapter's version, and no request straddles two
+    adapters. An adapter that is not the policy is unloaded as soon as no running request uses
+    it; when all `slots` hold adapters in use, the requests of the oldest are aborted (their
+    partial samples can be continued) to make room (`asyncroll.engines.vllm.lora`). With one
+    slot that oldest is the policy itself: requests that start while its requests end wait
+    for the new adapter (within `control_timeout_s`) instead of binding to the old one.
+    A full-weight update ends the adapter policy first (vLLM's reload drops the workers'
+    adapters), aborts the requests that run under an adapter (the base weights would change
+    under them), and serves the new base weights without an adapter.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        parallel_sampling: bool = False,
+        stream_interval: int | None = None,
+        transfer: Transfer = "auto",
+        generate_timeout_s: float = 3600.0,
+        control_timeout_s: float = 300.0,
+        verify_weights: bool = False,
+        lora: LoraSlots | None = None,
+        **engine_args: Any,
+    ) -> None:
+        from vllm import __version__ as vllm_version
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine import PauseMode
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        _require_vllm(vllm_version)
+        if stream_interval is not None and stream_interval < 1:
+            raise ValueError(f"stream_interval={stream_interval}: must be >= 1 (or None)")
+        if transfer not in ("auto", "file", "cuda_ipc"):
+            raise ValueError(f"transfer={transfer!r}: use 'auto', 'file' or 'cuda_ipc'")
+        if generate_timeout_s <= 0 or control_timeout_s <= 0:
+            raise ValueError("generate_timeout_s and control_timeout_s must be > 0")
+        if lora is not None and not isinstance(lora, LoraSlots):
+            raise ValueError(f"lora={lora!r}: give a LoraSlots(max_rank=..., slots=...) or None")
+        given = sorted(_LORA_ARGS & engine_args.keys())
+        if given:
+            raise ValueError(f"{', '.join(given)}: set LoRA with lora=LoraSlots(...) instead")
+        if lora is not None:
+            engine_args.update(
+                enable_lora=True,
+                max_lora_rank=lora.max_rank,
+                max_loras=lora.slots,
+                max_cpu_loras=lora.slots,  # the engine unloads adapters itself
+            )
+        extension = engine_args.setdefault("worker_extension_cls", _EXTENSION)
+        if extension != _EXTENSION:
+            raise ValueError(
+                f"worker_extension_cls={extension!r}: VLLMEngine loads weights through "
+                f"{_EXTENSION}; leave worker_extension_cls unset"
+            )
+        engine_args.setdefault("skip_tokenizer_init", True)
+        # The sampled token's logprob under the distribution that sampled it (temperature, top-k,
+        # top-p applied), not vLLM's default raw model logprob: the behaviour policy of
+        # importance weighting. The trainer matches it with `token_logprobs(temperature=...)`.
+        engine_args.setdefault("logprobs_mode", "processed_logprobs")
+        engine_args.setdefault("disable_log_stats", True)
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            engine_args.setdefault("enforce_eager", True)
+            # vLLM's CPU "auto" dtype turns float32 checkpoints into bfloat16, whose AMX kernels
+            # die with SIGILL on VMs that do not grant AMX state (seen on this project's machines).
+            engine_args.setdefault("dtype", "float32")
+            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+                engine_args.setdefault("kv_cache_memory_bytes", 128 << 20)
+        self.model = str(model)
+        self.parallel_sampling = parallel_sampling
+        self.stream_interval = stream_interval
+        self.transfer: Transfer = transfer
+        self.generate_timeout_s = generate_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.verify_weights = verify_weights
+        self.lora = lora
+        self._weights = WeightsState.SERVED
+        args = AsyncEngineArgs(model=self.model, **engine_args)
+        with _child_environment(on_cpu):
+            self._llm: Any = AsyncLLM.from_engine_args(args)
+        config = self._llm.vllm_config
+        self._vocab_size = int(config.model_config.get_vocab_size())
+        self._max_model_len = int(config.model_config.max_model_len)
+        parallel = config.parallel_config
+        self._world_size = int(parallel.world_size) * int(parallel.data_parallel_size)
+        experts = bool(args.enable_return_routed_experts)
+        self._experts_row_bytes = _experts_row_bytes(config) if experts else 0
+        self._keep_pause = "keep" in typing.get_args(PauseMode)
+        self._version = 0
+        self._live: dict[str, _Live] = {}
+        self._recent = RecentIds()
+        self._generated = 0
+        self._progress = Signal()
+        self._paused = False
+        self._control = asyncio.Lock()
+        self._closed = False
+        self._adapters = AdapterSet(
+            self._llm, self._call, f"vLLM engine {self.model}", _WEIGHTS_DIR
+        )
+        self._layout = weight_check.checkpoint_layout(self.model)  # what updates must fit
+
+    # -- Engine protocol -------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def supports_keep_pause(self) -> bool:
+        return self._keep_pause
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def adapter_slots(self) -> int | None:
+        """Adapters registered at once (`LoraSlots.slots`, vLLM's `max_loras`; None: no
+        LoRA). Each request keeps the adapter it started with (`Engine.adapter_slots`)."""
+        return None if self.lora is None else self.lora.slots
+
+    @property
+    def pause_bound_s(self) -> None:
+        """No bound of its own: a pause waits on the engine core, under the caller's deadline."""
+        return None
+
+    def payload_bytes(self, max_new_tokens: int) -> int:
+        """Routed experts (one row of layers x top-k expert ids per token) when enabled."""
+        return self._experts_row_bytes * max_new_tokens
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        self._check_alive()
+        self._check_weights()
+        rid = request.request_id
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} is already running")
+        parts = self._split(request)
+        samples = [_Sample() for _ in request.samples]
+        if not self._adapters.admitting:  # the policy makes room for its successor: wait
+            await self._wait_admitting(rid)
+        adapter = self._adapters.acquire()
+        live = self._live[rid] = _Live(parts, samples, adapter)
+        live.aborted = self._recent.take_early_abort(rid)  # aborted before it got here
+        try:
+            async with asyncio.timeout(self.generate_timeout_s):
+                await self._run_parts(live, request.sampling)
+        except TimeoutError:
+            self._check_alive()
+            raise TimeoutError(
+                f"vLLM did not finish {rid} within generate_timeout_s={self.generate_timeout_s}"
+                " (its requests were aborted)"
+            ) from None
+        finally:
+            del self._live[rid]
+            self._recent.ended(rid)
+            retired_unused = adapter is not None and self._adapters.release(adapter)
+            if adapter is not None:
+                self._progress.notify()  # an update may wait for an adapter's requests to end
+        if adapter is None:
+            return [self._output(s, rid, None) for s in samples]
+        if retired_unused:
+            async with self._control:  # not while an update registers adapters
+                await self._adapters.unload_unused()
+        return [self._output(s, rid, adapter.version) for s in samples]
+
+    async def abort(self, request_id: str) -> None:
+        """Abort every vLLM request of the group. Its `generate` then returns the partial
+        samples with finish reason "abort". A vLLM request still being added is aborted when
+        its first token arrives; an id not seen yet is remembered, so its `generate` returns
+        at once; an ended one is left alone (see `Engine`)."""
+        if self._closed:
+            return
+        live = vllm_groups.claim_abort(self._live, self._recent, request_id)
+        if live is not None:
+            await self._call(self._llm.abort([p.vllm_id for p in live.parts]))
+
+    async def pause_generation(self) -> None:
+        """Freeze running requests inside vLLM (they keep their KV cache until a weight update
+        preempts them)."""
+        async with self._control:
+            self._check_alive()
+            await self._call(self._llm.pause_generation(mode="keep", clear_cache=False))
+            self._paused = True
+
+    async def resume_generation(self) -> None:
+        async with self._control:
+            self._check_alive()
+            await self._call(self._llm.resume_generation())
+            self._paused = False
+
+    async def update_weights(self, weights: Weights | LoraAdapter | None, *, version: int) -> None:
+        """Pause (unless paused already), load `weights`, drop every cached KV block (running
+        requests are recomputed under the new weights), label later tokens `version`, resume.
+        Returns once new tokens come from the new weights. With no weights and the current
+        version there is nothing to change: it returns at once (keeping the prefix cache).
+
+        A `LoraAdapter` (or None while an adapter is the policy) registers the adapter for the
+        requests started after this returns, without pausing (see the class docstring); a bad
+        one raises `LoraError` and changes nothing."""
+        self._check_alive()
+        if weights is None and version == self._version:
+            return
+        policy = self._adapters.policy
+        if isinstance(weights, LoraAdapter) or (weights is None and policy is not None):
+            await self._update_adapter(weights if weights is not None else policy, version)
+            return
+        named = None if weights is None else self._fitting(weights)
+        async with self._control:
+            self._check_alive()
+            pause_here = not self._paused
+            if pause_here:
+                await self._call(self._llm.pause_generation(mode="keep", clear_cache=False))
+            had_policy = self._adapters.policy is not None
+            try:
+                # Before the load: vLLM's reload drops every adapter in the workers, and a
+                # request bound to one meanwhile would make a worker load it from its
+                # (unreadable) path and kill the engine core. From here requests start on
+                # the base weights, paused until the new ones serve.
+                await self._adapters.end_policy()
+                await self._end_adapter_requests()
+                if named is not None:
+                    await self._load_checked(named)
+                self._check_weights()
+                if not await self._call(self._llm.reset_prefix_cache(reset_running_requests=True)):
+                    raise RuntimeError("vLLM could not reset its prefix cache after the update")
+                await self._label(version)
+            except BaseException:
+                if had_policy and self._weights is WeightsState.SERVED:
+                    # The adapter the current label names no longer serves: refuse to
+                    # generate (its label on the base weights) until an update succeeds.
+                    self._weights = WeightsState.PARTIAL
+                raise
+            finally:
+                if pause_here and not self._dead():
+                    await self._call(self._llm.resume_generation())
+
+    async def _label(self, version: int) -> None:
+        """Have vLLM label later tokens `version`, then report it as `version`, as one step
+        (`Engine.version`): once sent, vLLM applies a label whether its answer is awaited or
+        not, so a caller cancelled meanwhile waits for the answer (within the call's own
+        `control_timeout_s`) before the cancellation goes on. Otherwise `version` would keep
+        the old label while vLLM stamps every new token with the new one."""
+        call, cancelled = await finish(self._call(self._llm.update_weight_version(str(version))))
+        if not call.cancelled() and call.exception() is None:
+            self._version = version
+        if cancelled is not None:
+            raise cancelled
+        call.result()  # vLLM's error, if it failed: the old label stays
+
+    async def close(self) -> None:
+        """End what runs, shut vLLM's processes down. Running and later calls raise
+        `EngineDeadError`. Running requests are ended by cancelling their streams, which makes
+        vLLM abort them, while vLLM still runs: an abort alone misses a request still being
+        added, whose stream would then wait out `generate_timeout_s` on a shut-down engine."""
+        if self._closed:
+            return
+        self._closed = True
+        await vllm_groups.end_streams(self._live.values(), self.control_timeout_s)
+        # Let go of vLLM now: AsyncLLM.__del__ at interpreter exit would shut it down again.
+        llm, self._llm = self._llm, None
+        # Stop reading its outputs first, or vLLM logs the shutdown as an engine failure.
+        handler = llm.output_handler
+        if handler is not None:
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler
+        await asyncio.to_thread(llm.shutdown, min(self.control_timeout_s, SHUTDOWN_GRACE_S))
+
+    async def __aenter__(self) -> VLLMEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- progress --------------------------------------------------------------------------------
+
+    @property
+    def running_requests(self) -> int:
+        """vLLM requests not finished yet (as seen by its front end)."""
+        return 0 if self._closed else int(self._llm.get_num_unfinished_requests())
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens received from vLLM since the engine started (all requests)."""
+        return self._generated
+
+    def samples_started(self, request_id: str) -> int:
+        """How many samples of the running request `request_id` have received a token."""
+        live = self._live.get(request_id)
+        return 0 if live is None else sum(1 for s in live.samples if s.tokens)
+
+    async def wait_generated(self, tokens: int, timeout: float) -> None:
+        """Return once `generated_tokens >= tokens`; `TimeoutError` after `timeout` s."""
+        await self.wait_progress(lambda: self._generated >= tokens, timeout)
+
+    async def wait_progress(self, predicate: Callable[[], bool], timeout: float) -> None:
+        """Return once `predicate()` holds, checked whenever tokens arrive (e.g. on
+        `samples_started`); `TimeoutError` after `timeout` s."""
+        await self._progress.wait_until(lambda: predicate() or self._dead(), timeout)
+        self._check_alive()
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def _split(self, request: GenerateRequest) -> list[_Part]:
+        """The vLLM requests of a group: fresh samples together only with `parallel_sampling`
+        (see `vllm_groups.split_group`)."""
+        together = self.parallel_sampling and request.sampling.temperature > 0
+        return vllm_groups.split_group(request, self._vocab_size, together=together, part=_Part)
+
+    async def _run_parts(self, live: _Live, sampling: SamplingConfig) -> None:
+        """Stream every part; on the first error abort the others and raise it."""
+        live.tasks = [
+            asyncio.ensure_future(self._stream(live, part, sampling)) for part in live.parts
+        ]
+        error = await vllm_groups.first_error(live.tasks)
+        if error is not None:
+            raise self._translate(error)
+
+    async def _stream(self, live: _Live, part: _Part, sampling: SamplingConfig) -> None:
+        from vllm.inputs import TokensPrompt
+
+        if live.aborted:
+            for i in part.indices:
+                live.samples[i].finish = "abort"
+            return
+        params = self._sampling_params(sampling, part)
+        lora = None if live.adapter is None else live.adapter.request
+        stream: AsyncIterator[Any] = self._llm.generate(
+            TokensPrompt(prompt_token_ids=part.prompt), params, part.vllm_id, lora_request=lora
+        )
+        first = True
+        async for out in stream:
+            for completion in out.outputs:
+                sample = live.samples[part.indices[completion.index]]
+                _append(sample, completion)
+                self._generated += len(completion.token_ids)
+            self._progress.notify()
+            if first and _aborted(live):  # abort() may have run before vLLM knew this request
+                await self._call(self._llm.abort(part.vllm_id))  # (a no-op if it did know)
+            first = False
+
+    def _sampling_params(self, sampling: SamplingConfig, part: _Part) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra: dict[str, Any] = {}
+        if sampling.top_k is not None:
+            extra["top_k"] = sampling.top_k
+        if sampling.seed is not None:
+            extra["seed"] = vllm_groups.part_seed(sampling.seed, part.vllm_id)
+        if self._experts_row_bytes:  # rows from the position that samples the first new token
+            extra["routed_experts_prompt_start"] = len(part.prompt) - 1
+        return SamplingParams(
+            n=len(part.indices),
+            max_tokens=part.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,  # the sampled token's logprob only
+            flat_logprobs=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            stream_interval=self.stream_interval or part.max_tokens,
+            **extra,
+        )
+
+    def _output(self, sample: _Sample, request_id: str, version: int | None) -> SampleOutput:
+        """The sample's arrays; `version` (the request's adapter's) labels every token, else
+        vLLM's version spans do."""
+        n = len(sample.tokens)
+        finish = sample.finish
+        if finish not in _FINISH_REASONS:
+            raise RuntimeError(f"vLLM finished a sample of {request_id} with reason {finish!r}")
+        if len(sample.logprobs) != n:
+            raise RuntimeError(
+                f"vLLM returned {len(sample.logprobs)} logprobs for {n} tokens ({request_id})"
+            )
+        versions = vllm_groups.token_versions(sample.spans, n, _version_of)
+        if versions is None:
+            raise RuntimeError(f"vLLM's version spans do not label each of {n} tokens once")
+        if version is not None:
+            versions = np.full(n, version, dtype=np.int32)
+        experts = sample.experts
+        return SampleOutput(
+            tokens=np.array(sample.tokens, dtype=np.int32),
+            logprobs=np.array(sample.logprobs, dtype=np.float32),
+            versions=versions,
+            finish_reason=finish,
+            routed_experts=None if experts is None else np.ascontiguousarray(experts),
+        )
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def _check_weights(self) -> None:
+        if self._weights is WeightsState.SERVED:
+            return
+        why = (
+            "failed its check, so the engine holds weights the trainer did not send"
+            if self._weights is WeightsState.MISMATCHED
+            else "was cut off or failed while the workers loaded it, so the engine may hold "
+            "part of its weights"
+        )
+        raise weight_check.WeightMismatchError(
+            f"vLLM engine {self.model}: the last weight update {why}; update the weights again"
+        )
+
+    def _fitting(self, weights: Weights) -> list[tuple[str, Any]]:
+        """`weights` as named tensors, refused (`WeightLayoutError`, naming each tensor)
+        unless every one that the served checkpoint has fits its shape and dtype: checked
+        before anything is sent, so a refused update changes nothing."""
+        named = weights_file.detached(weights)
+        if not named:
+            raise ValueError("update_weights got no tensors (use None to only set the version)")
+        weight_check.check_layout(named, self._layout, f"vLLM engine {self.model}")
+        if self.transfer == "cuda_ipc" and not all(t.is_cuda for _, t in named):
+            raise ValueError("transfer='cuda_ipc' needs every tensor on a CUDA device")
+        return named
+
+    async def _load_checked(self, named: list[tuple[str, Any]]) -> None:
+        """`_load`; when it fails its check, or is cut off or fails once the workers have it,
+        end what runs (its tokens so far were sampled by the previous weights and are labelled
+        so) and refuse to generate until a later update succeeds: the label on the old weights
+        must not go on to weights that may be partly new."""
+        try:
+            await self._load(named)
+        except BaseException as exc:
+            if isinstance(exc, weight_check.WeightMismatchError):
+                self._weights = WeightsState.MISMATCHED
+            if self._weights is not WeightsState.SERVED:
+                await self._end_live()
+            raise
+        self._weights = WeightsState.SERVED
+
+    async def _end_live(self) -> None:
+        """Abort every running request in one vLLM call: vLLM sends it before its first await,
+        so it gets there even while the caller is being cancelled (an anyio scope cancels
+        again at every await)."""
+        groups = [vllm_groups.claim_abort(self._live, self._recent, r) for r in list(self._live)]
+        vllm_ids = [part.vllm_id for group in groups if group is not None for part in group.parts]
+        if vllm_ids:
+            await self._call(self._llm.abort(vllm_ids))
+
+    async def _load_in_workers(
+        self, method: str, source: str | bytes, named: list[tuple[str, Any]]
+    ) -> None:
+        """Have every worker load the update from `source` (`method` of the worker extension)
+        and check what each reports. Once the call is sent the workers change weights, and go
+        on when the caller stops waiting: cut off or failed from then on (other than by its
+        check), the engine holds weights nobody can name (`WeightsState.PARTIAL`)."""
+        try:
+            args = (source, self.verify_weights)
+            reports = await self._call(self._llm.collective_rpc(method, args=args))
+            await self._check_reports(reports, named)
+        except weight_check.WeightMismatchError:
+            raise
+        except BaseException:
+            self._weights = WeightsState.PARTIAL
+            raise
+
+    async def _load(self, named: list[tuple[str, Any]]) -> None:
+        on_gpu = all(t.is_cuda for _, t in named)
+        use_ipc = self.transfer == "cuda_ipc" or (
+            self.transfer == "auto" and on_gpu and self._world_size == 1
+        )
+        if use_ipc:
+            await self._load_cuda_ipc(named)
+        else:
+            await self._load_file(named)
+
+    async def _load_file(self, named: list[tuple[str, Any]]) -> None:
+        path = _WEIGHTS_DIR / f"asyncroll-weights-{uuid.uuid4().hex}.safetensors"
+        try:
+            await asyncio.to_thread(weights_file.write_safetensors, named, path)
+            await self._load_in_workers("asyncroll_load_path", str(path), named)
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def _check_reports(self, reports: Any, named: list[tuple[str, Any]]) -> None:
+        """Raise `WeightMismatchError` when a worker's reload report shows a problem; with
+        `verify_weights`, against digests of the tensors as sent (computed here)."""
+        _log_expected(reports)
+        sent = await asyncio.to_thread(weight_check.digests, named) if self.verify_weights else None
+        weight_check.check(list(reports or ()), sent, f"vLLM engine {self.model}")
+
+    async def _load_cuda_ipc(self, named: list[tuple[str, Any]]) -> None:
+        import torch
+        from torch.multiprocessing import reductions
+
+        reduce_tensor: Any = reductions.reduce_tensor
+        keep = [t.contiguous() for _, t in named]  # alive until the workers have copied them
+        handles = [reduce_tensor(t)[1] for t in keep]
+        payload = pickle.dumps(([name for name, _ in named], handles))
+        await self._load_in_workers("asyncroll_load_cuda_ipc", payload, named)
+        del keep
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # free what workers let go
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    async def _update_adapter(self, adapter: LoraAdapter | None, version: int) -> None:
+        """Make `adapter` the policy of requests started from now on, labelled `version`.
+        Checks first what needs no worker (LoRA on, the rank), then the model's modules in
+        the worker, before anything changes.
+
+        With a slot free that takes one call into vLLM, the registration, which checks the
+        adapter itself: vLLM runs such calls between engine steps, so each waits for the
+        step under way, and while requests generate that is often a LoRA prefill step
+        (0.4-2 s on CPU on the 98M model, against the call's 2-6 ms in the worker;
+        benchmarks/README.md, lora_throughput.py). Only an update that must end an old
+        adapter's requests to make room asks the workers first, so that a bad adapter
+        aborts nothing."""
+        adapter = check_servable(self.lora, adapter, f"vLLM engine {self.model}")
+        slots = self.lora.slots if self.lora is not None else 0  # check_servable: not None
+        async with self._control:
+            self._check_alive()
+            self._check_weights()
+            await self._adapters.unload_unused()
+            if self._adapters.oldest_if_full(slots) is not None:
+                await self._adapters.check(adapter, self._version)
+            try:
+                while (oldest := self._adapters.oldest_if_full(slots)) is not None:
+                    if oldest.state is AdapterState.POLICY:
+                        # The one slot holds the policy: requests that start now would bind
+                        # to it and it would never end. They wait for its successor.
+                        self._adapters.hold_admission()
+                    await self._end_requests_under(oldest)
+                    await self._adapters.unload(oldest)
+                await self._adapters.register(adapter, version, self._version)
+                self._version = version
+            finally:
+                self._adapters.admit()
+                self._progress.notify()  # requests waiting for admission go on
+            await self._adapters.unload_unused()  # the previous policy, unless still in use
+
+    async def _end_requests_under(self, adapter: Adapter) -> None:
+        """To make room: abort the requests that run under `adapter` (they end with their
+        tokens so far, which can be continued under the new policy) and wait for them to
+        end."""
+        for request_id, live in list(self._live.items()):
+            if live.adapter is adapter:
+                await self.abort(request_id)
+        try:
+            await self.wait_progress(lambda: adapter.unused, self.control_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"vLLM engine {self.model}: {adapter.users} aborted request(s) under adapter "
+                f"version {adapter.version} did not end within control_timeout_s="
+                f"{self.control_timeout_s}; the adapter update was not made"
+            ) from None
+
+    async def _wait_admitting(self, request_id: str) -> None:
+        """Wait while an adapter update ends the policy's requests to make room for its
+        successor (`LoraSlots(slots=1)`): this request then starts under the successor."""
+        try:
+            await self.wait_progress(lambda: self._adapters.admitting, self.control_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"vLLM engine {self.model}: {request_id} waited control_timeout_s="
+                f"{self.control_timeout_s} for an adapter update to make room"
+            ) from None
+
+    async def _end_adapter_requests(self) -> None:
+        """Before a full-weight update: abort the requests that run under an adapter (the
+        base weights must not change under them)."""
+        for request_id, live in list(self._live.items()):
+            if live.adapter is not None:
+                await self.abort(request_id)
+
+    # -- errors and deadlines --------------------------------------------------------------------
+
+    async def _call(self, awaitable: Any) -> Any:
+        """Await a vLLM control call within `control_timeout_s`; a dead engine raises
+        `EngineDeadError` instead of whatever vLLM raised (or a timeout)."""
+        try:
+            async with asyncio.timeout(self.control_timeout_s):
+                return await awaitable
+        except Exception as exc:
+            raise self._translate(exc) from None
+
+    def _dead(self) -> bool:
+        return self._closed or bool(self._llm.errored)  # `_llm` is None only once closed
+
+    def _check_alive(self) -> None:
+        if self._dead():
+            raise EngineDeadError("vLLM engine is closed" if self._closed else "vLLM engine died")
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMDeadError
+
+        if isinstance(exc, EngineDeadError):
+            return exc
+        if isinstance(exc, VLLMDeadError) or self._dead():
+            return EngineDeadError(f"vLLM engine died: {type(exc).__name__}: {exc}")
+        return exc
+
+
+def _aborted(live: _Live) -> bool:
+    """`live.aborted`, read through a call: it changes across awaits, which mypy's narrowing
+    does not know."""
+    return live.aborted
+
+
+def _append(sample: _Sample, completion: Any) -> None:
+    """Add one DELTA output of a sample."""
+    from vllm.logprobs import FlatLogprobs
+
+    tokens = completion.token_ids
+    sample.tokens.extend(tokens)
+    logprobs = completion.logprobs
+    if isinstance(logprobs, FlatLogprobs):
+        sample.logprobs.extend(logprobs.logprobs)
+    elif logprobs is not None:
+        sample.logprobs.extend(pos[t].logprob for t, pos in zip(tokens, logprobs, strict=True))
+    if completion.finish_reason is not None:
+        sample.finish = str(completion.finish_reason)
+        sample.spans = completion.weight_versions
+        sample.experts = completion.routed_experts
+
+
+def _version_of(label: str) -> int:
+    """The version a weight-version label stands for: vLLM's initial label is version 0."""
+    return 0 if label == _INITIAL_LABEL else int(label)
+
+
+def _experts_row_bytes(config: Any) -> int:
+    model = config.model_config
+    experts = int(model.get_num_experts())
+    per_token = int(model.get_total_num_hidden_layers()) * int(model.get_num_experts_per_tok())
+    return per_token * (1 if experts <= 256 else 2)
+
+
+def _log_expected(reports: Any) -> None:
+    """Log (DEBUG) the layers that never get a tensor on a reload, as expected."""
+    expected = sorted(
+        {n for r in reports or () if isinstance(r, dict) for n in r.get("expected", ())}
+    )
+    if expected:
+        log.debug(
+            "update_weights: no tensor for %s, as expected (computed buffers, or an output "
+            "layer tied to the embedding and refreshed from it)",
+            ", ".join(expected),
+        )
+
+
+def _require_vllm(version: str) -> None:
+    major, minor = (int(x) for x in version.split(".")[:2])
+    if (major, minor) < (0, 32):
+        raise RuntimeError(
+            f"VLLMEngine needs vllm >= 0.32 (weight version spans, keep-mode pause); "
+            f"found {version}"
+        )
+
+
+@contextlib.contextmanager
+def _child_environment(on_cpu: bool) -> Iterator[None]:
+    """Environment for the processes vLLM starts while the engine is built, restored after.
+
+    The workers import `asyncroll.engines.vllm.in_worker`. An installed asyncroll is found by any
+    Python of the same environment; for a source checkout (found through `sys.path` or
+    PYTHONPATH) the folder holding the package is put first on PYTHONPATH. Processes started
+    by multiprocessing (vLLM's default) would get this process's `sys.path` anyway; the
+    variable covers workers started any other way. On CPU, TORCH_COMPILE_DISABLE=1 skips the
+    8-17 s gcc compile vLLM's logprobs op would do on its first request, at no measurable speed
+    cost. Neither variable is left changed in this process.
+    """
+    root = str(Path(__file__).resolve().parents[3])
+    installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TORCH_COMPILE_DISABLE")}
+    paths = [p for p in (saved["PYTHONPATH"] or "").split(os.pathsep) if p]
+    if root not in paths and root not in installed:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    if on_cpu:
+        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

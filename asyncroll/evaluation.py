@@ -1,0 +1,425 @@
+"""`Evaluator`: score a held-out prompt set at the current policy version, on the training
+producer's own engine, without touching the run.
+
+A second `Producer` on the training engine is refused (it would relabel the engine), and a
+second engine costs a second copy of the weights. The evaluator instead sends its requests
+through `Producer.guest_generate`: they share the engine and its gate (they start only while no
+pause, update or save holds it; a drain aborts them with the run's groups), and nothing of the
+run hears of them: its counters, versions, buffer, ledger and staleness figures are the same as
+in a run without evaluation (`tests/test_evaluation.py` proves it on the simulation).
+
+Every result carries the policy version its samples were sampled at, exactly: each token comes
+back stamped with the version of the weights that sampled it (`Engine`), so a prompt whose
+samples an update cut (aborted by its drain, or tokens of two versions) is run again, and so is
+one sampled before a newer version that other prompts of the same evaluation reached. After
+`max_reruns` such rounds the result says the policy kept moving (`EvalResult.error`) instead.
+
+Failures are the result's, never the run's: a bad prompt, an engine error or deadline, a reward
+function that raises or hangs fail that prompt (counted, with the reason); a deadline for the
+whole evaluation, or a producer that stopped, end it with `error` set. Nothing raises except
+misuse at the call (`RuntimeError`: the producer is not running) and a cancellation.
+
+Run it between training steps (`await evaluator.run()`; the producer keeps generating
+meanwhile, within its staleness bound) or alongside training (in a task of its own); merge
+`result.metrics()` (`eval/...`) into the step's `batch.metrics()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+import numpy as np
+
+from asyncroll._core import rollout
+from asyncroll._core.engine_call import EngineCallError
+from asyncroll._core.rewards import RewardDeadline, RewardFn, RewardRunner
+from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest, SamplingConfig
+from asyncroll.outcomes import NOT_ABSORBED, cancelling
+from asyncroll.prompts import PromptLike, as_prompt
+from asyncroll.types import EMPTY_INT32, Prompt, RolloutGroup, RolloutState, Status
+
+if TYPE_CHECKING:
+    from asyncroll.producer import Producer
+
+__all__ = ["EvalResult", "Evaluator", "Scores", "pass_at_k"]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimator of pass@k from `n` samples of which `c` passed (Chen et al.
+    2021): 1 - C(n - c, k) / C(n, k), the chance that k samples drawn without replacement from
+    the n hold at least one pass; computed as a product, so large n neither overflows nor
+    loses precision."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+class Scores(msgspec.Struct, frozen=True, kw_only=True):
+    """Scores over a set of prompts: the mean of each prompt's mean reward, and of each
+    prompt's pass@k (a sample passes with a reward >= the evaluator's `pass_threshold`)."""
+
+    prompts: int
+    reward_mean: float
+    pass_at_k: dict[int, float]
+
+
+class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One evaluation. `version` is the policy version every scored sample was sampled at
+    (None when none was scored); `scores` cover the prompts scored at it, `by_task` and `by`
+    (metadata key -> value -> scores) break them down. `failed` maps a prompt id to why it
+    failed; `incomplete` counts prompts left unscored at `version` when the evaluation ended
+    early (`error` says why: its deadline, a policy that kept moving, a stopped producer).
+    `reruns` counts prompts run again because an update cut them or left them behind.
+    `groups` are the scored groups (samples with tokens and rewards), to inspect or decode."""
+
+    name: str
+    version: int | None
+    scores: Scores
+    by_task: dict[str, Scores]
+    by: dict[str, dict[str, Scores]]
+    failed: dict[str, str]
+    incomplete: int
+    reruns: int
+    wall_s: float
+    error: str | None
+    groups: tuple[RolloutGroup, ...]
+
+    def metrics(self) -> dict[str, float]:
+        """A flat `{name: number}` dict to merge into the step's `batch.metrics()`:
+        `<name>/version` (NaN when nothing was scored), `<name>/reward_mean`, `<name>/pass@<k>`,
+        their `_by_task/<task>` and `_by_<key>/<value>` breakdowns, `<name>/prompts`,
+        `<name>/failed_prompts`, `<name>/incomplete_prompts`, `<name>/reruns`,
+        `<name>/wall_s` and `<name>/error` (1 when the evaluation ended early)."""
+        p = self.name
+        out: dict[str, float] = {
+            f"{p}/version": math.nan if self.version is None else float(self.version),
+            f"{p}/prompts": self.scores.prompts,
+            f"{p}/failed_prompts": len(self.failed),
+            f"{p}/incomplete_prompts": self.incomplete,
+            f"{p}/reruns": self.reruns,
+            f"{p}/wall_s": self.wall_s,
+            f"{p}/error": float(self.error is not None),
+        }
+        out |= _flat(f"{p}/", "", self.scores)
+        for task, scores in self.by_task.items():
+            out |= _flat(f"{p}/", f"_by_task/{task}", scores)
+        for key, values in self.by.items():
+            for value, scores in values.items():
+                out |= _flat(f"{p}/", f"_by_{key}/{value}", scores)
+        return out
+
+
+def _flat(prefix: str, suffix: str, scores: Scores) -> dict[str, float]:
+    out = {f"{prefix}reward_mean{suffix}": scores.reward_mean}
+    out |= {f"{prefix}pass@{k}{suffix}": v for k, v in scores.pass_at_k.items()}
+    return out
+
+
+class _Scored(msgspec.Struct, frozen=True):
+    group: RolloutGroup
+    version: int
+
+
+class _Failed(msgspec.Struct, frozen=True):
+    reason: str
+
+
+class _Cut(msgspec.Struct, frozen=True):
+    """An update cut the request (aborted by its drain, or tokens of two versions)."""
+
+
+_Outcome = _Scored | _Failed | _Cut
+
+
+class Evaluator:
+    """Evaluates `prompts` (a finite set of `Prompt`s, mappings or token lists, as a
+    `Producer` takes them) with `reward_fn` (a `RewardFn`, as the producer's) on `producer`'s
+    engine; see the module docstring.
+
+    `samples` per prompt: 1 samples greedily by default; more sample at the producer's
+    temperature (`sampling` overrides either). `k`: the pass@k to report, each <= `samples`.
+    A sample passes with a reward >= `pass_threshold`. `by`: metadata keys to break the scores
+    down by (besides the task). At most `concurrency` prompts are in the engine at once, each
+    request within the producer's `generate_timeout_s` and each reward within its
+    `reward_timeout_s`; the whole evaluation within `timeout_s` (waiting for a pause included).
+    `name` prefixes the metrics ("eval": `eval/pass@1`)."""
+
+    def __init__(
+        self,
+        producer: Producer,
+        prompts: Iterable[PromptLike],
+        reward_fn: RewardFn,
+        *,
+        samples: int = 1,
+        k: Sequence[int] = (1,),
+        sampling: SamplingConfig | None = None,
+        pass_threshold: float = 1.0,
+        by: Sequence[str] = (),
+        concurrency: int = 16,
+        timeout_s: float = 600.0,
+        max_reruns: int = 3,
+        name: str = "eval",
+    ) -> None:
+        self.prompts: list[Prompt] = [
+            as_prompt(p, "default", i) for i, p in enumerate(prompts)
+        ]  # a finite set, read once: an endless source would never finish here
+        if not self.prompts:
+            raise ValueError("Evaluator needs at least one prompt")
+        if not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"samples={samples!r}: must be an integer >= 1")
+        bad_k = [x for x in k if not isinstance(x, int) or not 1 <= x <= samples]
+        if not k or bad_k:
+            raise ValueError(
+                f"k={tuple(k)}: each pass@k needs 1 <= k <= samples={samples}; raise samples "
+                "or drop the larger k"
+            )
+        cfg = producer.config
+        if sampling is None:
+            sampling = cfg.sampling
+            if samples == 1:
+                sampling = msgspec.structs.replace(sampling, temperature=0.0)
+        elif samples > 1 and sampling.temperature == 0:
+            raise ValueError(
+                f"samples={samples} with temperature 0: greedy samples are all the same; sample "
+                "with a temperature > 0, or evaluate with samples=1"
+            )
+        if not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency={concurrency!r}: must be an integer >= 1")
+        if not (timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"timeout_s={timeout_s}: must be a positive number of seconds")
+        if not isinstance(max_reruns, int) or max_reruns < 0:
+            raise ValueError(f"max_reruns={max_reruns!r}: must be an integer >= 0")
+        if not name or "/" in name:
+            raise ValueError(f"name={name!r}: must be a non-empty metrics prefix without '/'")
+        if not math.isfinite(pass_threshold):
+            raise ValueError(f"pass_threshold={pass_threshold}: must be a finite number")
+        self.producer = producer
+        self.samples = samples
+        self.k = tuple(sorted(set(k)))
+        self.sampling = sampling
+        self.pass_threshold = pass_threshold
+        self.by = tuple(by)
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+        self.max_reruns = max_reruns
+        self.name = name
+        self._rewards = RewardRunner(
+            reward_fn,
+            timeout_s=cfg.reward_timeout_s,
+            workers=cfg.reward_workers,
+            in_thread=cfg.reward_in_thread,
+        )
+        self._runs = 0
+
+    async def run(self) -> EvalResult:
+        """Evaluate every prompt at the policy's current version (see the module docstring)."""
+        if not self.producer.running:
+            raise RuntimeError("evaluate inside `async with producer:` (it is not running)")
+        start = time.monotonic()
+        self._runs += 1
+        run_id = f"{self.name}-{uuid.uuid4().hex[:8]}-{self._runs}"
+        outcomes: dict[int, _Outcome] = {}
+        todo = list(range(len(self.prompts)))
+        reruns, rounds, error = 0, 0, None
+        with anyio.move_on_after(self.timeout_s) as deadline:
+            while todo:
+                if rounds > self.max_reruns:
+                    error = (
+                        f"the policy changed during the evaluation {rounds} times (max_reruns="
+                        f"{self.max_reruns}): evaluate between updates, or raise max_reruns"
+                    )
+                    break
+                reruns += len(todo) if rounds else 0
+                await self._round(todo, outcomes, f"{run_id}-r{rounds}")
+                rounds += 1
+                todo = self._left(outcomes)
+                if self._stopped():
+                    error = "the producer stopped during the evaluation"
+                    break
+        if deadline.cancelled_caught:
+            error = f"the evaluation did not finish within timeout_s={self.timeout_s}"
+        return self._result(outcomes, reruns, error, time.monotonic() - start)
+
+    def _stopped(self) -> bool:
+        return not self.producer.running
+
+    @staticmethod
+    def _left(outcomes: dict[int, _Outcome]) -> list[int]:
+        """Prompts to run again: those an update cut, and those scored at an older version
+        than the newest any prompt reached."""
+        newest = max((o.version for o in outcomes.values() if isinstance(o, _Scored)), default=0)
+        return sorted(
+            i
+            for i, o in outcomes.items()
+            if isinstance(o, _Cut) or (isinstance(o, _Scored) and o.version < newest)
+        )
+
+    async def _round(self, todo: list[int], outcomes: dict[int, _Outcome], tag: str) -> None:
+        limiter = anyio.CapacityLimiter(self.concurrency)
+
+        async def one(i: int) -> None:
+            async with limiter:
+                if not self.producer.running:
+                    return
+                outcomes[i] = await self._one(i, f"{tag}-{i}")
+
+        async with anyio.create_task_group() as tg:
+            for i in todo:
+                tg.start_soon(one, i)
+
+    async def _one(self, i: int, request_id: str) -> _Outcome:
+        """Sample and score prompt `i` once."""
+        producer, prompt = self.producer, self.prompts[i]
+        engine = producer.engine
+        try:
+            tokens = rollout.prompt_array(prompt.tokens, engine.vocab_size, engine.max_model_len)
+        except rollout.RolloutError as exc:
+            return _Failed(f"bad_prompt: {exc}")
+        budget = self.sampling.max_new_tokens
+        if engine.max_model_len is not None:
+            budget = min(budget, engine.max_model_len - len(tokens))
+        request = GenerateRequest(
+            request_id=request_id,
+            prompt_tokens=tokens,
+            samples=tuple(SampleRequest(EMPTY_INT32, budget) for _ in range(self.samples)),
+            sampling=self.sampling,
+        )
+        before = producer.version
+        try:
+            outputs = await producer.guest_generate(request)
+        except EngineCallError as exc:
+            return _Failed(f"{exc.reason.value}: {exc.message}")
+        except RuntimeError:  # the producer stopped while it waited: `run` says so
+            return _Cut()
+        try:
+            states = _states(outputs, self.samples, budget)
+        except (ValueError, TypeError) as exc:
+            return _Failed(f"malformed_output: {exc}")
+        if states is None:
+            return _Cut()
+        versions = np.unique(np.concatenate([s.versions for s in states]))
+        if len(versions) > 1:
+            return _Cut()
+        if len(versions):
+            version = int(versions[0])
+        elif before == producer.version:  # no token to tell: the label around the call
+            version = before
+        else:
+            return _Cut()
+        group = RolloutGroup(
+            uid=i,
+            prompt_id=str(prompt.prompt_id),
+            task=str(prompt.task),
+            prompt_tokens=tokens,
+            samples=states,
+            status=Status.COMPLETED,
+            metadata=prompt.metadata,
+            start_version=version,
+        )
+        try:
+            rewards = rollout.check_rewards(await self._rewards.score(group), self.samples)
+        except RewardDeadline:
+            return _Failed(f"reward_deadline: no reward within {self._rewards.timeout_s} s")
+        except asyncio.CancelledError:
+            if cancelling():
+                raise
+            return _Failed("reward_error: the reward function raised CancelledError")
+        except NOT_ABSORBED:
+            raise
+        except rollout.RolloutError as exc:
+            return _Failed(f"reward_error: {exc}")
+        except Exception as exc:
+            return _Failed(f"reward_error: {type(exc).__name__}: {exc}")
+        scored = msgspec.structs.replace(group, samples=rollout.with_rewards(states, rewards))
+        return _Scored(scored, version)
+
+    def _result(
+        self, outcomes: dict[int, _Outcome], reruns: int, error: str | None, wall_s: float
+    ) -> EvalResult:
+        failed = {
+            str(self.prompts[i].prompt_id): o.reason
+            for i, o in outcomes.items()
+            if isinstance(o, _Failed)
+        }
+        scored = [o for o in outcomes.values() if isinstance(o, _Scored)]
+        version = max((o.version for o in scored), default=None)
+        groups = tuple(
+            o.group for i, o in sorted(outcomes.items()) if isinstance(o, _Scored)
+            if o.version == version
+        )  # fmt: skip
+        incomplete = len(self.prompts) - len(failed) - len(groups)
+        by_task: dict[str, list[RolloutGroup]] = {}
+        by: dict[str, dict[str, list[RolloutGroup]]] = {key: {} for key in self.by}
+        for g in groups:
+            by_task.setdefault(g.task, []).append(g)
+            for key in self.by:
+                if key in g.metadata:
+                    by[key].setdefault(str(g.metadata[key]), []).append(g)
+        return EvalResult(
+            name=self.name,
+            version=version,
+            scores=self._scores(groups),
+            by_task={t: self._scores(gs) for t, gs in sorted(by_task.items())},
+            by={
+                key: {v: self._scores(gs) for v, gs in sorted(values.items())}
+                for key, values in by.items()
+            },
+            failed=failed,
+            incomplete=incomplete,
+            reruns=reruns,
+            wall_s=wall_s,
+            error=error,
+            groups=groups,
+        )
+
+    def _scores(self, groups: Sequence[RolloutGroup]) -> Scores:
+        if not groups:
+            return Scores(
+                prompts=0, reward_mean=math.nan, pass_at_k=dict.fromkeys(self.k, math.nan)
+            )
+        rewards = np.array([[s.reward for s in g.samples] for g in groups], dtype=np.float64)
+        passes = (rewards >= self.pass_threshold).sum(axis=1)
+        n = self.samples
+        return Scores(
+            prompts=len(groups),
+            reward_mean=float(rewards.mean()),
+            pass_at_k={
+                k: float(np.mean([pass_at_k(n, int(c), k) for c in passes])) for k in self.k
+            },
+        )
+
+
+def _states(
+    outputs: Sequence[SampleOutput], n: int, budget: int
+) -> tuple[RolloutState, ...] | None:
+    """The samples of a finished request; None when an abort cut any of them; `ValueError` or
+    `TypeError` for output that breaks the `Engine` contract."""
+    if len(outputs) != n:
+        raise ValueError(f"the engine returned {len(outputs)} samples for {n}")
+    states = []
+    for out in outputs:
+        if out.finish_reason == "abort":
+            return None
+        if out.finish_reason not in ("stop", "length"):
+            raise ValueError(f"finish reason {out.finish_reason!r}")
+        if len(out.tokens) > budget:
+            raise ValueError(f"{len(out.tokens)} tokens for a budget of {budget}")
+        states.append(
+            RolloutState(
+                tokens=np.asarray(out.tokens),
+                logprobs=np.asarray(out.logprobs),
+                versions=np.asarray(out.versions),
+                status=Status.COMPLETED,
+                finish_reason=out.finish_reason,
+            )
+        )
+    return tuple(states)

