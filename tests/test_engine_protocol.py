@@ -137,6 +137,42 @@ def test_a_missing_required_member_is_named_at_construction(member: str) -> None
         Producer(lacking(), prompts(4), parity_reward)
 
 
+class Delegating:
+    """A wrapper that records requests and hands every other member to the engine it wraps,
+    through `__getattr__`: a common way to instrument an engine (the agent tests do)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.requests = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, request: Any) -> Any:
+        self.requests += 1
+        return await self._engine.generate(request)
+
+
+async def test_an_engine_that_delegates_through_getattr_has_its_members() -> None:
+    """The members were looked up statically only, so a delegating wrapper "lacked" vocab_size
+    and the rest; what `__getattr__` answers is a member. Its optional ones are read too."""
+
+    class Bounded(SimEngine):
+        pause_bound_s = 1.0  # type: ignore[assignment]
+
+    with pytest.raises(ValueError, match=r"Delegating.pause_bound_s=1.0"):
+        Producer(
+            Delegating(Bounded(vocab_size=VOCAB)), prompts(4), parity_reward, abort_timeout_s=0.5
+        )
+    wrapper = Delegating(SimEngine(vocab_size=VOCAB))
+    producer = Producer(
+        wrapper, prompts(4), parity_reward, group_size=2, sampling=SamplingConfig(max_new_tokens=4)
+    )
+    async with producer:
+        assert len((await producer.produce_batch(2)).groups) == 2
+    assert wrapper.requests >= 2
+
+
 def test_an_absent_pause_bound_s_is_no_bound_of_its_own() -> None:
     """The default (None): any `abort_timeout_s` is accepted; a stated bound is enforced."""
     Producer(PreLoraEngine(), prompts(4), parity_reward, abort_timeout_s=0.001)

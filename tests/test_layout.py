@@ -11,7 +11,7 @@ import asyncroll
 
 PACKAGE = Path(asyncroll.__file__).resolve().parent
 ROOT = PACKAGE.parent
-WORKER_MODULE = "asyncroll.engines.vllm.engine.in_worker"
+WORKER_MODULE = "asyncroll.engines.vllm.in_worker"
 
 
 def _docstring(path: Path) -> str:
@@ -63,7 +63,7 @@ def test_the_public_imports_work() -> None:
     # resolved lazily (they import vLLM / aiohttp): the names point at the backend packages
     assert "VLLMEngine" in engines.__all__ and "VLLMServerEngine" in engines.__all__
     source = (PACKAGE / "engines" / "__init__.py").read_text()
-    assert "asyncroll.engines.vllm.engine.engine import VLLMEngine" in source
+    assert "asyncroll.engines.vllm.engine import VLLMEngine" in source
     assert "asyncroll.engines.server.engine import VLLMServerEngine" in source
 
 

@@ -308,8 +308,17 @@ _MISSING = object()
 
 def _has(engine: object, member: str) -> bool:
     # Looked up without running it: a property that raises AttributeError inside would
-    # otherwise read as a missing member.
-    return inspect.getattr_static(engine, member, _MISSING) is not _MISSING
+    # otherwise read as a missing member. A wrapper that delegates through `__getattr__` has
+    # its members only when asked, so for one of those, asking is the lookup.
+    if inspect.getattr_static(engine, member, _MISSING) is not _MISSING:
+        return True
+    if inspect.getattr_static(type(engine), "__getattr__", _MISSING) is _MISSING:
+        return False
+    try:
+        getattr(engine, member)
+    except AttributeError:
+        return False
+    return True
 
 
 def engine_options(engine: object) -> EngineOptions:
