@@ -118,3 +118,25 @@ def test_an_update_the_model_cannot_take_is_refused_naming_the_tensor(
     assert str(refused.value).startswith("engine X: ")
     assert r"norm.weight has shape (5,)" in str(refused.value)
     assert "nothing was loaded" in str(refused.value)
+
+
+def test_the_reload_report_catches_unloaded_layers_whatever_vllms_log_level() -> None:
+    """Importing trl sets VLLM_LOGGING_LEVEL=ERROR, and the workers vLLM spawns afterwards drop
+    the "<Layer>: Failed to load weights" warnings before any filter sees them: an update that
+    left a layer without weights passed the coverage check in the full suite (and the DEBUG
+    report of expected layers was empty). Caught now at any level, the level set back after."""
+    import logging
+
+    from asyncroll.engines.vllm import in_worker
+
+    logger = logging.getLogger(in_worker._LAYERWISE_LOGGER)
+    saved = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with in_worker._unloaded_layers() as caught:
+            logger.warning("%s: Failed to load weights", "RowParallelLinear")
+            logger.warning("unrelated")
+        assert caught.layers == ["RowParallelLinear"]
+        assert logger.level == logging.ERROR and not logger.filters
+    finally:
+        logger.setLevel(saved)

@@ -15,7 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_demo_cli(out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # as a user's shell would start it: importing trl (the chat tests do) sets
+    # VLLM_LOGGING_LEVEL=ERROR in this process, which would silence vLLM's log in engine.log
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    env["PYTHONPATH"] = str(ROOT)
     command = [sys.executable, "-m", "asyncroll.app.cli", "demo", "--steps", "2", "--batch-groups",
                "4", "--group-size", "4", "--out", str(out), *flags]  # fmt: skip
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)

@@ -27,6 +27,7 @@ checked, and what `verify` adds, is in `asyncroll.engines.vllm.weight_check`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -49,6 +50,24 @@ class _UnloadedLayers(logging.Filter):
             self.layers.append(message.removesuffix(_FAILED))
             return False
         return True
+
+
+@contextlib.contextmanager
+def _unloaded_layers() -> Iterator[_UnloadedLayers]:
+    """Catch vLLM's unloaded-layer warnings during one reload, whatever vLLM's log level: a
+    process that imported trl, say, starts vLLM with VLLM_LOGGING_LEVEL=ERROR, and a warning
+    below the logger's level never reaches a filter. The level is set back afterwards."""
+    caught = _UnloadedLayers()
+    logger = logging.getLogger(_LAYERWISE_LOGGER)
+    level = logger.level
+    if logger.getEffectiveLevel() > logging.WARNING:
+        logger.setLevel(logging.WARNING)
+    logger.addFilter(caught)
+    try:
+        yield caught
+    finally:
+        logger.removeFilter(caught)
+        logger.setLevel(level)
 
 
 class WeightLoaderExtension:
@@ -107,13 +126,8 @@ class WeightLoaderExtension:
                 received[name] = weight_check.digest(tensor) if fetch is not None else ""
                 yield name, tensor
 
-        caught = _UnloadedLayers()
-        logger = logging.getLogger(_LAYERWISE_LOGGER)
-        logger.addFilter(caught)
-        try:
+        with _unloaded_layers() as caught:
             self.reload_weights(weights_iterator=recorded())  # type: ignore[attr-defined]
-        finally:
-            logger.removeFilter(caught)
         tied = self._asyncroll_refresh_tied_head()
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         computed = {
