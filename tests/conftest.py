@@ -17,31 +17,35 @@ from tests.vllm.server import (  # noqa: F401
 )
 
 # Under `pytest -n` (pytest-xdist with `--dist loadgroup`: the Makefile's test command) each
-# worker starts the session engines its own tests ask for. Every module that uses a session
-# engine (in process or `vllm serve`) runs on one worker, so each engine starts once per run;
-# the modules that start engines of their own, the benchmark smoke runs and the rest of the
-# suite fill the other workers.
-SESSION_ENGINE_FIXTURES = frozenset(
-    {
-        "vllm_engine",
-        "engine",
-        "vllm_lora_engine",
-        "lora_engine",
-        "lora_cases",
-        "engine_to_kill",
-        "vllm_server",
-        "server_engine",
-        "server_weights_dir",
-    }
-)
-ENGINE_KIND_PARAMS = frozenset({"vllm", "server"})  # conformance: engines looked up at run time
+# worker starts the session engines its own tests ask for. Lanes keep the modules that share
+# session engines on one worker each, so each engine starts once a run: the in-process engines
+# (plain and LoRA, and the LoRA parity references) in one lane, the session's `vllm serve` in
+# the other; the modules that start engines of their own, the benchmark smoke runs and the
+# rest of the suite fill in beside them.
+LORA_FIXTURES = frozenset({"vllm_lora_engine", "lora_engine", "lora_cases"})
+IN_PROCESS_FIXTURES = frozenset({"vllm_engine", "engine", "engine_to_kill"})
+SERVER_FIXTURES = frozenset({"vllm_server", "server_engine", "server_weights_dir"})
+
+
+def lane(fixtures: set[str], params: set[str]) -> str | None:
+    """The lane of a module whose tests use `fixtures` and the engine-kind parameters `params`
+    (the conformance suite looks its engines up at run time). A module that uses both kinds
+    goes where its costliest fixture lives: the LoRA references, then the server (an
+    in-process engine starts in a third of a server's time)."""
+    if fixtures & LORA_FIXTURES:
+        return "in-process"
+    if fixtures & SERVER_FIXTURES or "server" in params:
+        return "serve"
+    if fixtures & IN_PROCESS_FIXTURES or "vllm" in params:
+        return "in-process"
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks into its work units
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Group each module's tests for xdist: every module that uses a session engine in one
-    group, each other module under tests/vllm (and the benchmark smoke runs) in its own, so a
-    module's own engines and subprocesses start once; the rest is spread test by test."""
+    """Put each module that uses a session engine in its lane, and keep every other module
+    under tests/vllm (and the benchmark smoke runs) together, so that a module's own engines
+    and subprocesses start once; the rest is spread test by test."""
     modules: dict[Path, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.path, []).append(item)
@@ -49,24 +53,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for path, module_items in modules.items():
         if any(item.get_closest_marker("xdist_group") for item in module_items):
             continue  # the module chose its group itself
-        uses_session_engine = any(
-            SESSION_ENGINE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
-            or ENGINE_KIND_PARAMS.intersection(map(str, _params(item)))
-            for item in module_items
-        )
-        if uses_session_engine:
-            group = "session-engines"
-        elif path.is_relative_to(here / "vllm") or path.name == "test_benchmarks.py":
-            group = path.stem
-        else:
-            continue
+        fixtures: set[str] = set()
+        params: set[str] = set()
         for item in module_items:
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
-def _params(item: pytest.Item) -> list[object]:
-    callspec = getattr(item, "callspec", None)
-    return list(callspec.params.values()) if callspec is not None else []
+            fixtures.update(getattr(item, "fixturenames", ()))
+            callspec = getattr(item, "callspec", None)
+            if callspec is not None:
+                params.update(map(str, callspec.params.values()))
+        group = lane(fixtures, params)
+        if group is None and (
+            path.is_relative_to(here / "vllm") or path.name == "test_benchmarks.py"
+        ):
+            group = path.stem
+        if group is not None:
+            for item in module_items:
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 VLLM_MAX_MODEL_LEN = 256
