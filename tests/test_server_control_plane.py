@@ -146,7 +146,7 @@ async def test_an_abort_ends_a_request_waiting_for_its_replicas_liveness_check()
         engine._supervisors[wedged].failed(ReplicaError(wedged.url, "a stream broke"))
         await _until(stubs[1].progress, lambda: LIVENESS in stubs[1].calls)
         call = asyncio.ensure_future(engine.generate(_to(engine, wedged, "run-0-0")))
-        await engine.wait_progress(lambda: "run-0-0" in engine._live, 5.0)
+        await engine.wait_progress(lambda: "run-0-0" in engine._requests.live, 5.0)
         await engine.abort("run-0-0")
         (sample,) = await asyncio.wait_for(call, 2.0)
         assert sample.finish_reason == "abort"
