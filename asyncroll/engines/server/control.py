@@ -78,9 +78,11 @@ class Control:
 
     async def pause(self) -> None:
         """`VLLMServerEngine.pause_generation`: hold admission, then pause every UP replica
-        (keep mode); a pause whose caller gives up part-way is undone (`_end_control`)."""
+        (keep mode); a pause whose caller gives up part-way is undone (`_end_control`). It
+        waits for no replica's sync (`revive_due`): one that joins later reads under the
+        control lock whether the engine is paused, and is paused then."""
         self._check_open()
-        await self._revive_before_control()
+        self.revive_due()
         await self._state.acquire()
         paused_before, done = self._state.paused, False
         try:
@@ -95,9 +97,10 @@ class Control:
 
     async def resume(self) -> None:
         """`VLLMServerEngine.resume_generation`: resume every UP replica and open admission;
-        one cut part-way is finished by the engine's own task."""
+        one cut part-way is finished by the engine's own task. Like a pause, it waits for no
+        replica's sync."""
         self._check_open()
-        await self._revive_before_control()
+        self.revive_due()
         await self._state.acquire()
         done = False
         try:
@@ -225,10 +228,10 @@ class Control:
                 supervisor.start()
 
     async def _revive_before_control(self) -> None:
-        """Before a pause, resume or update: the due syncs started and, when no replica is
-        up, waited for up to `pause_timeout_s` (within `pause_bound_s`, and the caller's
-        own deadline: cancelling this wait leaves the syncs running), so that a replica
-        that is synced quickly (at the engine's start, above all) takes part."""
+        """Before an update: the due syncs started and, when no replica is up, waited for up
+        to `pause_timeout_s` (within the caller's own deadline: cancelling this wait leaves
+        the syncs running), so that a replica that is synced quickly (at the engine's start,
+        above all) takes part. Not before a pause or resume: it would add to their bound."""
         self.revive_due()
         syncing = [s.task for s in self._supervisors.values() if s.task is not None]
         if syncing and not any(r.state is ReplicaState.UP for r in self._replicas):

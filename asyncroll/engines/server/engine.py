@@ -334,9 +334,15 @@ class VLLMServerEngine:
     @property
     def pause_bound_s(self) -> float:
         """The longest `pause_generation` or `resume_generation` takes while no weight
-        update runs, whatever a replica does: waiting for probes when none is up, then one
-        call to each replica, `pause_timeout_s` each. Deadlines compose only if it is below
-        the caller's own (the producer's `abort_timeout_s`, 30 s by default): a pause that
+        update runs, whatever the replicas do: 2 x `pause_timeout_s`. Its longest chain of
+        waits: the control lock, held by one of (the end of a control call whose caller gave
+        up: one resume on each replica at once; or a replica owner's catch-up after a
+        re-sync, `Supervisor._catch_up`: a few calls, `pause_timeout_s` in all), never by
+        several in turn (owners let a waiting pause go first, `ControlState.joining`); then
+        its own call on each replica at once, `pause_timeout_s` each. It waits for no
+        replica's sync (a replica that joins later is paused or resumed as the engine then
+        is). Deadlines compose only if this is below the caller's own (the producer's
+        `abort_timeout_s`, 30 s by default; it refuses one that is not): a pause that
         outlives its caller is undone and the run stops."""
         return 2 * self.pause_timeout_s
 

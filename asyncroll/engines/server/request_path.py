@@ -265,7 +265,7 @@ class RequestPath:
             ]
             if unfinished and not self._state.closed:  # do not rely on the disconnect alone
                 # in a task of the engine's: a caller that gave up is not held for it
-                abort = self._tasks.spawn(self.abort_on(replica, unfinished), name="abort")
+                abort = self._tasks.spawn(self._abort_left(replica, unfinished), name="abort")
                 if not gave_up:
                     await asyncio.shield(abort)
         if self._state.closed:
@@ -366,6 +366,13 @@ class RequestPath:
                     if first and _aborted(live):  # the abort may have beaten the request there
                         await self.abort_on(replica, [part.server_id])
                     first = False
+        except asyncio.CancelledError:
+            if not _aborted(live) or _cancelling():
+                raise
+            # `abort` closed it (its abort did not reach the replica): ended, not failed
+            for i in part.indices:
+                if samples[i].finish is None:
+                    samples[i].finish = "abort"
         except (rp.Rejected, EngineDeadError):
             raise
         except Exception as exc:  # anything else from talking to the replica is its failure
@@ -416,10 +423,15 @@ class RequestPath:
             return
         self._progress.notify()  # wakes parts held for admission
         started = [p.server_id for p in live.parts if p.started]
-        if started and live.replica is not None:
-            await self.abort_on(live.replica, started)
+        if started and live.replica is not None and not await self.abort_on(live.replica, started):
+            # it did not reach the replica (down, restarting): the streams are closed here,
+            # which ends them now (`_stream`) and makes a vLLM that answers again abort them;
+            # else a request frozen on a replica that came back paused outlived its abort
+            # until the resume (the control-plane simulation found it)
+            for task in live.tasks:
+                task.cancel()
 
-    async def abort_on(self, replica: Replica, server_ids: list[str]) -> None:
+    async def abort_on(self, replica: Replica, server_ids: list[str]) -> bool:
         """Abort requests on `replica`, through the RL route that returns once vLLM has
         aborted them (`/inference/v1/abort_requests` only starts a task that will). A failure
         fails no request (the stream's own end or deadline still bounds it), but is a failed
@@ -427,7 +439,7 @@ class RequestPath:
         the rotation. Often this abort is the last call a hung replica gets (its caller gave
         up on the request), and nothing else would take it out. Within `pause_timeout_s`, and
         not waiting for that check: a caller that gave up (the producer's
-        `generate_timeout_s`) is not held past it by a hung replica."""
+        `generate_timeout_s`) is not held past it by a hung replica. Whether it got there."""
         ids = [_SERVER_PREFIX + s for s in server_ids]
         try:
             await self._client.call(
@@ -439,6 +451,13 @@ class RequestPath:
             )
         except ReplicaError as exc:
             self._control.failed(replica, exc)  # the supervisor owns the check
+            return False
+        return True
+
+    async def _abort_left(self, replica: Replica, server_ids: list[str]) -> None:
+        """`abort_on` for the requests a group left unfinished: the stream's own end (its
+        cancellation) is their fallback, so whether it got there is nobody's to read."""
+        await self.abort_on(replica, server_ids)
 
     async def end_adapter_requests(self) -> None:
         """Before new full weights (the replicas paused): abort the requests sent with an
@@ -487,6 +506,13 @@ def _up(replica: Replica) -> bool:
     """Whether `replica` is up, read through a call: its state changes across awaits, which
     mypy's narrowing does not know."""
     return replica.state is ReplicaState.UP
+
+
+def _cancelling() -> bool:
+    """Whether the current task is being cancelled by someone else too (its caller): after
+    `abort`'s own cancel is taken, one left means the caller's, which must go on."""
+    task = asyncio.current_task()
+    return task is not None and task.uncancel() > 0
 
 
 def _aborted(live: ss.Live) -> bool:
