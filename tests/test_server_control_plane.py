@@ -2,7 +2,7 @@
 caller's wait bounded by its own deadline and ended by its abort, control calls on their own
 connections, "no replica serving now" a state and not death, a version's weights fixed when
 its label is put on them. Each test is a defect an outside review reproduced with fakes
-(docs/scaling-out.md has the design that rules each out)."""
+(docs/server-engine.md has the design that rules each out)."""
 
 from __future__ import annotations
 
