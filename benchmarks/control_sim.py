@@ -490,12 +490,19 @@ class Run:
                 self.check(not sim.paused, f"{sim.name} is counted up but paused")
 
     async def timed(
-        self, what: str, deadline: float, call: Callable[[], Any], *, control: bool = True
+        self,
+        what: str,
+        deadline: float,
+        call: Callable[[], Any],
+        *,
+        control: bool = True,
+        bound: bool = False,
     ) -> Any:
         """`call()` under the caller's `deadline`, as the producer bounds it: a `generate`
         by asyncio's timeout (which cancels once), a `control` call by asyncio's or anyio's
         cancel scope (which cancels every await after it, cleanups included); checks it
-        ended by then."""
+        ended by then. `bound`: the deadline is the engine's own bound on the call
+        (`pause_bound_s`), which it must end within, never be cut at."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         self.world.log(f"{what}: called")
@@ -504,11 +511,13 @@ class Run:
                 with anyio.move_on_after(deadline):
                     return await call()
                 self.world.log(f"{what}: cut by its caller's scope at {deadline:.3f} s")
+                self.check(not bound, f"{what} outlasted the engine's bound, {deadline:.3f} s")
                 return None
             async with asyncio.timeout(deadline):
                 return await call()
         except TimeoutError:
             self.world.log(f"{what}: cut by its caller at {deadline:.3f} s")
+            self.check(not bound, f"{what} outlasted the engine's bound, {deadline:.3f} s")
             return None
         except EngineDeadError as exc:
             self.check(False, f"{what}: the run stopped: {exc}")
@@ -567,7 +576,7 @@ class Run:
 
     async def trainer(self) -> None:
         rng, engine = self.rng, self.engine
-        bound = engine.pause_bound_s + 1.0
+        bound = engine.pause_bound_s + SLACK_S
         for step in range(rng.randint(2, 5)):
             await asyncio.sleep(rng.uniform(0.05, 0.6))
             kind = rng.choice(["fresh", "latest", "relabel", "pause"])
@@ -575,9 +584,10 @@ class Run:
             self.next_version += 1
             cut = rng.choice([None, None, rng.uniform(0.0, 0.3)])
             if kind == "pause":
-                await self.timed("pause", cut or bound, engine.pause_generation)
+                pause = engine.pause_generation
+                await self.timed("pause", cut or bound, pause, bound=cut is None)
                 await asyncio.sleep(rng.uniform(0, 1.0))  # longer than a liveness probe
-                await self.timed("resume", bound, engine.resume_generation)
+                await self.timed("resume", bound, engine.resume_generation, bound=True)
                 continue
             if kind == "relabel":
                 self.version_weights[version] = self.version_weights[engine.version]
