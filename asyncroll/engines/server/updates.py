@@ -102,7 +102,7 @@ class WeightUpdates:
         self._pause_timeout_s = pause_timeout_s
         self._health_timeout_s = health_timeout_s
         self._layout: server_weights.ServedLayout | object | None = _UNREAD
-        self._model: Path | None = None  # the folder the layout was read from
+        self._served = ""  # where the layout was read, for its errors
 
     async def weights(self, weights: Weights | LoraAdapter | None, version: int) -> None:
         """`VLLMServerEngine.update_weights`: a `LoraAdapter` becomes the policy; None
@@ -157,10 +157,10 @@ class WeightUpdates:
                     self._layout = None
                     break
                 self._layout = await asyncio.to_thread(server_weights.ServedLayout.read, model)
-                self._model = model
+                self._served = f"the model the replicas serve ({model}, as {replica.url} names it)"
                 break
         if isinstance(self._layout, server_weights.ServedLayout):
-            self._layout.refuse_misfits(named, f"the replicas' model {self._model}")
+            self._layout.refuse_misfits(named, self._served)
 
     async def from_path(self, path: Path, version: int) -> None:
         """`VLLMServerEngine.update_weights_from_path`: the folder sealed as it is now (with
