@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -184,14 +183,11 @@ class RequestPath:
                 return None
             self._control.revive_due()
             home = rp.pick(self._replicas, session, _HOMES)
-            if (
-                home is not None
-                and home.state is ReplicaState.UNSYNCED
-                and _syncing(self._supervisors[home])
-            ):
+            owner = None if home is None else self._supervisors[home]
+            if owner is not None and owner.replica.state is ReplicaState.UNSYNCED and owner.task:
                 # its own replica is being synced (new, or restarted): wait for that, not
                 # settling elsewhere only because its replica was not synced yet
-                await self._wait(live, functools.partial(_idle, self._supervisors[home]))
+                await self._wait(live, owner.idle)
                 continue
             replica = rp.pick(self._replicas, session)
             if replica is None:  # none up now: a state, not death; wait for one
@@ -204,8 +200,9 @@ class RequestPath:
             if self._control.admission is not Dispatch.OPEN:
                 await self._admit(live)
                 continue
-            if self._supervisors[replica].check is not None:  # its liveness is in question
-                await self._wait(live, functools.partial(_unchecked, self._supervisors[replica]))
+            checked = self._supervisors[replica]
+            if checked.check is not None:  # its liveness is in question
+                await self._wait(live, checked.unchecked)
                 continue
             return replica
 
@@ -304,7 +301,7 @@ class RequestPath:
         supervisor = self._supervisors[replica]
         while self._control.admission is not Dispatch.OPEN or supervisor.check is not None:
             await self._admit(live)  # a pause may have begun since it was routed
-            await self._wait(live, lambda: supervisor.check is None)  # its liveness checked
+            await self._wait(live, supervisor.unchecked)  # its liveness checked
             if live.aborted or self._state.closed:
                 break
         if self._state.closed:
@@ -488,18 +485,6 @@ class RequestPath:
 
 class _NotSent(Exception):
     """A request's replica left the rotation before its request was sent."""
-
-
-def _syncing(supervisor: sup.Supervisor) -> bool:
-    return supervisor.task is not None
-
-
-def _idle(supervisor: sup.Supervisor) -> bool:
-    return supervisor.task is None
-
-
-def _unchecked(supervisor: sup.Supervisor) -> bool:
-    return supervisor.check is None
 
 
 def _up(replica: Replica) -> bool:

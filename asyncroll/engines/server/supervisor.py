@@ -194,6 +194,14 @@ class Supervisor:
         self.task: asyncio.Task[None] | None = None  # the sync in progress, if any
         self.check: asyncio.Task[None] | None = None  # the liveness check after a failure
 
+    def idle(self) -> bool:
+        """No sync of its replica under way (what a request waits for, within its deadline)."""
+        return self.task is None
+
+    def unchecked(self) -> bool:
+        """No liveness check of its replica under way (the same)."""
+        return self.check is None
+
     def due(self, now: float) -> bool:
         """Whether its replica needs a sync now: new (or restarted), or down and past its
         breaker's delay."""
