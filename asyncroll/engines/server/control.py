@@ -125,7 +125,7 @@ class Control:
         after a failure, or its caller giving up) every replica resumed and admission
         released, unless the caller had paused (`_end_control`)."""
         self._check_open()
-        await self._revive_before_control()
+        await self._revive_before_update()
         await self._state.acquire()
         paused_before = self._state.paused
         try:
@@ -227,7 +227,7 @@ class Control:
             if supervisor.due(now):
                 supervisor.start()
 
-    async def _revive_before_control(self) -> None:
+    async def _revive_before_update(self) -> None:
         """Before an update: the due syncs started and, when no replica is up, waited for up
         to `pause_timeout_s` (within the caller's own deadline: cancelling this wait leaves
         the syncs running), so that a replica that is synced quickly (at the engine's start,

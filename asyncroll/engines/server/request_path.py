@@ -93,6 +93,7 @@ class RequestPath:
         self.generated = 0  # tokens received since the engine started
         self.open_streams = 0  # HTTP generate requests sent, not ended
         self.held = 0  # requests waiting for admission
+        self._closing: set[asyncio.Task[Any]] = set()  # streams `abort` closes (`_stream`)
 
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
         """`VLLMServerEngine.generate`: route the group, wait (within `request_timeout_s`,
@@ -364,8 +365,8 @@ class RequestPath:
                         await self.abort_on(replica, [part.server_id])
                     first = False
         except asyncio.CancelledError:
-            if not _aborted(live) or _cancelling():
-                raise
+            if asyncio.current_task() not in self._closing or _cancelling():
+                raise  # the caller's (it gave up: `_caller_gave_up` checks the replica)
             # `abort` closed it (its abort did not reach the replica): ended, not failed
             for i in part.indices:
                 if samples[i].finish is None:
@@ -376,6 +377,7 @@ class RequestPath:
             self._check_open()  # `close()` closed the session under this stream
             raise rp.replica_failure(replica, "generate", exc) from None
         finally:
+            self._closing.discard(asyncio.current_task())
             self.open_streams -= 1
             replica.streams -= 1
             self._progress.notify()
@@ -425,8 +427,10 @@ class RequestPath:
             # which ends them now (`_stream`) and makes a vLLM that answers again abort them;
             # else a request frozen on a replica that came back paused outlived its abort
             # until the resume (the control-plane simulation found it)
-            for task in live.tasks:
-                task.cancel()
+            for part, task in zip(live.parts, live.tasks, strict=True):
+                if part.started and not task.done():  # the others end on `live.aborted`
+                    self._closing.add(task)
+                    task.cancel()
 
     async def abort_on(self, replica: Replica, server_ids: list[str]) -> bool:
         """Abort requests on `replica`, through the RL route that returns once vLLM has
