@@ -35,3 +35,12 @@ def test_a_shared_connection_pool_put_back_is_found(
     with pytest.raises(control_sim.Violation):
         for seed in range(400):
             control_sim.run_seed(seed, tmp_path)
+
+
+def test_an_abort_that_cannot_reach_its_replica_still_ends_the_request(tmp_path: Path) -> None:
+    """Seed 1282: an abort whose `/abort_requests` found its replica restarting ended
+    nothing, and the request, frozen once the replica came back paused, ended 0.71 s after
+    its abort (the bound is one control call and a token) when the pause no longer waited
+    for syncs. The engine now closes the request's streams when its abort cannot reach the
+    replica."""
+    control_sim.run_seed(1282, tmp_path)

@@ -2,7 +2,7 @@
 caller's wait bounded by its own deadline and ended by its abort, control calls on their own
 connections, "no replica serving now" a state and not death, a version's weights fixed when
 its label is put on them. Each test is a defect an outside review reproduced with fakes
-(docs/scaling-out.md has the design that rules each out)."""
+(docs/server-engine.md has the design that rules each out)."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ async def test_an_abort_ends_a_request_waiting_for_its_replicas_liveness_check()
         engine._supervisors[wedged].failed(ReplicaError(wedged.url, "a stream broke"))
         await _until(stubs[1].progress, lambda: LIVENESS in stubs[1].calls)
         call = asyncio.ensure_future(engine.generate(_to(engine, wedged, "run-0-0")))
-        await engine.wait_progress(lambda: "run-0-0" in engine._live, 5.0)
+        await engine.wait_progress(lambda: "run-0-0" in engine._requests.live, 5.0)
         await engine.abort("run-0-0")
         (sample,) = await asyncio.wait_for(call, 2.0)
         assert sample.finish_reason == "abort"

@@ -650,6 +650,7 @@ async def test_a_resume_that_fails_still_lets_requests_go() -> None:
     the same (it once stayed paused, admission held, while the producer went on); the
     replica comes back unpaused."""
     async with scripted(1) as (engine, (stub,)):
+        await engine.check_replicas()  # in the rotation (a pause waits for no sync)
         await engine.pause_generation()
         stub.failing.add("/resume")
         await engine.resume_generation()

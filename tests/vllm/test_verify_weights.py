@@ -58,7 +58,8 @@ async def test_server_verified_update_and_a_replica_that_misses_a_tensor(
     assert out.versions.tolist() == [1, 1, 1]
 
     partial = [(n, t) for n, t in perturbed(server_model) if n != LEFT_OUT]
-    # Refused by every replica: the weights are wrong, not the engine dead (as in process).
+    # Refused before anything is written (the served layout lacks nothing the update has,
+    # the update lacks k): the weights are wrong, not the engine dead (as in process).
     with pytest.raises(weight_check.WeightMismatchError) as caught:
         await verified.update_weights(partial, version=2)
     assert vllm_server.url in str(caught.value) and LEFT_OUT in str(caught.value)

@@ -32,8 +32,9 @@ Why this shape. A replica's failure must cost that replica only. So:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from asyncroll._core.signal import Signal
@@ -73,7 +74,10 @@ class ControlState:
     The lock is taken by `acquire` and given back by `release`, possibly by another task: a
     pause or update whose caller gave up hands its cleanup (the resume) to a task of the
     engine's own, which releases the lock only after it; the next pause waits for it, so a
-    replica sees the calls in the order they were made."""
+    replica sees the calls in the order they were made. A supervisor's join takes it through
+    `joining`, which lets every pause, resume or update waiting for it go first: a pause
+    waits for one holder at most (`VLLMServerEngine.pause_bound_s`), not for the join of
+    every replica that re-synced meanwhile, one after the other."""
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
@@ -84,12 +88,36 @@ class ControlState:
         self.paused = False
         self.closed = False
         self.busy = False  # a pause, resume or update holds the lock (not a supervisor's join)
+        self.waiting = 0  # pauses, resumes and updates waiting for the lock
         self.changed = Signal()  # a pause, resume or update ended (or the engine closed)
 
     async def acquire(self) -> None:
-        await self.lock.acquire()
+        self.waiting += 1
+        try:
+            await self.lock.acquire()
+        except BaseException:
+            self.waiting -= 1
+            self.changed.notify()  # a join that let it go first looks again
+            raise
+        self.waiting -= 1
         self.epoch += 1
         self.busy = True
+
+    @contextlib.asynccontextmanager
+    async def joining(self) -> AsyncIterator[None]:
+        """The lock, for a supervisor's join: taken only while no pause, resume or update
+        waits for it (one that queued behind it gives it back at once, and waits for their
+        end: `release` notifies `changed`)."""
+        while True:
+            await self.changed.wait_until(lambda: self.waiting == 0)
+            await self.lock.acquire()
+            if self.waiting == 0:
+                break
+            self.lock.release()
+        try:
+            yield
+        finally:
+            self.lock.release()
 
     def release(self) -> None:
         self.epoch += 1
@@ -165,6 +193,14 @@ class Supervisor:
         self._pause_timeout_s = pause_timeout_s
         self.task: asyncio.Task[None] | None = None  # the sync in progress, if any
         self.check: asyncio.Task[None] | None = None  # the liveness check after a failure
+
+    def idle(self) -> bool:
+        """No sync of its replica under way (what a request waits for, within its deadline)."""
+        return self.task is None
+
+    def unchecked(self) -> bool:
+        """No liveness check of its replica under way (the same)."""
+        return self.check is None
 
     def due(self, now: float) -> bool:
         """Whether its replica needs a sync now: new (or restarted), or down and past its
@@ -244,37 +280,29 @@ class Supervisor:
 
     async def _join(self, loaded: Snapshot) -> bool:
         """Into the rotation, serving `loaded`'s weights: under the control lock it catches
-        up on what ran since it loaded (a relabel: the label; a pause or resume: the same
-        call), then its engine core is tried, outside the lock (a probe holds nothing a
-        pause needs). It joins then if nothing ran meanwhile; else it catches up once more
-        under the lock and joins there: a call or two, never a reload nor another probe (a
-        re-sync once started over after every pause, resume or update, and a replica that
-        reloaded, or answered a probe, more slowly than their gap never came back). False:
-        the weights changed (or it restarted), load again."""
-        replica, label, probed = self.replica, loaded.version, False
+        up on what ran since it loaded (`_catch_up`), then its engine core is tried, outside
+        the lock (a probe holds nothing a pause needs). It joins then if nothing ran
+        meanwhile; else it catches up once more under the lock and joins there: a call or
+        two, never a reload nor another probe (a re-sync once started over after every
+        pause, resume or update, and a replica that reloaded, or answered a probe, more
+        slowly than their gap never came back). False: the weights changed (or it
+        restarted), load again."""
+        label, probed = loaded.version, False
         while True:
-            async with self._state.lock:  # no epoch of its own: it changes nothing engine-wide
+            async with self._state.joining():  # no epoch of its own: it changes nothing
                 now = self._state.snapshot()
                 if now.weights != loaded.weights or now.adapter is not loaded.adapter:
                     return False
                 if self._state.closed:
                     return True
-                if not await self._carries(str(label)):
+                caught_up = await self._catch_up(now, label)
+                if caught_up is None:
                     return False  # restarted since its load: its own weights again, reload
-                if now.version != label:  # within a pause's bound: a pause may wait for it
-                    try:
-                        async with asyncio.timeout(self._pause_timeout_s):
-                            await self._relabel(replica, now.version)
-                    except TimeoutError:
-                        message = f"label: no reply within {self._pause_timeout_s} s"
-                        raise ReplicaError(replica.url, message) from None
-                    label = now.version
-                path = PAUSE if now.paused else "/resume"
-                await self._client.call(replica, "POST", path, timeout_s=self._pause_timeout_s)
+                label = caught_up
                 if probed:  # its core answered; what ran since is caught up on, under the lock
                     return self._joined()
             try:
-                await self._client.check_alive(replica, paused=now.paused)
+                await self._client.check_alive(self.replica, paused=now.paused)
             except ProbeOvertaken:
                 continue
             if _closed(self._state):
@@ -282,6 +310,29 @@ class Supervisor:
             if not self._state.moved_since(now):
                 return self._joined()  # no await since the check: nothing ran in between
             probed = True  # a pause, resume or update ran while it was tried: catch up, join
+
+    async def _catch_up(self, now: Snapshot, label: int) -> int | None:
+        """Under the control lock: the replica given `now`'s label (it carries `label`, the
+        one it was last given) and paused or resumed as `now` says; the label it carries
+        then (None: it restarted since its load). Within one `pause_timeout_s` in all, the
+        lock's whole hold: a pause waiting for the lock waits for this at most
+        (`VLLMServerEngine.pause_bound_s`); a replica that cannot answer a few calls
+        within it is no replica to join."""
+        replica = self.replica
+        try:
+            async with asyncio.timeout(self._pause_timeout_s):
+                if not await self._carries(str(label)):
+                    return None
+                if now.version != label:
+                    await self._relabel(replica, now.version)
+                path = PAUSE if now.paused else "/resume"
+                await self._client.call(replica, "POST", path, timeout_s=self._pause_timeout_s)
+        except TimeoutError:
+            message = (
+                f"catching up under the control lock: no reply within {self._pause_timeout_s} s"
+            )
+            raise ReplicaError(replica.url, message) from None
+        return now.version
 
     def _joined(self) -> bool:
         self.replica.mark_up()

@@ -101,6 +101,8 @@ class WeightUpdates:
         self.verify_weights = verify_weights
         self._pause_timeout_s = pause_timeout_s
         self._health_timeout_s = health_timeout_s
+        self._layout: server_weights.ServedLayout | object | None = _UNREAD
+        self._served = ""  # where the layout was read, for its errors
 
     async def weights(self, weights: Weights | LoraAdapter | None, version: int) -> None:
         """`VLLMServerEngine.update_weights`: a `LoraAdapter` becomes the policy; None
@@ -112,21 +114,23 @@ class WeightUpdates:
         if weights is None:
             await self.folder(None, version)
             return
-        if self.weight_transfer is not None:
-            named = await asyncio.to_thread(weights_file.detached, weights)
-            await self._update_nccl(self.weight_transfer, named, version)
-            return
-        if self.weights_dir is None:
+        if self.weight_transfer is None and self.weights_dir is None:
             raise ValueError(
                 "update_weights with tensors needs weights_dir (a folder every replica reads);"
                 " or write the checkpoint yourself and call update_weights_from_path"
             )
+        named = await asyncio.to_thread(weights_file.detached, weights)
+        await self._refuse_misfits(named)
+        if self.weight_transfer is not None:
+            await self._update_nccl(self.weight_transfer, named, version)
+            return
+        assert self.weights_dir is not None  # checked above
         folder = self.weights_dir / f"asyncroll-v{version}-{uuid.uuid4().hex[:8]}"
         folder.mkdir()
         self._folders.add(folder)
         try:
             digests = await asyncio.to_thread(
-                server_weights.write, list(weights), folder, self.verify_weights
+                server_weights.write, named, folder, self.verify_weights
             )
             sealed = server_weights.Checkpoint.seal(folder, digests)
             await self.folder(sealed, version)
@@ -134,6 +138,29 @@ class WeightUpdates:
             served = self._state.weights
             if isinstance(served, server_weights.Checkpoint) and served.path == folder:
                 self._folders.collect(served)  # committed (even if cut off at its resume after)
+
+    async def _refuse_misfits(self, named: list[tuple[str, Any]]) -> None:
+        """Refuse tensors the served model cannot take before anything is written or sent
+        (`ServedLayout.refuse_misfits`), as `VLLMEngine` does: the engine once wrote the
+        folder and learnt it from every replica's refusal. The layout is read once, from the
+        model folder a replica was started from (`own_model`; all serve one model); none
+        when that is no local folder (the replicas' own checks remain)."""
+        if self._layout is _UNREAD:
+            for replica in self._replicas:
+                if replica.state is not ReplicaState.UP:
+                    continue
+                try:
+                    model = await self.own_model(replica)
+                except ReplicaError:
+                    continue  # another replica may tell; else the next update asks again
+                except ValueError:  # a hub id, or a folder this process cannot read
+                    self._layout = None
+                    break
+                self._layout = await asyncio.to_thread(server_weights.ServedLayout.read, model)
+                self._served = f"the model the replicas serve ({model}, as {replica.url} names it)"
+                break
+        if isinstance(self._layout, server_weights.ServedLayout):
+            self._layout.refuse_misfits(named, self._served)
 
     async def from_path(self, path: Path, version: int) -> None:
         """`VLLMServerEngine.update_weights_from_path`: the folder sealed as it is now (with
@@ -319,6 +346,9 @@ class WeightUpdates:
         await self._client.call(
             replica, "POST", "/update_weight_version", {"new_version": str(version)}
         )
+
+
+_UNREAD = object()  # the served layout, before a replica named its model folder
 
 
 @contextlib.contextmanager

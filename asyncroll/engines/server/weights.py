@@ -27,6 +27,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from asyncroll.engines.base import Weights
 from asyncroll.engines.vllm import weight_check, weights_file
@@ -145,3 +146,52 @@ def write(weights: Weights, folder: Path, digest: bool) -> dict[str, str] | None
     named = weights_file.detached(weights)
     weights_file.write_safetensors(named, folder / "model.safetensors")
     return weight_check.digests(named) if digest else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedLayout:
+    """The tensors of the checkpoint the replicas were started from (headers only): each
+    one's shape and dtype, and those an update must carry (less what vLLM computes)."""
+
+    layout: dict[str, weight_check.Layout]
+    required: frozenset[str]
+
+    @classmethod
+    def read(cls, model: Path) -> ServedLayout | None:
+        """`model`'s layout; None when it holds no safetensors files (nothing to check)."""
+        layout = weight_check.checkpoint_layout(str(model))
+        names = weight_check.checkpoint_names(str(model))
+        if layout is None or names is None:
+            return None
+        return cls(layout, frozenset(names))
+
+    def refuse_misfits(self, named: list[tuple[str, Any]], where: str) -> None:
+        """Refuse, before anything is written, tensors the served model cannot take: a shape
+        or dtype (`WeightLayoutError`, as `VLLMEngine` refuses them before it sends anything),
+        a tensor the model lacks or one it needs that the update lacks (`WeightMismatchError`,
+        what every replica's load would raise, after a folder written for nothing; an
+        unknown name failed the reload itself, and took every replica out of the rotation).
+        An output head is neither: a tied model's checkpoint may lack it while a trainer's
+        state dict lists it, or the reverse (the replica's own check catches an untied head
+        left out)."""
+        weight_check.check_layout(named, self.layout, where)
+        given = {name for name, _ in named}
+        missing = sorted(self.required - given - {_HEAD})
+        extra = sorted(given - self.layout.keys() - {_HEAD})
+        problems = []
+        if missing:
+            problems.append(f"the update lacks {_names(missing)}")
+        if extra:
+            problems.append(f"the served model has no {_names(extra)}")
+        if problems:
+            raise weight_check.WeightMismatchError(
+                f"{where}: {'; '.join(problems)}. Refused: nothing was written or loaded"
+            )
+
+
+_HEAD = "lm_head.weight"
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:8])
+    return shown if len(names) <= 8 else f"{shown} and {len(names) - 8} more"
