@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from asyncroll._core.signal import Signal
+from asyncroll._core.wakeup import Signal
 from asyncroll.engines import (
     EngineDeadError,
     GenerateRequest,

@@ -96,8 +96,8 @@ from typing import Any
 import aiohttp
 import yarl
 
-from asyncroll._core.signal import Signal
 from asyncroll._core.tasks import Tasks
+from asyncroll._core.wakeup import Signal
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,

@@ -48,8 +48,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from asyncroll._core.signal import Signal
 from asyncroll._core.tasks import finish
+from asyncroll._core.wakeup import Signal
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
