@@ -241,7 +241,7 @@ async def test_a_run_of_bad_prompts_does_not_starve_the_event_loop() -> None:
             seen.append(ticks[0])  # how often the rest of the loop ran, by this draw
             yield []
 
-    async def ticker() -> None:
+    async def ticker() -> None:  # counts loop turns: a yield, the thing measured, not a wait
         while True:
             ticks[0] += 1
             await asyncio.sleep(0)
@@ -1011,16 +1011,25 @@ async def test_malformed_continuation_fails_the_group_not_the_producer() -> None
         sampling=SamplingConfig(max_new_tokens=32), on_drop=drops.append,
     )  # fmt: skip
 
-    def mid_sample() -> bool:  # a request has tokens, and at least 7 x 50 ms to go
-        return any(live.generated() > 0 for live in engine._live.values())
+    def mid_sample() -> bool:  # a request has tokens and more to come
+        return any(0 < live.done() < live.longest for live in engine._live.values())
+
+    async def freeze_mid_sample() -> None:
+        """Stop simulated time with a request mid-sample: the abort below then cuts it
+        however late it comes (no window in wall-clock time)."""
+        while True:
+            await engine.wait_progress(mid_sample, 60)
+            await engine.pause_generation()
+            if mid_sample():  # still (time ran on until the pause)
+                return
+            await engine.resume_generation()
 
     async with producer:
         for _ in range(3):
             await producer.produce_batch(2)
-            async with asyncio.timeout(60):
-                while not mid_sample():  # noqa: ASYNC110 (the engine has no event to wait on)
-                    await asyncio.sleep(0.001)
+            await freeze_mid_sample()
             await producer.update_weights(None)  # aborts it mid-sample: it continues later
+            await engine.resume_generation()
         await consume_all(producer, 2)
     failed = [d for d in drops if d.outcome is PutOutcome.DROPPED_FAILED]
     assert failed and all("routed experts" in (d.error or "") for d in failed)
