@@ -38,7 +38,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from asyncroll._core.signal import Signal
+from asyncroll._core.wakeup import Signal
 from asyncroll.codec import decode, encode_into
 from asyncroll.types import RolloutGroup, Status
 

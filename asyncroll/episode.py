@@ -53,7 +53,7 @@ import numpy.typing as npt
 
 from asyncroll._core import rollout
 from asyncroll._core.engine_call import EngineCallError
-from asyncroll._core.signal import Signal
+from asyncroll._core.wakeup import Signal
 from asyncroll.config import ProducerConfig
 from asyncroll.engines.base import (
     Engine,

@@ -50,8 +50,8 @@ from asyncroll._core.lifecycle import Gate, Hold, Phase, move
 from asyncroll._core.logs import FailureWarnings
 from asyncroll._core.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
 from asyncroll._core.rewards import RewardFn, RewardRunner
-from asyncroll._core.signal import Signal
 from asyncroll._core.state import ProducerState, dumps, loads, write_atomic
+from asyncroll._core.wakeup import Signal
 from asyncroll.buffer import RolloutBuffer
 from asyncroll.config import ProducerConfig, make_config
 from asyncroll.engines.base import (

@@ -131,7 +131,9 @@ async def test_reserve_waits_for_space_and_times_out() -> None:
     with pytest.raises(TimeoutError):
         await buf.reserve(timeout=0.01)
     waiter = asyncio.ensure_future(buf.reserve(timeout=5))
-    await asyncio.sleep(0)  # one turn of the loop so it starts waiting; asserted just below
+    # One turn of the loop runs the waiter (scheduled first) up to its wait: asyncio runs
+    # ready tasks in order, so this is the order of events, not a timing window.
+    await asyncio.sleep(0)
     assert not waiter.done()
     buf.put(make_group(status=S.FAILED))  # frees the slot
     await asyncio.wait_for(waiter, 5)

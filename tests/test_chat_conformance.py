@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from asyncroll.chat import PromptBuilder, PromptError, tiny_chat_tokenizer
 from asyncroll.chat.template import ChatError, ChatFormat
 from tests.chat.templates import TRL_TEMPLATES, qwen3_tokenizer, trl_tokenizer
 
@@ -106,6 +107,8 @@ def run_conversation(
     first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
     ids = fmt.prompt_ids(msgs[:first])
     mask = [0] * len(ids)
+    # The first prompt is the template's own tokenization; the rest of the stream is text
+    # encoded piece by piece: the two agree on the first prompt's text.
     assert ids == fmt.encode(fmt.render_text(msgs[:first], generation_prompt=True))
     text = fmt.render_text(msgs[:first], generation_prompt=True)
     sampled: list[list[int]] = []
@@ -189,5 +192,47 @@ def test_trl_templates_keep_the_sampled_stream(name: str) -> None:
         except ChatError:
             return  # a conversation this template rejects (e.g. tool roles): see below
         run_conversation(fmt, msgs, TAIL_DIFFERENCE.get(name, ""))
+
+    check()
+
+
+def template_tokenizer(name: str, tiny_model: Any) -> Any:
+    if name == "qwen3 (real)":
+        return qwen3_tokenizer()
+    if name == "tiny":
+        return tiny_chat_tokenizer(tiny_model)
+    return trl_tokenizer(name)
+
+
+@pytest.mark.parametrize("name", ["qwen3 (real)", "tiny", *TRL_TEMPLATES])
+def test_one_first_prompt_renderer_gives_the_template_s_own_ids(name: str, tiny_model: Any) -> None:
+    """Dataset prompts (`PromptBuilder`) and chat episodes' and agents' first prompts
+    (`ChatFormat.prompt_ids`) render through one function, and its ids are exactly
+    `apply_chat_template(..., add_generation_prompt=True)`'s, with and without tools, for
+    every first prompt of random conversations (each context before an assistant turn)."""
+    tokenizer = template_tokenizer(name, tiny_model)
+    fmt = ChatFormat(tokenizer, tools=TOOLS, end_of_turn=END_OF_TURN.get(name))
+    bare = ChatFormat(tokenizer, end_of_turn=END_OF_TURN.get(name))
+    builder = PromptBuilder(tokenizer)
+
+    @settings(SETTINGS, max_examples=10)
+    @given(conversations(string_arguments=name in STRING_ARGUMENTS))
+    def check(msgs: list[dict[str, Any]]) -> None:
+        cuts = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        for context in (msgs[:cut] for cut in cuts):
+            for chat, tools in ((fmt, TOOLS), (bare, None)):
+                try:
+                    expected = tokenizer.apply_chat_template(
+                        context, tools=tools, add_generation_prompt=True, return_dict=False
+                    )
+                except Exception:  # a context this template rejects: all three refuse it
+                    with pytest.raises(ChatError, match="chat template rejected"):
+                        chat.prompt_ids(context)
+                    with pytest.raises(PromptError, match="row 0 'messages': the chat template"):
+                        builder.build({"messages": context, "tools": tools})
+                    continue
+                assert chat.prompt_ids(context) == expected
+                row = {"messages": context, "tools": tools}
+                assert builder.build(row).tokens.tolist() == expected
 
     check()

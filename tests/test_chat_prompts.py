@@ -186,6 +186,10 @@ def test_an_unknown_role_is_refused_though_the_template_would_drop_it(qwen3: Any
         ({"messages": {"role": "user", "content": "hi"}}, "must be a list of messages"),
         ({"messages": ["hi"]}, "message 0 is a str"),
         ({"prompt": "hi", "tools": [ADD_TOOL]}, "tools need chat messages"),
+        (  # one tool, not a list of them: the error names 'tools', not the messages
+            {"messages": [{"role": "user", "content": "hi"}], "tools": ADD_TOOL},
+            r"row 0 .*'tools' must be a list of tools, got dict",
+        ),
         ({"prompt": "hi", "completions": ["x"]}, "field 'completions' is one a text reward"),
         ({"prompt": "hi", 3: "x"}, "field names must be str"),
         ({"prompt": "hi", "check": object()}, "field 'check' cannot ride along as metadata"),

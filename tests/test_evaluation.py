@@ -225,10 +225,20 @@ async def test_evaluation_waits_for_a_pause() -> None:
     async with SimEngine(vocab_size=VOCAB) as engine, make_producer(engine) as producer:
         evaluator = Evaluator(producer, prompts(3), answer_reward)
         await producer.pause()
+        asked: list[str] = []
+        all_asked = asyncio.Event()
+        guest_generate = producer.guest_generate
+
+        async def asking(request: GenerateRequest, **kwargs: Any) -> Sequence[SampleOutput]:
+            asked.append(request.request_id)
+            if len(asked) == 3:
+                all_asked.set()  # the waiter runs after this call has reached its own wait
+            return await guest_generate(request, **kwargs)
+
+        producer.guest_generate = asking  # type: ignore[method-assign]
         task = asyncio.create_task(evaluator.run())
         calls = engine.calls
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await asyncio.wait_for(all_asked.wait(), 10)  # every prompt has asked for the engine
         assert engine.calls == calls and not task.done()  # nothing reached the engine
         await producer.resume()
         result = await asyncio.wait_for(task, 10)

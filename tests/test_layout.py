@@ -73,3 +73,18 @@ def test_the_command_is_the_apps() -> None:
     from asyncroll.app.cli import main
 
     assert callable(main)
+
+
+def test_no_module_takes_a_standard_library_module_s_name() -> None:
+    """`from asyncroll._core import signal` next to `import signal` reads as the stdlib's; a
+    module is named for what it does. `asyncroll.types` is a public import path users write,
+    so it keeps its name."""
+    import sys
+
+    public = {PACKAGE / "types.py"}
+    clashes = [
+        str(path.relative_to(ROOT))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.stem in sys.stdlib_module_names and path not in public
+    ]
+    assert not clashes, clashes

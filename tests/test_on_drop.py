@@ -49,7 +49,7 @@ async def test_async_records_arrive_in_landing_order(caplog: pytest.LogCaptureFi
     seen: list[int] = []
 
     async def on_drop(record: DropRecord) -> None:
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # a callback that suspends (the case under test), no wait
         seen.append(record.uid)
 
     caplog.set_level(logging.DEBUG, logger="asyncroll.producer")

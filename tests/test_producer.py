@@ -63,6 +63,25 @@ def make_producer(
     )
 
 
+async def freeze_mid_sample(engine: Any) -> None:
+    """Stop simulated time (pause the `SimEngine`) with a request part-way through a sample, so
+    that what comes next (an abort, an update) finds it there however late it comes. Without
+    it the test is a wall-clock window: on a busy machine one loop turn can outlast a whole
+    request, which then finishes before any update reaches it. The caller resumes the engine
+    (or the producer does, at the end of a keep-mode update)."""
+    assert isinstance(engine, SimEngine)
+
+    def mid_sample() -> bool:
+        return any(0 < live.done() < live.longest for live in engine._live.values())
+
+    while True:
+        await engine.wait_progress(mid_sample, 60)
+        await engine.pause_generation()
+        if mid_sample():  # still (simulated time ran on until the pause)
+            return
+        await engine.resume_generation()
+
+
 def watch_ledger(producer: Producer) -> list[int]:
     """Check the ledger at every state change of the producer (each one ends with a notify of
     its change signal); returns a list whose length counts the checks."""
@@ -241,7 +260,7 @@ async def test_a_run_of_bad_prompts_does_not_starve_the_event_loop() -> None:
             seen.append(ticks[0])  # how often the rest of the loop ran, by this draw
             yield []
 
-    async def ticker() -> None:
+    async def ticker() -> None:  # counts loop turns: a yield, the thing measured, not a wait
         while True:
             ticks[0] += 1
             await asyncio.sleep(0)
@@ -581,7 +600,9 @@ async def test_update_weights_stamps_versions_and_resumes_partials() -> None:
         for _ in range(4):
             batch = await producer.produce_batch(4)
             consumed += batch.groups
-            assert await producer.update_weights(None) == batch.version + 1
+            await freeze_mid_sample(producer.engine)
+            assert await producer.update_weights(None) == batch.version + 1  # aborts it
+            await producer.engine.resume_generation()
         consumed += await consume_all(producer, 4)
     assert producer.version == 4
     mixed = [
@@ -607,7 +628,8 @@ async def test_keep_mode_freezes_in_place_and_stamps_new_tokens() -> None:
             await producer.pause()
             assert producer.ledger().in_flight_groups == in_flight  # nothing aborted
             await producer.resume()
-            await producer.update_weights(None)
+            await freeze_mid_sample(producer.engine)
+            await producer.update_weights(None)  # and resumes the engine: it continues
         consumed += await consume_all(producer, 4)
     c = producer.progress.counters
     assert c.aborted_groups == 0 and c.resumed_groups == 0
@@ -1011,16 +1033,12 @@ async def test_malformed_continuation_fails_the_group_not_the_producer() -> None
         sampling=SamplingConfig(max_new_tokens=32), on_drop=drops.append,
     )  # fmt: skip
 
-    def mid_sample() -> bool:  # a request has tokens, and at least 7 x 50 ms to go
-        return any(live.generated() > 0 for live in engine._live.values())
-
     async with producer:
         for _ in range(3):
             await producer.produce_batch(2)
-            async with asyncio.timeout(60):
-                while not mid_sample():  # noqa: ASYNC110 (the engine has no event to wait on)
-                    await asyncio.sleep(0.001)
+            await freeze_mid_sample(engine)
             await producer.update_weights(None)  # aborts it mid-sample: it continues later
+            await engine.resume_generation()
         await consume_all(producer, 2)
     failed = [d for d in drops if d.outcome is PutOutcome.DROPPED_FAILED]
     assert failed and all("routed experts" in (d.error or "") for d in failed)

@@ -58,14 +58,6 @@ async def wait_for(producer: Producer, predicate: Any) -> None:
     await producer._changed.wait_until(predicate, GUARD_S)
 
 
-async def poll(predicate: Any) -> None:
-    """Wait until `predicate()` holds for state the producer is not told about (the engine's):
-    re-checked every loop turn, however long that takes."""
-    async with asyncio.timeout(GUARD_S):
-        while not predicate():  # noqa: ASYNC110 (the engine has no event to wait on)
-            await asyncio.sleep(0.001)
-
-
 def ones(group: RolloutGroup) -> list[float]:
     return [1.0] * group.num_samples
 
@@ -88,7 +80,7 @@ async def test_hung_reward_calls_neither_starve_nor_fail_healthy_groups() -> Non
         if hang:
             release.wait(GUARD_S)  # a judge that never answers (released when the test ends)
         else:
-            time.sleep(0.3)  # honest work: 10 of these queue 3 s on one worker
+            time.sleep(0.3)  # honest work (the thing under test): 10 queue 3 s on one worker
         return ones(group)
 
     drops: list[DropRecord] = []
@@ -223,16 +215,19 @@ async def test_an_exit_cancelled_by_an_anyio_scope_still_drains_and_ends_every_t
     `async with` (and `state_dict` refusing to run)."""
     never = asyncio.Event()
     calls: list[int] = []
+    all_scoring = asyncio.Event()
 
     async def judge(group: RolloutGroup) -> list[float]:
         calls.append(group.uid)
+        if len(calls) == 4:
+            all_scoring.set()
         await never.wait()  # a judge that does not answer: the reward deadline ends it
         return ones(group)
 
     producer = make_producer(4, reward=judge, reward_timeout_s=0.5)
     with anyio.CancelScope() as scope:
         async with producer:
-            await poll(lambda: len(calls) == 4)  # every group is being scored
+            await asyncio.wait_for(all_scoring.wait(), GUARD_S)  # every group is being scored
             scope.cancel()
             await anyio.lowlevel.checkpoint()
     assert scope.cancelled_caught
@@ -249,9 +244,12 @@ async def test_an_exit_cancelled_twice_still_ends_every_task() -> None:
     instead of cancelling them and waiting for them (as `Tasks.join` does)."""
     never = asyncio.Event()
     calls: list[int] = []
+    all_scoring = asyncio.Event()
 
     async def judge(group: RolloutGroup) -> list[float]:
         calls.append(group.uid)
+        if len(calls) == 4:
+            all_scoring.set()
         await never.wait()  # never answers: only a cancellation ends the groups
         return ones(group)
 
@@ -259,12 +257,13 @@ async def test_an_exit_cancelled_twice_still_ends_every_task() -> None:
 
     async def owner() -> None:
         async with producer:
-            await poll(lambda: len(calls) == 4)  # every group is being scored
+            await asyncio.wait_for(all_scoring.wait(), GUARD_S)  # every group is being scored
 
     task = asyncio.create_task(owner())
-    await poll(lambda: producer._phase is Phase.STOPPING)  # the exit waits for the scoring
+    await wait_for(producer, lambda: producer._phase is Phase.STOPPING)  # waits for the scoring
     task.cancel()
-    await poll(lambda: producer._drops.pending == 0 and producer._drops._closed)
+    drops = producer._drops  # closed (and so notified) once the cancelled drain gives up
+    await drops._changed.wait_until(lambda: drops.pending == 0 and drops._closed, GUARD_S)
     task.cancel()  # now the exit waits for the producer's task
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -279,7 +278,9 @@ async def test_an_exit_cancelled_twice_still_ends_every_task() -> None:
 async def test_produce_batch_after_a_pause_with_partials_is_a_stall() -> None:
     producer = make_producer(8, sim={"per_token_latency_s": 1.0}, max_new_tokens=8)
     async with producer:
-        await poll(lambda: producer.engine.running_requests == 8)  # type: ignore[attr-defined]
+        engine = producer.engine
+        assert isinstance(engine, SimEngine)
+        await engine.wait_progress(lambda: engine.running_requests == 8, GUARD_S)
         await producer.pause()
         assert producer.buffer.num_resume == 8
         with pytest.raises(StalledError, match="resume"):
@@ -371,17 +372,27 @@ async def test_a_produce_batch_is_no_stall_while_the_engine_resumes_after_an_upd
 
 
 async def test_pause_waits_for_groups_being_scored_instead_of_regenerating_them() -> None:
+    """A pause waits for a group being scored, however much longer than abort_timeout_s the
+    judge takes: it keeps the finished generation instead of aborting it."""
     scoring = asyncio.Event()
+    answer = asyncio.Event()
 
     async def slow_judge(group: RolloutGroup) -> list[float]:
         scoring.set()
-        await asyncio.sleep(1.0)  # a judge slower than abort_timeout_s (work, not a wait)
+        await answer.wait()  # answers once the test has seen the pause wait for it
         return ones(group)
 
     producer = make_producer(1, reward=slow_judge, group_size=2, abort_timeout_s=0.1)
     async with producer:
         await asyncio.wait_for(scoring.wait(), GUARD_S)
-        await producer.pause()
+        pause = asyncio.create_task(producer.pause())
+        # 5 x abort_timeout_s: a pause that gave up on the judge would be done by now (on a
+        # busy machine it may not be yet, so a broken pause can pass, never a working fail)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(pause), 0.5)
+        assert not pause.done()  # the judge has not answered: the pause still waits
+        answer.set()
+        await asyncio.wait_for(pause, GUARD_S)
         assert producer.buffer.num_ready == 1 and producer.buffer.num_resume == 0
         await producer.resume()
         batch = await producer.produce_batch(1)
@@ -465,7 +476,7 @@ async def test_request_ids_are_unique_across_producers_on_one_engine() -> None:
             engine, prompts(4), ones, group_size=2, sampling=SamplingConfig(max_new_tokens=8)
         )
         async with producer:
-            await poll(lambda: engine.running_requests == 4)
+            await engine.wait_progress(lambda: engine.running_requests == 4, GUARD_S)
             await producer.pause()  # aborts, some of them maybe before the engine saw them
         assert producer.buffer.num_resume == 4
     assert len(engine.ids) == len(set(engine.ids))
@@ -662,6 +673,8 @@ class CancellingUpdateEngine(SimEngine):
             await asyncio.Event().wait()
 
     async def resume_generation(self) -> None:
+        # a real suspension point, as a real engine's resume has (where a cancelled scope
+        # strikes); no wait for anything
         await asyncio.sleep(0.001)
         await super().resume_generation()
 
@@ -807,7 +820,7 @@ class RaisingEngine(SimEngine):
 
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
         self.calls += 1
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # raises after a suspension, as a real engine's call does
         raise self.error
 
 

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from asyncroll._core.signal import Signal
+from asyncroll._core.wakeup import Signal
 from asyncroll.engines import EngineDeadError, GenerateRequest, ReplicaError, VLLMServerEngine
 from asyncroll.engines.server.replicas import NoReplicaError, Replica, ReplicaState, pick
 from asyncroll.engines.vllm.weight_check import WeightMismatchError, digest

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from asyncroll._core.signal import Signal
+from asyncroll._core.wakeup import Signal
 from asyncroll.engines import (
     EngineDeadError,
     GenerateRequest,
@@ -713,6 +713,7 @@ def test_a_server_start_on_a_port_in_use_fails_instead_of_trusting_its_health(
 
     def popen(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         spawned.append(args)
+        # a stand-in server that never exits by itself: the launcher must stop it (no wait)
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], **kwargs)
 
     fake = types.SimpleNamespace(Popen=popen, DEVNULL=subprocess.DEVNULL, STDOUT=subprocess.STDOUT)

@@ -16,7 +16,7 @@ import anyio
 from asyncroll._core.attempt import Flight
 from asyncroll._core.lifecycle import Phase
 from asyncroll._core.progress import ProduceProgress
-from asyncroll._core.signal import Signal
+from asyncroll._core.wakeup import Signal
 from asyncroll.buffer import RolloutBuffer
 from asyncroll.config import ProducerConfig
 from asyncroll.engines.base import Engine, EngineDeadError

@@ -40,7 +40,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from asyncroll._core.signal import Signal
+from asyncroll._core.wakeup import Signal
 from asyncroll.outcomes import NOT_ABSORBED
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,6 @@ from asyncroll.chat.parse import (
     ToolCallError,
 )
 from asyncroll.chat.prompts import (
-    CHAT_ROLES,
     RESERVED_FIELDS,
     ChatTokenizer,
     PromptBuilder,
@@ -37,7 +36,7 @@ from asyncroll.chat.rewards import (
     decode_completions,
     text_reward,
 )
-from asyncroll.chat.template import ChatError, ChatFormat
+from asyncroll.chat.template import CHAT_ROLES, ChatError, ChatFormat
 from asyncroll.chat.tiny import TINY_CHAT_TEMPLATE, tiny_chat_tokenizer
 
 __all__ = [

@@ -6,7 +6,8 @@ A row is a mapping, as a Hugging Face dataset, a JSONL file or a list of dicts g
   "conversational" rows use ``prompt``), optionally with ``tools``. They are rendered by the
   tokenizer's chat template with ``add_generation_prompt=True``: the ids are exactly what
   ``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-  tokenize=True)`` returns.
+  tokenize=True)`` returns (`asyncroll.chat.template.render_prompt_ids`, the one renderer of
+  first prompts, which chat episodes and agents use too).
 * ``{"prompt": "text", ...}``: plain text, encoded by ``tokenizer.encode`` (with the tokenizer's
   special tokens, a BOS say, unless ``add_special_tokens=False``).
 
@@ -26,12 +27,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from asyncroll.chat.template import CHAT_ROLES, ChatError, render_prompt_ids
 from asyncroll.codec import CodecError, encode_value
 from asyncroll.types import Int32Array, Prompt
-
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
-"""The roles of OpenAI-format messages that chat templates render, for prompts and episodes
-alike. Not "developer": Qwen3's template drops such a message without a word."""
 
 RESERVED_FIELDS = frozenset({"prompts", "completions", "completion_ids"})
 """Row fields a text reward passes under its own names, so a row may not hold them."""
@@ -128,24 +126,22 @@ class PromptBuilder:
 
     def _render(self, messages: Any, tools: Any, where: str) -> Int32Array:
         _check_messages(messages, self.roles, where)
-        if tools is not None and not isinstance(tools, Sequence | Mapping):
-            raise PromptError(f"{where}: 'tools' must be a list of tools, got {type(tools)}")
+        if tools is not None and (
+            isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence)
+        ):
+            raise PromptError(
+                f"{where}: 'tools' must be a list of tools, got {type(tools).__name__}"
+            )
         try:
-            ids = self.tokenizer.apply_chat_template(
+            ids = render_prompt_ids(
+                self.tokenizer,
                 messages,
                 tools=tools,
                 chat_template=self.chat_template,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-                **self.template_kwargs,
+                template_kwargs=self.template_kwargs,
             )
-        except Exception as exc:  # jinja's TemplateError, or a ValueError for no template
-            raise PromptError(
-                f"{where}: the chat template rejected the messages: {type(exc).__name__}: {exc}"
-            ) from exc
-        if isinstance(ids, Mapping):  # a tokenizer that ignores return_dict=False
-            ids = ids["input_ids"]
+        except ChatError as exc:  # the template's error, or a ValueError for no template
+            raise PromptError(f"{where}: {exc}") from exc
         return _ids(ids, where)
 
     def _encode(self, text: str, where: str) -> Int32Array:

@@ -1,6 +1,11 @@
 """A chat template as token ids: the first prompt, and the tokens that new messages add after
 a reply the policy sampled, without re-rendering anything the policy sampled.
 
+The first prompt has one renderer, `render_prompt_ids`, used by dataset prompts
+(`asyncroll.chat.prompts`) and by chat episodes and agents (`ChatFormat.prompt_ids`): an
+agent's first call is checked against the prompt the dataset gave, so the two must never
+render differently.
+
 Why not render the whole conversation each turn: a chat template maps messages to text, and
 text back to ids is not the ids the policy sampled. Re-rendering history changes what the
 policy saw (Qwen3 drops earlier turns' `<think>` reasoning once a new user message arrives;
@@ -24,9 +29,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from asyncroll.chat.prompts import CHAT_ROLES
+import numpy as np
 
-__all__ = ["ChatError", "ChatFormat", "Message"]
+__all__ = ["CHAT_ROLES", "ChatError", "ChatFormat", "Message", "render_prompt_ids"]
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+"""The roles of OpenAI-format messages that chat templates render, for prompts and episodes
+alike. Not "developer": Qwen3's template drops such a message without a word."""
 
 Message = Mapping[str, Any]
 """An OpenAI-format chat message: `role`, `content`, optionally `reasoning_content`,
@@ -88,7 +97,9 @@ class ChatFormat:
                 **self.template_kwargs,
             )
         except Exception as exc:  # jinja's raise_exception, TemplateError, a KeyError inside
-            raise ChatError(f"the chat template rejected the messages: {exc}") from exc
+            raise ChatError(
+                f"the chat template rejected the messages: {type(exc).__name__}: {exc}"
+            ) from exc
         if not isinstance(text, str):
             raise ChatError(f"the chat template gave {type(text).__name__}, not text")
         return text
@@ -98,10 +109,12 @@ class ChatFormat:
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        """The first prompt: `messages` rendered with the generation prompt."""
-        if not messages:
-            raise ChatError("no messages: a prompt needs at least one")
-        return self.encode(self.render_text(messages, generation_prompt=True))
+        """The first prompt: `messages` rendered with the generation prompt
+        (`render_prompt_ids`, with this format's tools and template variables)."""
+        check_roles(messages)
+        return render_prompt_ids(
+            self.tokenizer, messages, tools=self.tools, template_kwargs=self.template_kwargs
+        )
 
     def bridge_text(self, reply: Message, new_messages: Sequence[Message]) -> str:
         """What the template writes after `reply`'s end-of-turn string when `new_messages`
@@ -169,6 +182,49 @@ class ChatFormat:
         if not found:
             raise ChatError("cannot tell which token ends an assistant turn: give end_of_turn")
         return tuple(found)
+
+
+def render_prompt_ids(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    chat_template: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """A conversation's first prompt as ids: exactly what `tokenizer.apply_chat_template(
+    messages, tools=tools, chat_template=chat_template, add_generation_prompt=True,
+    tokenize=True, **template_kwargs)` returns.
+
+    Why the template's own tokenization and not its text through `encode` (as the bridge is
+    encoded): this is the definition users compare against, so nothing rests on the two
+    agreeing. (They do agree on every template the conformance tests run: transformers encodes
+    the rendered text without adding special tokens, as `ChatFormat.encode` does.)
+
+    `ChatError` if there are no messages, the template rejects them, or the tokenizer gives
+    no ids; the roles are the caller's to check (which it accepts differs)."""
+    if not messages:
+        raise ChatError("no messages: a prompt needs at least one")
+    try:
+        ids = tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            tools=tools,
+            chat_template=chat_template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            **dict(template_kwargs or {}),
+        )
+    except Exception as exc:  # jinja's raise_exception, TemplateError, a KeyError inside
+        raise ChatError(
+            f"the chat template rejected the messages: {type(exc).__name__}: {exc}"
+        ) from exc
+    if isinstance(ids, Mapping):  # a tokenizer that ignores return_dict=False
+        ids = ids.get("input_ids")
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+        raise ChatError(f"the tokenizer gave no token ids (got {arr.shape} {arr.dtype})")
+    return [int(i) for i in arr.tolist()]
 
 
 def _added(tokenizer: Any) -> list[str]:

@@ -46,8 +46,8 @@ from pathlib import Path
 
 import yarl
 
-from asyncroll._core.signal import Signal
 from asyncroll._core.tasks import Tasks
+from asyncroll._core.wakeup import Signal
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,

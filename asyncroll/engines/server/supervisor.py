@@ -37,7 +37,7 @@ import typing
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-from asyncroll._core.signal import Signal
+from asyncroll._core.wakeup import Signal
 from asyncroll.engines.base import EngineDeadError
 from asyncroll.engines.server.client import ReplicaClient
 from asyncroll.engines.server.replicas import (

@@ -28,28 +28,23 @@ The first-token output makes progress observable (`generated_tokens`, `wait_gene
 lets an abort that raced with a request still being added reach it at once. Outputs every
 `stream_interval` tokens are available, at a price: on 2 CPU cores with the tiny model, an
 output every 32 tokens cost about 5% of throughput.
+
+The engine owns the calls into vLLM, the requests in flight, the pause and the version label;
+what vLLM is started with is `startup`, a group's streams and outputs `streams`, the full-weight
+load and whether the weights can be vouched for `loading`, the LoRA adapters `lora`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import logging
 import os
-import pickle
-import sysconfig
-import tempfile
 import typing
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
-import numpy as np
-
-from asyncroll._core.signal import Signal
 from asyncroll._core.tasks import finish
+from asyncroll._core.wakeup import Signal
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -59,16 +54,14 @@ from asyncroll.engines.base import (
     Weights,
 )
 from asyncroll.engines.vllm import groups as vllm_groups
-from asyncroll.engines.vllm import weight_check, weights_file
+from asyncroll.engines.vllm import startup, streams, weight_check
+from asyncroll.engines.vllm.loading import WEIGHTS_DIR, WeightLoader, WeightsState
 from asyncroll.engines.vllm.lora import Adapter, AdapterSet, AdapterState
+from asyncroll.engines.vllm.startup import Transfer
+from asyncroll.engines.vllm.streams import GroupPart, LiveGroup, StreamedSample
 from asyncroll.lora import LoraAdapter, LoraSlots, check_servable
 
-log = logging.getLogger(__name__)
-
-_EXTENSION = "asyncroll.engines.vllm.in_worker.WeightLoaderExtension"
-_FINISH_REASONS = frozenset({"stop", "length", "abort"})
-_INITIAL_LABEL = "default"  # vLLM's weight version label before any update: our version 0
-_WEIGHTS_DIR = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+__all__ = ["SHUTDOWN_GRACE_S", "Transfer", "VLLMEngine", "WeightsState"]
 
 # How long vLLM's shutdown waits for its engine core to exit after SIGTERM before it kills it.
 # An idle engine core sometimes never runs its SIGTERM handler (CPython runs Python handlers
@@ -76,57 +69,6 @@ _WEIGHTS_DIR = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettem
 # `control_timeout_s` (300 s) as the grace, a close then took 300 s (seen in 1 of 6 LoRA engine
 # closes under load; benchmarks/README.md, lora_throughput). vLLM's own default grace is 5 s.
 SHUTDOWN_GRACE_S = 30.0
-_LORA_ARGS = frozenset({"enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"})
-
-Transfer = Literal["auto", "file", "cuda_ipc"]
-
-
-class WeightsState(enum.Enum):
-    """Whether the engine serves weights it can vouch for."""
-
-    SERVED = "served"  # the start-up checkpoint, or the last update, loaded and checked
-    MISMATCHED = "mismatched"  # an update failed its check: vLLM holds weights nobody sent
-    PARTIAL = "partial"  # an update was cut off (or failed) once sent: part of it may be loaded
-
-
-class _Sample:
-    """One sample's tokens as they stream in."""
-
-    __slots__ = ("experts", "finish", "logprobs", "spans", "tokens")
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.finish: str | None = None
-        self.spans: list[Any] | None = None
-        self.experts: Any = None
-
-
-class _Part:
-    """One vLLM request of a group: `n` samples continuing the same prompt + prefix."""
-
-    __slots__ = ("indices", "max_tokens", "prompt", "vllm_id")
-
-    def __init__(self, vllm_id: str, prompt: list[int], max_tokens: int, indices: list[int]):
-        self.vllm_id = vllm_id
-        self.prompt = prompt
-        self.max_tokens = max_tokens
-        self.indices = indices  # positions in the group's request.samples
-
-
-class _Live:
-    """A running group: its vLLM requests, its samples as they stream in, the tasks
-    streaming them (which `close` cancels, so that no `generate` outlives the engine), and
-    the adapter it runs under (None: the base weights)."""
-
-    __slots__ = ("aborted", "adapter", "parts", "samples", "tasks")
-
-    def __init__(self, parts: list[_Part], samples: list[_Sample], adapter: Adapter | None) -> None:
-        self.parts = parts
-        self.samples = samples
-        self.adapter = adapter
-        self.aborted = False
-        self.tasks: list[asyncio.Task[None]] = []
 
 
 class VLLMEngine:
@@ -209,56 +151,25 @@ class VLLMEngine:
         from vllm.v1.engine import PauseMode
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        _require_vllm(vllm_version)
-        if stream_interval is not None and stream_interval < 1:
-            raise ValueError(f"stream_interval={stream_interval}: must be >= 1 (or None)")
-        if transfer not in ("auto", "file", "cuda_ipc"):
-            raise ValueError(f"transfer={transfer!r}: use 'auto', 'file' or 'cuda_ipc'")
-        if generate_timeout_s <= 0 or control_timeout_s <= 0:
-            raise ValueError("generate_timeout_s and control_timeout_s must be > 0")
-        if lora is not None and not isinstance(lora, LoraSlots):
-            raise ValueError(f"lora={lora!r}: give a LoraSlots(max_rank=..., slots=...) or None")
-        given = sorted(_LORA_ARGS & engine_args.keys())
-        if given:
-            raise ValueError(f"{', '.join(given)}: set LoRA with lora=LoraSlots(...) instead")
-        if lora is not None:
-            engine_args.update(
-                enable_lora=True,
-                max_lora_rank=lora.max_rank,
-                max_loras=lora.slots,
-                max_cpu_loras=lora.slots,  # the engine unloads adapters itself
-            )
-        extension = engine_args.setdefault("worker_extension_cls", _EXTENSION)
-        if extension != _EXTENSION:
-            raise ValueError(
-                f"worker_extension_cls={extension!r}: VLLMEngine loads weights through "
-                f"{_EXTENSION}; leave worker_extension_cls unset"
-            )
-        engine_args.setdefault("skip_tokenizer_init", True)
-        # The sampled token's logprob under the distribution that sampled it (temperature, top-k,
-        # top-p applied), not vLLM's default raw model logprob: the behaviour policy of
-        # importance weighting. The trainer matches it with `token_logprobs(temperature=...)`.
-        engine_args.setdefault("logprobs_mode", "processed_logprobs")
-        engine_args.setdefault("disable_log_stats", True)
+        startup.require_vllm(vllm_version)
         on_cpu = current_platform.is_cpu()
-        if on_cpu:
-            engine_args.setdefault("enforce_eager", True)
-            # vLLM's CPU "auto" dtype turns float32 checkpoints into bfloat16, whose AMX kernels
-            # die with SIGILL on VMs that do not grant AMX state (seen on this project's machines).
-            engine_args.setdefault("dtype", "float32")
-            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-                engine_args.setdefault("kv_cache_memory_bytes", 128 << 20)
+        startup.engine_arguments(
+            engine_args,
+            stream_interval=stream_interval,
+            transfer=transfer,
+            generate_timeout_s=generate_timeout_s,
+            control_timeout_s=control_timeout_s,
+            lora=lora,
+            on_cpu=on_cpu,
+        )
         self.model = str(model)
         self.parallel_sampling = parallel_sampling
         self.stream_interval = stream_interval
-        self.transfer: Transfer = transfer
         self.generate_timeout_s = generate_timeout_s
         self.control_timeout_s = control_timeout_s
-        self.verify_weights = verify_weights
         self.lora = lora
-        self._weights = WeightsState.SERVED
         args = AsyncEngineArgs(model=self.model, **engine_args)
-        with _child_environment(on_cpu):
+        with startup.child_environment(on_cpu):
             self._llm: Any = AsyncLLM.from_engine_args(args)
         config = self._llm.vllm_config
         self._vocab_size = int(config.model_config.get_vocab_size())
@@ -266,20 +177,45 @@ class VLLMEngine:
         parallel = config.parallel_config
         self._world_size = int(parallel.world_size) * int(parallel.data_parallel_size)
         experts = bool(args.enable_return_routed_experts)
-        self._experts_row_bytes = _experts_row_bytes(config) if experts else 0
+        self._experts_row_bytes = startup.experts_row_bytes(config) if experts else 0
         self._keep_pause = "keep" in typing.get_args(PauseMode)
         self._version = 0
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveGroup] = {}
         self._recent = RecentIds()
         self._generated = 0
         self._progress = Signal()
         self._paused = False
         self._control = asyncio.Lock()
         self._closed = False
-        self._adapters = AdapterSet(
-            self._llm, self._call, f"vLLM engine {self.model}", _WEIGHTS_DIR
+        self._adapters = AdapterSet(self._llm, self._call, f"vLLM engine {self.model}", WEIGHTS_DIR)
+        self._loader = WeightLoader(
+            self._llm,
+            self._call,
+            model=self.model,
+            transfer=transfer,
+            verify_weights=verify_weights,
+            world_size=self._world_size,
+            layout=weight_check.checkpoint_layout(self.model),  # what updates must fit
         )
-        self._layout = weight_check.checkpoint_layout(self.model)  # what updates must fit
+
+    @property
+    def transfer(self) -> Transfer:
+        """How updates move tensors into the workers (see the class docstring)."""
+        return self._loader.transfer
+
+    @transfer.setter
+    def transfer(self, transfer: Transfer) -> None:
+        self._loader.transfer = transfer
+
+    @property
+    def verify_weights(self) -> bool:
+        """Whether each update is checked in the workers as received and served (see the class
+        docstring); it may be switched between updates."""
+        return self._loader.verify_weights
+
+    @verify_weights.setter
+    def verify_weights(self, on: bool) -> None:
+        self._loader.verify_weights = on
 
     # -- Engine protocol -------------------------------------------------------------------------
 
@@ -321,11 +257,11 @@ class VLLMEngine:
         if rid in self._live:
             raise ValueError(f"request id {rid!r} is already running")
         parts = self._split(request)
-        samples = [_Sample() for _ in request.samples]
+        samples = [StreamedSample() for _ in request.samples]
         if not self._adapters.admitting:  # the policy makes room for its successor: wait
             await self._wait_admitting(rid)
         adapter = self._adapters.acquire()
-        live = self._live[rid] = _Live(parts, samples, adapter)
+        live = self._live[rid] = LiveGroup(parts, samples, adapter)
         live.aborted = self._recent.take_early_abort(rid)  # aborted before it got here
         try:
             async with asyncio.timeout(self.generate_timeout_s):
@@ -343,11 +279,11 @@ class VLLMEngine:
             if adapter is not None:
                 self._progress.notify()  # an update may wait for an adapter's requests to end
         if adapter is None:
-            return [self._output(s, rid, None) for s in samples]
+            return [streams.sample_output(s, rid, None) for s in samples]
         if retired_unused:
             async with self._control:  # not while an update registers adapters
                 await self._adapters.unload_unused()
-        return [self._output(s, rid, adapter.version) for s in samples]
+        return [streams.sample_output(s, rid, adapter.version) for s in samples]
 
     async def abort(self, request_id: str) -> None:
         """Abort every vLLM request of the group. Its `generate` then returns the partial
@@ -390,7 +326,7 @@ class VLLMEngine:
         if isinstance(weights, LoraAdapter) or (weights is None and policy is not None):
             await self._update_adapter(weights if weights is not None else policy, version)
             return
-        named = None if weights is None else self._fitting(weights)
+        named = None if weights is None else self._loader.fitting(weights)
         async with self._control:
             self._check_alive()
             pause_here = not self._paused
@@ -411,10 +347,10 @@ class VLLMEngine:
                     raise RuntimeError("vLLM could not reset its prefix cache after the update")
                 await self._label(version)
             except BaseException:
-                if had_policy and self._weights is WeightsState.SERVED:
+                if had_policy:
                     # The adapter the current label names no longer serves: refuse to
                     # generate (its label on the base weights) until an update succeeds.
-                    self._weights = WeightsState.PARTIAL
+                    self._loader.lost_adapter()
                 raise
             finally:
                 if pause_here and not self._dead():
@@ -487,13 +423,13 @@ class VLLMEngine:
 
     # -- generation ------------------------------------------------------------------------------
 
-    def _split(self, request: GenerateRequest) -> list[_Part]:
+    def _split(self, request: GenerateRequest) -> list[GroupPart]:
         """The vLLM requests of a group: fresh samples together only with `parallel_sampling`
         (see `vllm_groups.split_group`)."""
         together = self.parallel_sampling and request.sampling.temperature > 0
-        return vllm_groups.split_group(request, self._vocab_size, together=together, part=_Part)
+        return vllm_groups.split_group(request, self._vocab_size, together=together, part=GroupPart)
 
-    async def _run_parts(self, live: _Live, sampling: SamplingConfig) -> None:
+    async def _run_parts(self, live: LiveGroup, sampling: SamplingConfig) -> None:
         """Stream every part; on the first error abort the others and raise it."""
         live.tasks = [
             asyncio.ensure_future(self._stream(live, part, sampling)) for part in live.parts
@@ -502,14 +438,19 @@ class VLLMEngine:
         if error is not None:
             raise self._translate(error)
 
-    async def _stream(self, live: _Live, part: _Part, sampling: SamplingConfig) -> None:
+    async def _stream(self, live: LiveGroup, part: GroupPart, sampling: SamplingConfig) -> None:
         from vllm.inputs import TokensPrompt
 
         if live.aborted:
             for i in part.indices:
                 live.samples[i].finish = "abort"
             return
-        params = self._sampling_params(sampling, part)
+        params = streams.sampling_params(
+            sampling,
+            part,
+            stream_interval=self.stream_interval,
+            experts=bool(self._experts_row_bytes),
+        )
         lora = None if live.adapter is None else live.adapter.request
         stream: AsyncIterator[Any] = self._llm.generate(
             TokensPrompt(prompt_token_ids=part.prompt), params, part.vllm_id, lora_request=lora
@@ -518,105 +459,29 @@ class VLLMEngine:
         async for out in stream:
             for completion in out.outputs:
                 sample = live.samples[part.indices[completion.index]]
-                _append(sample, completion)
+                streams.append(sample, completion)
                 self._generated += len(completion.token_ids)
             self._progress.notify()
-            if first and _aborted(live):  # abort() may have run before vLLM knew this request
+            if first and streams.aborted(live):  # abort() may have run before vLLM knew it
                 await self._call(self._llm.abort(part.vllm_id))  # (a no-op if it did know)
             first = False
-
-    def _sampling_params(self, sampling: SamplingConfig, part: _Part) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        extra: dict[str, Any] = {}
-        if sampling.top_k is not None:
-            extra["top_k"] = sampling.top_k
-        if sampling.seed is not None:
-            extra["seed"] = vllm_groups.part_seed(sampling.seed, part.vllm_id)
-        if self._experts_row_bytes:  # rows from the position that samples the first new token
-            extra["routed_experts_prompt_start"] = len(part.prompt) - 1
-        return SamplingParams(
-            n=len(part.indices),
-            max_tokens=part.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            stop_token_ids=list(sampling.stop_token_ids),
-            ignore_eos=sampling.ignore_eos,
-            logprobs=0,  # the sampled token's logprob only
-            flat_logprobs=True,
-            detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-            stream_interval=self.stream_interval or part.max_tokens,
-            **extra,
-        )
-
-    def _output(self, sample: _Sample, request_id: str, version: int | None) -> SampleOutput:
-        """The sample's arrays; `version` (the request's adapter's) labels every token, else
-        vLLM's version spans do."""
-        n = len(sample.tokens)
-        finish = sample.finish
-        if finish not in _FINISH_REASONS:
-            raise RuntimeError(f"vLLM finished a sample of {request_id} with reason {finish!r}")
-        if len(sample.logprobs) != n:
-            raise RuntimeError(
-                f"vLLM returned {len(sample.logprobs)} logprobs for {n} tokens ({request_id})"
-            )
-        versions = vllm_groups.token_versions(sample.spans, n, _version_of)
-        if versions is None:
-            raise RuntimeError(f"vLLM's version spans do not label each of {n} tokens once")
-        if version is not None:
-            versions = np.full(n, version, dtype=np.int32)
-        experts = sample.experts
-        return SampleOutput(
-            tokens=np.array(sample.tokens, dtype=np.int32),
-            logprobs=np.array(sample.logprobs, dtype=np.float32),
-            versions=versions,
-            finish_reason=finish,
-            routed_experts=None if experts is None else np.ascontiguousarray(experts),
-        )
 
     # -- weights ---------------------------------------------------------------------------------
 
     def _check_weights(self) -> None:
-        if self._weights is WeightsState.SERVED:
-            return
-        why = (
-            "failed its check, so the engine holds weights the trainer did not send"
-            if self._weights is WeightsState.MISMATCHED
-            else "was cut off or failed while the workers loaded it, so the engine may hold "
-            "part of its weights"
-        )
-        raise weight_check.WeightMismatchError(
-            f"vLLM engine {self.model}: the last weight update {why}; update the weights again"
-        )
-
-    def _fitting(self, weights: Weights) -> list[tuple[str, Any]]:
-        """`weights` as named tensors, refused (`WeightLayoutError`, naming each tensor)
-        unless every one that the served checkpoint has fits its shape and dtype: checked
-        before anything is sent, so a refused update changes nothing."""
-        named = weights_file.detached(weights)
-        if not named:
-            raise ValueError("update_weights got no tensors (use None to only set the version)")
-        weight_check.check_layout(named, self._layout, f"vLLM engine {self.model}")
-        if self.transfer == "cuda_ipc" and not all(t.is_cuda for _, t in named):
-            raise ValueError("transfer='cuda_ipc' needs every tensor on a CUDA device")
-        return named
+        self._loader.check_served()
 
     async def _load_checked(self, named: list[tuple[str, Any]]) -> None:
-        """`_load`; when it fails its check, or is cut off or fails once the workers have it,
-        end what runs (its tokens so far were sampled by the previous weights and are labelled
-        so) and refuse to generate until a later update succeeds: the label on the old weights
-        must not go on to weights that may be partly new."""
+        """Load `named` (`WeightLoader.load`); when it fails its check, or is cut off or fails
+        once the workers have it, end what runs (its tokens so far were sampled by the previous
+        weights and are labelled so) and refuse to generate until a later update succeeds: the
+        label on the old weights must not go on to weights that may be partly new."""
         try:
-            await self._load(named)
-        except BaseException as exc:
-            if isinstance(exc, weight_check.WeightMismatchError):
-                self._weights = WeightsState.MISMATCHED
-            if self._weights is not WeightsState.SERVED:
+            await self._loader.load(named)
+        except BaseException:
+            if self._loader.state is not WeightsState.SERVED:
                 await self._end_live()
             raise
-        self._weights = WeightsState.SERVED
 
     async def _end_live(self) -> None:
         """Abort every running request in one vLLM call: vLLM sends it before its first await,
@@ -626,60 +491,6 @@ class VLLMEngine:
         vllm_ids = [part.vllm_id for group in groups if group is not None for part in group.parts]
         if vllm_ids:
             await self._call(self._llm.abort(vllm_ids))
-
-    async def _load_in_workers(
-        self, method: str, source: str | bytes, named: list[tuple[str, Any]]
-    ) -> None:
-        """Have every worker load the update from `source` (`method` of the worker extension)
-        and check what each reports. Once the call is sent the workers change weights, and go
-        on when the caller stops waiting: cut off or failed from then on (other than by its
-        check), the engine holds weights nobody can name (`WeightsState.PARTIAL`)."""
-        try:
-            args = (source, self.verify_weights)
-            reports = await self._call(self._llm.collective_rpc(method, args=args))
-            await self._check_reports(reports, named)
-        except weight_check.WeightMismatchError:
-            raise
-        except BaseException:
-            self._weights = WeightsState.PARTIAL
-            raise
-
-    async def _load(self, named: list[tuple[str, Any]]) -> None:
-        on_gpu = all(t.is_cuda for _, t in named)
-        use_ipc = self.transfer == "cuda_ipc" or (
-            self.transfer == "auto" and on_gpu and self._world_size == 1
-        )
-        if use_ipc:
-            await self._load_cuda_ipc(named)
-        else:
-            await self._load_file(named)
-
-    async def _load_file(self, named: list[tuple[str, Any]]) -> None:
-        path = _WEIGHTS_DIR / f"asyncroll-weights-{uuid.uuid4().hex}.safetensors"
-        try:
-            await asyncio.to_thread(weights_file.write_safetensors, named, path)
-            await self._load_in_workers("asyncroll_load_path", str(path), named)
-        finally:
-            path.unlink(missing_ok=True)
-
-    async def _check_reports(self, reports: Any, named: list[tuple[str, Any]]) -> None:
-        """Raise `WeightMismatchError` when a worker's reload report shows a problem; with
-        `verify_weights`, against digests of the tensors as sent (computed here)."""
-        _log_expected(reports)
-        sent = await asyncio.to_thread(weight_check.digests, named) if self.verify_weights else None
-        weight_check.check(list(reports or ()), sent, f"vLLM engine {self.model}")
-
-    async def _load_cuda_ipc(self, named: list[tuple[str, Any]]) -> None:
-        import torch
-        from torch.multiprocessing import reductions
-
-        reduce_tensor: Any = reductions.reduce_tensor
-        keep = [t.contiguous() for _, t in named]  # alive until the workers have copied them
-        handles = [reduce_tensor(t)[1] for t in keep]
-        payload = pickle.dumps(([name for name, _ in named], handles))
-        await self._load_in_workers("asyncroll_load_cuda_ipc", payload, named)
-        del keep
-        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # free what workers let go
 
     # -- LoRA adapters ---------------------------------------------------------------------------
 
@@ -778,90 +589,3 @@ class VLLMEngine:
         if isinstance(exc, VLLMDeadError) or self._dead():
             return EngineDeadError(f"vLLM engine died: {type(exc).__name__}: {exc}")
         return exc
-
-
-def _aborted(live: _Live) -> bool:
-    """`live.aborted`, read through a call: it changes across awaits, which mypy's narrowing
-    does not know."""
-    return live.aborted
-
-
-def _append(sample: _Sample, completion: Any) -> None:
-    """Add one DELTA output of a sample."""
-    from vllm.logprobs import FlatLogprobs
-
-    tokens = completion.token_ids
-    sample.tokens.extend(tokens)
-    logprobs = completion.logprobs
-    if isinstance(logprobs, FlatLogprobs):
-        sample.logprobs.extend(logprobs.logprobs)
-    elif logprobs is not None:
-        sample.logprobs.extend(pos[t].logprob for t, pos in zip(tokens, logprobs, strict=True))
-    if completion.finish_reason is not None:
-        sample.finish = str(completion.finish_reason)
-        sample.spans = completion.weight_versions
-        sample.experts = completion.routed_experts
-
-
-def _version_of(label: str) -> int:
-    """The version a weight-version label stands for: vLLM's initial label is version 0."""
-    return 0 if label == _INITIAL_LABEL else int(label)
-
-
-def _experts_row_bytes(config: Any) -> int:
-    model = config.model_config
-    experts = int(model.get_num_experts())
-    per_token = int(model.get_total_num_hidden_layers()) * int(model.get_num_experts_per_tok())
-    return per_token * (1 if experts <= 256 else 2)
-
-
-def _log_expected(reports: Any) -> None:
-    """Log (DEBUG) the layers that never get a tensor on a reload, as expected."""
-    expected = sorted(
-        {n for r in reports or () if isinstance(r, dict) for n in r.get("expected", ())}
-    )
-    if expected:
-        log.debug(
-            "update_weights: no tensor for %s, as expected (computed buffers, or an output "
-            "layer tied to the embedding and refreshed from it)",
-            ", ".join(expected),
-        )
-
-
-def _require_vllm(version: str) -> None:
-    major, minor = (int(x) for x in version.split(".")[:2])
-    if (major, minor) < (0, 32):
-        raise RuntimeError(
-            f"VLLMEngine needs vllm >= 0.32 (weight version spans, keep-mode pause); "
-            f"found {version}"
-        )
-
-
-@contextlib.contextmanager
-def _child_environment(on_cpu: bool) -> Iterator[None]:
-    """Environment for the processes vLLM starts while the engine is built, restored after.
-
-    The workers import `asyncroll.engines.vllm.in_worker`. An installed asyncroll is found by any
-    Python of the same environment; for a source checkout (found through `sys.path` or
-    PYTHONPATH) the folder holding the package is put first on PYTHONPATH. Processes started
-    by multiprocessing (vLLM's default) would get this process's `sys.path` anyway; the
-    variable covers workers started any other way. On CPU, TORCH_COMPILE_DISABLE=1 skips the
-    8-17 s gcc compile vLLM's logprobs op would do on its first request, at no measurable speed
-    cost. Neither variable is left changed in this process.
-    """
-    root = str(Path(__file__).resolve().parents[3])
-    installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TORCH_COMPILE_DISABLE")}
-    paths = [p for p in (saved["PYTHONPATH"] or "").split(os.pathsep) if p]
-    if root not in paths and root not in installed:
-        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
-    if on_cpu:
-        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 
 class Signal:
+    """Wakes every `wait_until` waiter on `notify()`; each re-checks its predicate."""
+
     def __init__(self) -> None:
         # a dict, not a set: waiters wake in the order they came (a set's order follows
         # memory addresses, and a deterministic simulation replays only a fixed order)
