@@ -23,8 +23,8 @@ import contextlib
 import enum
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 
-from asyncroll._core.signal import Signal
 from asyncroll._core.tasks import Tasks
+from asyncroll._core.wakeup import Signal
 from asyncroll.engines.base import EngineDeadError
 from asyncroll.engines.server import supervisor as sup
 from asyncroll.engines.server.client import ReplicaClient

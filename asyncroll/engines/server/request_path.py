@@ -24,8 +24,8 @@ from typing import Any
 
 import aiohttp
 
-from asyncroll._core.signal import Signal
 from asyncroll._core.tasks import Tasks
+from asyncroll._core.wakeup import Signal
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
