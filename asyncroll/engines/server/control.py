@@ -6,11 +6,11 @@ Why a module of its own. These are the calls that change what the engine lets th
 read admission (`request_path`), updates only run inside the frame (`updates`), and each
 replica's own state is its supervisor's (`supervisor`). Each of them holds the control lock
 (`ControlState`) from start to end, and hands the end (the resume that undoes a pause, the
-lock given back) to a task of the engine's own (`Control._end_control`): a caller that gives
+lock given back) to a task of the engine's own (`ReplicaControl._end_control`): a caller that gives
 up part-way is not held, and the replicas are never left paused while the engine counts
 them up (a resume cancelled before it was sent once did that).
 
-A replica that fails a call here leaves the rotation (`Control.down`); one that refuses the
+A replica that fails a call here leaves the rotation (`ReplicaControl.down`); one that refuses the
 weights, or is found restarted, is synced again at once (UNSYNCED). No replica up is a state,
 not death: the calls go on with the replicas that are up, and each one that comes back is
 synced to what the engine serves.
@@ -45,7 +45,7 @@ class Dispatch(enum.Enum):
     HELD = "held"  # paused or updating weights: requests wait here, not in a paused vLLM
 
 
-class Control:
+class ReplicaControl:
     """Pauses, resumes and the update frame of one engine (see the module docstring), and
     the one writer of `admission`. `supervisors`: each replica's (filled by the engine once,
     at its construction); `progress`: notified whenever something a request may wait on

@@ -61,7 +61,7 @@ from asyncroll.engines.server import supervisor as sup
 from asyncroll.engines.server import updates as server_updates
 from asyncroll.engines.server import weights as server_weights
 from asyncroll.engines.server.client import ReplicaClient, Sessions
-from asyncroll.engines.server.control import Control
+from asyncroll.engines.server.control import ReplicaControl
 from asyncroll.engines.server.replicas import Replica
 from asyncroll.engines.server.request_path import RequestPath
 from asyncroll.engines.server.samples import attempt_session
@@ -171,9 +171,9 @@ class VLLMServerEngine:
         self.pause_timeout_s = pause_timeout_s
         self.max_connections = max_connections
         # Each piece of state has one writer: `ControlState` the control calls and updates
-        # (under its lock), `Control.admission` the control calls, what is in flight the
+        # (under its lock), `ReplicaControl.admission` the control calls, what is in flight the
         # request path, each replica's state its supervisor (and the control calls' outcomes,
-        # through `Control.down`). The supervisors and the rooms need one another (a
+        # through `ReplicaControl.down`). The supervisors and the rooms need one another (a
         # supervisor re-syncs with the update path's loads; an update runs in the control
         # calls' frame, which starts the supervisors' syncs): their mapping is handed out
         # empty and filled at the end here, before anything can run.
@@ -190,7 +190,7 @@ class VLLMServerEngine:
         )
         self._folders = server_weights.WeightFolders()
         self._supervisors: dict[Replica, sup.Supervisor] = {}
-        control = self._control = Control(
+        control = self._control = ReplicaControl(
             self.replicas,
             self._state,
             self._client,

@@ -5,7 +5,7 @@ Why a module of its own. Requests are the hot path and the one place that talks 
 replicas over stream connections; they read what the control calls decide (admission,
 `control.Dispatch`) and what each replica's supervisor knows (is it up, synced, its liveness
 in question), and change neither: a request that finds its replica failing reports it
-(`Control.failed`) and its supervisor decides. It is the one writer of what is in flight
+(`ReplicaControl.failed`) and its supervisor decides. It is the one writer of what is in flight
 (`live`, the counters the engine's progress reads).
 
 Every wait a request makes is its caller's (`RequestPath._wait`): bounded by
@@ -38,7 +38,7 @@ from asyncroll.engines.server import replicas as rp
 from asyncroll.engines.server import samples as ss
 from asyncroll.engines.server import supervisor as sup
 from asyncroll.engines.server.client import ReplicaClient
-from asyncroll.engines.server.control import Control, Dispatch
+from asyncroll.engines.server.control import Dispatch, ReplicaControl
 from asyncroll.engines.server.replicas import (
     NoReplicaError,
     Replica,
@@ -64,7 +64,7 @@ class RequestPath:
         state: sup.ControlState,
         client: ReplicaClient,
         supervisors: Mapping[Replica, sup.Supervisor],
-        control: Control,
+        control: ReplicaControl,
         lora: server_lora.ServerAdapters,
         progress: Signal,
         tasks: Tasks,
