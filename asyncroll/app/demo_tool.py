@@ -31,24 +31,31 @@ LETTERS = "abcdefgh"
 TURNS = 3  # policy turns per episode
 ANSWER_TOKENS = 2  # the tool's answer: a letter and a colon
 
-DEFAULTS: Final = {"max_new_tokens": 4, "steps": 200, "filter": "none", "entropy": 0.03}
+DEFAULTS: Final = {
+    "max_new_tokens": 4,
+    "steps": 200,
+    "filter": "none",
+    "entropy": 0.03,
+    "entropy_on": "failed",
+}
 """tool_echo's defaults where they differ from `DemoConfig`'s (the echo task's); the command
-line and `asyncroll.app.demo.demo_config` apply them. Turns of 4 tokens, not 8: with 8, seed 1 was
-at 0.84 over the last 10 of 80 steps. The policy soon echoes a turn's first letter; its errors come
-later in the turn, where it drifts back to the letter that fills the context (after "g: gggggggg h:"
-every sample of a group said "hhgggggg"). Such a group, every sample certain of the same mistake,
-has no variance: GRPO gives it no advantage and DAPO's filter (`nonzero_std`) drops it, so the
-stalled contexts never reached the trainer. With the filter, seeds 1 and 2 were solved in 60-85
-steps in five runs of six, but the sixth (seed 1) stalled at 0.87, each batch needing hundreds of
-groups past the filter (21 s a step); an entropy bonus of 0.01 alone did no better (the fifth of
-five stalled so). So tool_echo keeps every group (`filter="none"`) and adds an entropy bonus of 0.03
-(`--entropy`, `asyncroll.train.turns.mean_entropy`): a certain group's only gradient is then the
-bonus, which makes it uncertain again, and steps stay fast since nothing is dropped (~1 s). Seed 1
-was solved at steps 71, 90 and 73, seed 2 at 139, 148 and 81: later than with the filter (the many
-all-zero groups of the early, random policy dilute each batch), but every run. With a bonus of 0.02
-or 0.05, seed 2 was not solved in 200 steps (0.76 and 0.71 over the last 10). `steps` is a ceiling
-with room for a
-slow run: the demo stops once solved (`DemoConfig.solved_reward`)."""
+line and `asyncroll.app.demo.demo_config` apply them.
+
+Turns of 4 tokens, not 8: with 8, later turns drift back to the letter that fills the context
+(after "g: gggggggg h:" every sample said "hhgggggg"). Every group trained (`filter="none"`):
+a group every sample got wrong has no variance, and DAPO's filter (`nonzero_std`) would drop
+it, so a stuck context would never reach the trainer (seed 1 stalled at 0.87 so).
+
+An entropy bonus of 0.03 on the tokens of the problems every sample failed (`entropy_on=
+"failed"`: a (group, turn) whose 8 samples all missed; `asyncroll.train.failed_tokens`). The
+letters are learnt one at a time, and a letter the policy answers wrongly with certainty gives
+all-0 problems: GRPO gives them no advantage, and the bonus is their only gradient. On every
+trained token (`entropy_on="all"`, the default before) it was diluted by the solved contexts,
+whose certainty it fought, and runs stalled with one to four letters lost for 40 steps or more
+(0.75 and 0.48 at step 200); on the failed tokens alone the stuck letter gets all of it and the
+solved contexts become certain. benchmarks/results/tool_echo_dynamics.md has the runs.
+`steps` is a ceiling with room for a slow run: the demo stops once solved
+(`DemoConfig.solved_reward`)."""
 
 
 def episode_tokens(max_new_tokens: int) -> int:
