@@ -60,9 +60,8 @@ def test_tool_echo_takes_its_own_defaults_and_a_given_flag_wins() -> None:
     assert config() == DemoConfig()
     tool = config("--task", "tool_echo")
     assert (tool.task, tool.max_new_tokens, tool.steps) == ("tool_echo", 4, 200)
-    assert (tool.filter, tool.entropy, tool.entropy_on) == ("none", 0.03, "failed")
-    assert config().entropy_on == "all"
-    assert config("--task", "tool_echo", "--entropy-on", "all").entropy_on == "all"
+    assert (tool.filter, tool.entropy, tool.entropy_on) == ("none", 0.03, "all")
+    assert config("--task", "tool_echo", "--entropy-on", "failed").entropy_on == "failed"
     assert {k: getattr(tool, k) for k in demo_tool.DEFAULTS} == demo_tool.DEFAULTS
     assert config("--task", "tool_echo", "--max-new-tokens", "8").max_new_tokens == 8
     assert config("--max-new-tokens", "3").max_new_tokens == 3

@@ -31,30 +31,20 @@ LETTERS = "abcdefgh"
 TURNS = 3  # policy turns per episode
 ANSWER_TOKENS = 2  # the tool's answer: a letter and a colon
 
-DEFAULTS: Final = {
-    "max_new_tokens": 4,
-    "steps": 200,
-    "filter": "none",
-    "entropy": 0.03,
-    "entropy_on": "failed",
-}
+DEFAULTS: Final = {"max_new_tokens": 4, "steps": 200, "filter": "none", "entropy": 0.03}
 """tool_echo's defaults where they differ from `DemoConfig`'s (the echo task's); the command
 line and `asyncroll.app.demo.demo_config` apply them.
 
 Turns of 4 tokens, not 8: with 8, later turns drift back to the letter that fills the context
 (after "g: gggggggg h:" every sample said "hhgggggg"). Every group trained (`filter="none"`):
 a group every sample got wrong has no variance, and DAPO's filter (`nonzero_std`) would drop
-it, so a stuck context would never reach the trainer (seed 1 stalled at 0.87 so).
-
-An entropy bonus of 0.03 on the tokens of the problems every sample failed (`entropy_on=
-"failed"`: a (group, turn) whose 8 samples all missed; `asyncroll.train.failed_tokens`). The
-letters are learnt one at a time, and a letter the policy answers wrongly with certainty gives
-all-0 problems: GRPO gives them no advantage, and the bonus is their only gradient. On every
-trained token (`entropy_on="all"`, the default before) it was diluted by the solved contexts,
-whose certainty it fought, and runs stalled with one to four letters lost for 40 steps or more
-(0.75 and 0.48 at step 200); on the failed tokens alone the stuck letter gets all of it and the
-solved contexts become certain. benchmarks/results/tool_echo_dynamics.md has the runs.
-`steps` is a ceiling with room for a slow run: the demo stops once solved
+it, so a stuck context would never reach the trainer (seed 1 stalled at 0.87 so). An entropy
+bonus of 0.03 on every trained token: a group every sample failed has no GRPO advantage, and
+the bonus is its only gradient (0.02 and 0.05 did worse). Runs still stall now and then (a
+letter lost for 40 steps or more: benchmarks/results/tool_echo_dynamics.md). The bonus on the
+failed problems alone (`entropy_on="failed"`) revived a lost letter faster in two runs but drove
+the failed contexts to near-uniform over the vocabulary and stalled others, so it is an option,
+not the default. `steps` is a ceiling with room for a slow run: the demo stops once solved
 (`DemoConfig.solved_reward`)."""
 
 
