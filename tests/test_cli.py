@@ -39,7 +39,9 @@ def test_help_says_what_each_command_does(capsys: pytest.CaptureFixture[str]) ->
 def test_a_demo_flag_out_of_its_choices_is_refused_by_name(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for flag, value in (("--credit", "token"), ("--task", "maze"), ("--filter", "std")):
+    refused = [("--credit", "token"), ("--task", "maze"), ("--filter", "std")]
+    refused.append(("--entropy-on", "some"))
+    for flag, value in refused:
         with pytest.raises(SystemExit) as exit_:
             cli.main(["demo", flag, value])
         assert exit_.value.code == 2
@@ -58,7 +60,8 @@ def test_tool_echo_takes_its_own_defaults_and_a_given_flag_wins() -> None:
     assert config() == DemoConfig()
     tool = config("--task", "tool_echo")
     assert (tool.task, tool.max_new_tokens, tool.steps) == ("tool_echo", 4, 200)
-    assert (tool.filter, tool.entropy) == ("none", 0.03)
+    assert (tool.filter, tool.entropy, tool.entropy_on) == ("none", 0.03, "all")
+    assert config("--task", "tool_echo", "--entropy-on", "failed").entropy_on == "failed"
     assert {k: getattr(tool, k) for k in demo_tool.DEFAULTS} == demo_tool.DEFAULTS
     assert config("--task", "tool_echo", "--max-new-tokens", "8").max_new_tokens == 8
     assert config("--max-new-tokens", "3").max_new_tokens == 3

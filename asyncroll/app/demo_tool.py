@@ -33,22 +33,19 @@ ANSWER_TOKENS = 2  # the tool's answer: a letter and a colon
 
 DEFAULTS: Final = {"max_new_tokens": 4, "steps": 200, "filter": "none", "entropy": 0.03}
 """tool_echo's defaults where they differ from `DemoConfig`'s (the echo task's); the command
-line and `asyncroll.app.demo.demo_config` apply them. Turns of 4 tokens, not 8: with 8, seed 1 was
-at 0.84 over the last 10 of 80 steps. The policy soon echoes a turn's first letter; its errors come
-later in the turn, where it drifts back to the letter that fills the context (after "g: gggggggg h:"
-every sample of a group said "hhgggggg"). Such a group, every sample certain of the same mistake,
-has no variance: GRPO gives it no advantage and DAPO's filter (`nonzero_std`) drops it, so the
-stalled contexts never reached the trainer. With the filter, seeds 1 and 2 were solved in 60-85
-steps in five runs of six, but the sixth (seed 1) stalled at 0.87, each batch needing hundreds of
-groups past the filter (21 s a step); an entropy bonus of 0.01 alone did no better (the fifth of
-five stalled so). So tool_echo keeps every group (`filter="none"`) and adds an entropy bonus of 0.03
-(`--entropy`, `asyncroll.train.turns.mean_entropy`): a certain group's only gradient is then the
-bonus, which makes it uncertain again, and steps stay fast since nothing is dropped (~1 s). Seed 1
-was solved at steps 71, 90 and 73, seed 2 at 139, 148 and 81: later than with the filter (the many
-all-zero groups of the early, random policy dilute each batch), but every run. With a bonus of 0.02
-or 0.05, seed 2 was not solved in 200 steps (0.76 and 0.71 over the last 10). `steps` is a ceiling
-with room for a
-slow run: the demo stops once solved (`DemoConfig.solved_reward`)."""
+line and `asyncroll.app.demo.demo_config` apply them.
+
+Turns of 4 tokens, not 8: with 8, later turns drift back to the letter that fills the context
+(after "g: gggggggg h:" every sample said "hhgggggg"). Every group trained (`filter="none"`):
+a group every sample got wrong has no variance, and DAPO's filter (`nonzero_std`) would drop
+it, so a stuck context would never reach the trainer (seed 1 stalled at 0.87 so). An entropy
+bonus of 0.03 on every trained token: a group every sample failed has no GRPO advantage, and
+the bonus is its only gradient (0.02 and 0.05 did worse). Runs still stall now and then (a
+letter lost for 40 steps or more: benchmarks/results/tool_echo_dynamics.md). The bonus on the
+failed problems alone (`entropy_on="failed"`) revived a lost letter faster in two runs but drove
+the failed contexts to near-uniform over the vocabulary and stalled others, so it is an option,
+not the default. `steps` is a ceiling with room for a slow run: the demo stops once solved
+(`DemoConfig.solved_reward`)."""
 
 
 def episode_tokens(max_new_tokens: int) -> int:

@@ -98,8 +98,15 @@ async def test_demo_learns_the_multi_turn_tool_echo_task(
         batch_timeout_s=60.0, filter="nonzero_std", entropy=0.0,
     )  # fmt: skip
     assert config.max_new_tokens == demo_tool.DEFAULTS["max_new_tokens"]
-    _, first, last = await run_from_random(config, demo_engine)
+    records, first, last = await run_from_random(config, demo_engine)
     assert last > 0.2 and last > 4 * first, (first, last)
+    # What shows a stall: each letter's hit rate, and the entropy where every sample failed
+    # (the tokens `--entropy-on failed` explores; tool_echo_dynamics.md), logged every step.
+    metrics = [r.task_metrics for r in records]
+    logged = {"entropy", "entropy_failed", "letter_a", "zero_std_wrong"}
+    assert all(logged <= set(m) for m in metrics)
+    failed = [m["entropy_failed"] for m in metrics if not np.isnan(m["entropy_failed"])]
+    assert failed and all(0 <= h <= np.log(512) + 1e-3 for h in failed)  # nats, 512 tokens
     summary = (tmp_path / "summary.txt").read_text()
     assert "policy / environment tokens, turns per episode" in summary
     assert ", 5.0" in summary  # 3 policy turns and 2 tool answers per episode
