@@ -22,6 +22,7 @@ so together they take about as long as the longest. The vLLM run goes alone, las
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -44,6 +46,14 @@ def _command(script: str, out: Path, *args: str) -> tuple[list[str], dict[str, s
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     return [sys.executable, str(BENCH / script), "--quick", "--out", str(out), *args], env
+
+
+def import_benchmark(name: str) -> ModuleType:
+    """`benchmarks/<name>.py` as a module, to run its code in this process (on an engine of
+    the session's). The scripts import their helpers (`_common`) as top-level modules."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
 
 
 def run_benchmark(
