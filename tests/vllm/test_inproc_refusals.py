@@ -29,6 +29,8 @@ from tests.vllm.test_weight_parity import perturbed, serve
 
 PROMPT = ids(0, 9, 8, 7)
 Q = "model.layers.0.self_attn.q_proj.weight"
+# Under `pytest -n --dist loadgroup`: one worker, which starts `one_slot` once.
+pytestmark = pytest.mark.xdist_group("inproc_refusals")
 
 
 async def greedy(engine: VLLMEngine, tag: str, steps: int = 8) -> SampleOutput:

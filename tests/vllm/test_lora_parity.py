@@ -32,6 +32,9 @@ from tests.vllm.test_weight_parity import UNTIED, VERSION, assert_parity, serve
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG = LoraConfig(rank=8, alpha=16.0, target_modules=TARGETS)
 SLOTS = LoraSlots(max_rank=8, slots=2)
+# Under `pytest -n --dist loadgroup`: the worker that makes `lora_cases` (two engine starts)
+# for test_server_lora too.
+pytestmark = pytest.mark.xdist_group("lora_cases")
 
 
 def random_adapter(base: Mapping[str, Any], seed: int, config: LoraConfig = CONFIG) -> LoraAdapter:

@@ -40,6 +40,8 @@ STEPS = 16
 PROMPTS = [ids(0, 5, 6, 7), ids(0, 100, 200), ids(0, 1, 2, 3, 4, 5, 6, 7, 8), ids(0, 42)]
 SAMPLED_PROMPT, SAMPLED_PREFIX = ids(0, 17, 18, 19), ids(33, 34)
 UNTIED = {"tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True}
+# Under `pytest -n --dist loadgroup`: one worker, which makes the module's references once.
+pytestmark = pytest.mark.xdist_group("weight_parity")
 
 
 @dataclass(frozen=True)
