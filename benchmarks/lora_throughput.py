@@ -7,7 +7,7 @@ loop takes a batch of `--batch` groups, then (in the updating settings) calls
 as an RL loop that syncs every step does. The trainer itself is simulated as free (a trainer
 on another device: `--train-s` seconds of `asyncio.sleep` per step, 0 by default), so updates
 come as often as generation allows, the most demanding case. Settings, for `--seconds` of wall
-time each after a warm-up batch (and a warm-up update):
+time each (and `--min-steps` steps at least) after a warm-up batch (and a warm-up update):
 
 - base: an engine without LoRA, no updates (the reference for the next two);
 - full, abort / full, keep: the same engine, all the model's weights every step (two perturbed
@@ -36,7 +36,7 @@ failed). Aborted samples are not thrown away: the producer continues them from t
 far, after a re-prefill.
 
     python benchmarks/lora_throughput.py --out benchmarks/results   # the ~98M Llama, ~9 min
-    python benchmarks/lora_throughput.py --quick                    # the tiny model, ~1 min
+    python benchmarks/lora_throughput.py --quick                    # the tiny model, 6 steps each
 
 Prints a table and writes `lora_throughput.{md,json,png}` to `--out`.
 """
@@ -118,13 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         help="which engine's settings to run",
     )
     parser.add_argument("--train-s", type=float, default=0.0, help="simulated train time/step")
-    parser.add_argument("--quick", action="store_true", help="the tiny model, 1 s per setting")
+    parser.add_argument("--min-steps", type=int, default=1, help="steps per window, at least")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, 6 small steps each")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.quick:
-        # One step per setting checks what the smoke test asserts (tokens generated and kept,
-        # an update per step where the setting updates); short requests keep it ~1 min.
-        args.model, args.seconds, args.rounds, args.new_tokens = "tiny", 1.0, 1, 16
+        # What the smoke test asserts (tokens generated and kept in the window, an update per
+        # step where the setting updates) on the smallest groups, in 6 steps whatever the
+        # time: at most 4 batches wait in the buffer and one is in flight as the window opens,
+        # so the 6th batch holds a group admitted, and so generated, inside it. The two
+        # engine starts are most of the run.
+        args.model, args.seconds, args.rounds, args.min_steps = "tiny", 0.0, 1, 6
+        args.batch, args.group_size, args.new_tokens, args.prompt_len = 2, 2, 4, 8
     model = build_tiny_model(MODELS[args.model])
     rounds = asyncio.run(_measure(model, args))
     _report({name: _pool(runs) for name, runs in rounds.items() if runs}, rounds, args)
@@ -204,7 +209,7 @@ async def _run(
         start, before = time.monotonic(), producer.progress.counters.copy()
         end = start + args.seconds
         steps = 0
-        while time.monotonic() < end:
+        while steps < args.min_steps or time.monotonic() < end:
             await producer.produce_batch(timeout=WAIT_S)
             steps += 1
             if args.train_s:

@@ -30,11 +30,17 @@ import numpy as np
 from _common import DEFAULT_OUT, info_line, new_figure, print_section, run_info, save_outputs
 
 from asyncroll.app.demo import DemoConfig, StepRecord, demo_model, run_demo
+from asyncroll.engines import VLLMEngine
 
 Key = tuple[int, str]  # (max_staleness, correction)
 
 
 def main(argv: list[str] | None = None) -> int:
+    asyncio.run(measure(parse_args(argv)))
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -45,45 +51,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="staleness 1, 1 seed, 3 steps")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    steps, staleness, seeds = args.steps, args.staleness, args.seeds
     if args.quick:
-        steps, staleness, seeds = 3, [1], [0]
+        args.steps, args.staleness, args.seeds = 3, [1], [0]
+    return args
+
+
+async def measure(args: argparse.Namespace, engine: VLLMEngine | None = None) -> None:
+    """Every setting's runs, then the report. `engine`: an engine to run on instead of
+    starting one (the test suite's smoke run uses its session's)."""
     runs: dict[Key, list[list[StepRecord]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         configs = [
             DemoConfig(
-                steps=steps,
+                steps=args.steps,
                 max_staleness=s,
                 seed=seed,
                 correction=correction,
                 out=f"{tmp}/{s}-{correction}-{seed}",
                 solved_reward=0.0,
             )
-            for s in staleness
+            for s in args.staleness
             for correction in ("none", args.correction)
-            for seed in seeds
+            for seed in args.seeds
         ]
-        for config, records in zip(configs, asyncio.run(run_all(configs)), strict=True):
-            runs.setdefault((config.max_staleness, config.correction), []).append(records)
-    report(runs, args.out, steps)
-    return 0
+        if engine is None:
+            async with VLLMEngine(demo_model(configs[0]), seed=configs[0].seed) as started:
+                records = await run_all(configs, started)
+        else:
+            records = await run_all(configs, engine)
+        for config, recorded in zip(configs, records, strict=True):
+            runs.setdefault((config.max_staleness, config.correction), []).append(recorded)
+    report(runs, args.out, args.steps)
 
 
-async def run_all(configs: list[DemoConfig]) -> list[list[StepRecord]]:
+async def run_all(configs: list[DemoConfig], engine: VLLMEngine) -> list[list[StepRecord]]:
     """Each config's demo run, one after another on one engine (a start costs 11-20 s on 2
     cores), each starting from its model's weights at version 0 as a fresh engine would."""
     from safetensors.torch import load_file
 
-    from asyncroll.engines import VLLMEngine
-
     out = []
-    async with VLLMEngine(demo_model(configs[0]), seed=configs[0].seed) as engine:
-        for c in configs:
-            print(f"max_staleness={c.max_staleness} correction={c.correction} seed={c.seed}: "
-                  f"{c.steps} steps", file=sys.stderr, flush=True)  # fmt: skip
-            weights = list(load_file(demo_model(c) / "model.safetensors").items())
-            await engine.update_weights(weights, version=0)
-            out.append(await run_demo(c, progress=False, engine=engine))
+    for c in configs:
+        print(f"max_staleness={c.max_staleness} correction={c.correction} seed={c.seed}: "
+              f"{c.steps} steps", file=sys.stderr, flush=True)  # fmt: skip
+        weights = list(load_file(demo_model(c) / "model.safetensors").items())
+        await engine.update_weights(weights, version=0)
+        out.append(await run_demo(c, progress=False, engine=engine))
     return out
 
 

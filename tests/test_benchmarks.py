@@ -22,6 +22,7 @@ so together they take about as long as the longest. The vLLM run goes alone, las
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -44,6 +46,14 @@ def _command(script: str, out: Path, *args: str) -> tuple[list[str], dict[str, s
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     return [sys.executable, str(BENCH / script), "--quick", "--out", str(out), *args], env
+
+
+def import_benchmark(name: str) -> ModuleType:
+    """`benchmarks/<name>.py` as a module, to run its code in this process (on an engine of
+    the session's). The scripts import their helpers (`_common`) as top-level modules."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
 
 
 def run_benchmark(
@@ -94,6 +104,11 @@ RUNS: dict[str, tuple[str, tuple[str, ...], float]] = {
 }  # fmt: skip
 
 
+# The tests of `RUNS` share one start of them all (`started`): under `pytest -n` with
+# `--dist loadgroup` they go to one worker (another would start every run again).
+STARTED_TOGETHER = pytest.mark.xdist_group("benchmark_runs")
+
+
 @pytest.fixture(scope="module")
 def started(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -119,6 +134,7 @@ def run(started: dict[str, Background], request: pytest.FixtureRequest) -> Backg
     return started[request.node.name]
 
 
+@STARTED_TOGETHER
 def test_memory_profile_asyncroll_flat_baseline_grows(run: Background) -> None:
     proc = run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -132,12 +148,14 @@ def test_memory_profile_asyncroll_flat_baseline_grows(run: Background) -> None:
     assert ours <= 0.01 * base, f"asyncroll slope {ours:.2f} MiB/1k vs baseline {base:.1f}"
 
 
+@STARTED_TOGETHER
 def test_throughput_quick_runs(run: Background) -> None:
     proc = run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run.out / "throughput.png").exists()
 
 
+@STARTED_TOGETHER
 def test_text_reward_quick_runs(run: Background) -> None:
     proc = run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -149,6 +167,7 @@ def test_text_reward_quick_runs(run: Background) -> None:
     assert (run.out / "text_reward.png").exists()
 
 
+@STARTED_TOGETHER
 def test_soak_quick_passes_every_check(run: Background) -> None:
     """The chaos soak (~60 s): its exit status is the verdict; the table says which check
     failed. Lost and duplicated prompts are asserted here as well, being the headline."""
@@ -159,6 +178,7 @@ def test_soak_quick_passes_every_check(run: Background) -> None:
     assert (run.out / "soak.png").exists()
 
 
+@STARTED_TOGETHER
 def test_episodes_benchmark_quick_runs(run: Background) -> None:
     proc = run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -166,6 +186,7 @@ def test_episodes_benchmark_quick_runs(run: Background) -> None:
     assert result["ratio"] > 0 and (run.out / "episodes.png").exists()
 
 
+@STARTED_TOGETHER
 def test_logprob_memory_quick_stays_under_a_quarter_of_the_logits(run: Background) -> None:
     """Real peak RSS (2 x 256 x 32,000 bf16): its exit status is the verdict, every filter's
     extra memory under 0.25x the logits; the naive float32 log_softmax must show >= 1x, so a
