@@ -19,9 +19,9 @@ from asyncroll.engines.server.launch import ServerProcess
 from asyncroll.engines.server.replicas import ReplicaState
 from tests.vllm.conftest import DEADLINE_S
 from tests.vllm.helpers import ids, request
-from tests.vllm.server import SERVER_MAX_MODEL_LEN, server_engine_on
+from tests.vllm.server import ON_THE_SESSION_SERVER, SERVER_MAX_MODEL_LEN, server_engine_on
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, ON_THE_SESSION_SERVER]
 
 
 async def zero_reward(group: RolloutGroup) -> list[float]:
