@@ -3,6 +3,12 @@
 under its label, and control calls (keep-pause, relabel, abort by id) must reach requests on
 either core. docs/design.md, "Data-parallel vLLM servers", has what vLLM 0.32 routes where.
 
+Then, last, the same server as the second of two replicas behind one engine (the session's
+server the first): sessions stick to a replica; a replica whose API server is SIGKILLed in the
+middle of a Producer run fails only its own groups while the run goes on with the other and
+the ledger holds; restarted, it rejoins with the engine's current version label. The kill ends
+the DP server's life, so that test costs one server start (the return), not two.
+
 The server runs `--api-server-count 1`: with more API servers an abort by id is honoured only
 by the API server that accepted the request (see the design section), and the engine sends
 its aborts on a connection of its own. Slow: a DP server takes 1-5 minutes to start on 2
@@ -22,13 +28,17 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from asyncroll import DropRecord, Producer, PutOutcome, RolloutGroup, SamplingConfig
 from asyncroll.engines import SampleOutput, VLLMEngine, VLLMServerEngine
 from asyncroll.engines.server.launch import ServerProcess
+from asyncroll.engines.server.replicas import ReplicaState
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.helpers import ids, request
+from tests.vllm.server import ON_THE_SESSION_SERVER, SERVER_MAX_MODEL_LEN, server_engine_on
 
-# The module's own server: its tests on one worker under `pytest -n 2 --dist loadgroup`
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-serve-dp")]
+# The module's own server and, in the replica test, the session's: on the session server's
+# worker under `pytest -n 2 --dist loadgroup`
+pytestmark = [pytest.mark.slow, ON_THE_SESSION_SERVER]
 
 ENGINE_CORES = 2
 DP_MAX_MODEL_LEN = 8192
@@ -96,7 +106,8 @@ async def greedy_all(engine: VLLMEngine | VLLMServerEngine, tag: str) -> list[Sa
 
 @pytest.fixture(scope="module")
 def dp_server(server_model: Path) -> Iterator[ServerProcess]:
-    """The module's data-parallel server (stopped by process group at the end)."""
+    """The module's data-parallel server (stopped by process group at the end, if the
+    replica test has not killed it)."""
     server = ServerProcess.start(
         server_model,
         max_model_len=DP_MAX_MODEL_LEN,
@@ -268,3 +279,83 @@ async def test_an_abort_by_id_reaches_a_request_on_either_engine_core(
     for (out,) in results:
         assert out.finish_reason == "abort"
         assert 0 < len(out.tokens) < LONG_TOKENS
+
+
+async def zero_reward(group: RolloutGroup) -> list[float]:
+    return [0.0] * len(group.samples)
+
+
+async def served_by(engine: VLLMServerEngine, rid: str) -> int:
+    """Run one small request; the index of the replica it went to."""
+    before = [r.sent for r in engine.replicas]
+    await engine.generate(request(rid, ids(0, 5, 6), n=2, max_new_tokens=4))
+    (index,) = [i for i, r in enumerate(engine.replicas) if r.sent != before[i]]
+    return index
+
+
+async def test_sticky_sessions_a_killed_replica_and_its_return(
+    vllm_server: ServerProcess,
+    dp_server: ServerProcess,
+    server_model: Path,
+    server_weights_dir: Path,
+) -> None:
+    """Last in the module: it kills the DP server. Back, the replica is a plain server."""
+    second = dp_server
+    engine = server_engine_on(
+        [vllm_server.url, second.url], server_weights_dir, health_interval_s=60.0
+    )
+    try:
+        # Sticky: every attempt of a session meets the same replica; sessions use both.
+        homes = {}
+        for k in range(24):
+            where = {await served_by(engine, f"sticky{k}-{attempt}") for attempt in range(3)}
+            assert len(where) == 1, f"session {k} moved between replicas: {where}"
+            homes[k] = where.pop()
+        assert set(homes.values()) == {0, 1}
+
+        # SIGKILL the second replica's API server while it streams groups of a Producer run.
+        drops: list[DropRecord] = []
+        producer = Producer(
+            engine,
+            [[0, 5 + i % 40, 7] for i in range(24)],
+            zero_reward,
+            group_size=4,
+            sampling=SamplingConfig(max_new_tokens=120, ignore_eos=True),
+            max_inflight_groups=8,
+            on_drop=drops.append,
+        )
+        killed = engine.replicas[1]
+        consumed: list[RolloutGroup] = []
+        async with producer:
+            await engine.wait_progress(lambda: killed.streams >= 2, DEADLINE_S)
+            second.kill_api_server()
+            async with asyncio.timeout(10 * DEADLINE_S):
+                async for batch in producer.batches(4):
+                    producer.check_ledger()
+                    consumed += batch.groups
+        ledger = producer.check_ledger()
+        failed = [d for d in drops if d.outcome is PutOutcome.DROPPED_FAILED]
+        assert failed, "the killed replica's groups should have failed"
+        assert all(second.url in (d.error or "") for d in failed), [d.error for d in failed]
+        assert len(consumed) + len(failed) == 24 == ledger.started_groups
+        assert ledger.in_flight_groups == 0 and len(consumed) >= 24 - 8
+        assert killed.state is ReplicaState.DOWN and engine.replicas[0].state is ReplicaState.UP
+
+        # Back on its port, it rejoins once probed, labelled with the engine's version.
+        await engine.update_weights(None, version=2)  # only the first replica hears it
+        await asyncio.to_thread(second.stop)
+        second = await asyncio.to_thread(
+            ServerProcess.start,
+            server_model,
+            port=int(second.url.rsplit(":", 1)[1]),
+            max_model_len=SERVER_MAX_MODEL_LEN,
+        )
+        await engine.check_replicas()
+        assert killed.state is ReplicaState.UP, killed.error
+        session = next(k for k, home in homes.items() if home == 1)
+        assert await served_by(engine, f"sticky{session}-9") == 1
+        (out,) = await engine.generate(request(f"sticky{session}-10", ids(0, 5), max_new_tokens=4))
+        assert (out.versions == 2).all()
+    finally:
+        await engine.close()
+        await asyncio.to_thread(second.stop)
