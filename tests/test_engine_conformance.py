@@ -396,6 +396,10 @@ async def keep_pause_round(
     with subject.observe_each_token():
         cut_req = make_request(f"{tag}-cut", [cut_budget])
         keep, cut = await subject.start_together(keep_req, cut_req)
+
+        def keep_ran_out() -> bool:  # its last tokens may still arrive after the pause
+            return not last and keep.done() and ran_out(keep.result()[0], keep_budget)
+
         await engine.pause_generation()
         try:
             await engine.update_weights(None, version=1)
@@ -403,7 +407,7 @@ async def keep_pause_round(
             await engine.pause_generation()  # one more round trip: still nothing new
             if subject.delivered_at_pause:
                 assert engine.generated_tokens == frozen_at
-            if not last and keep.done() and ran_out(keep.result()[0], keep_budget):
+            if keep_ran_out():
                 await engine.abort(f"{RUN}-{tag}-cut")
                 await finished(cut)
                 return None
@@ -417,6 +421,8 @@ async def keep_pause_round(
             assert partial.finish_reason == "abort"
             assert 0 < len(partial.tokens) < cut_budget
             assert (partial.versions == 0).all()
+            if keep_ran_out():
+                return None
             assert not keep.done()
             await engine.update_weights(None, version=2)
         finally:
@@ -446,7 +452,7 @@ async def test_keep_pause_freezes_requests_and_updates_in_between_restamp(
     for attempt, (budget, cut_budget) in enumerate(budgets):
         last = attempt == len(budgets) - 1
         outputs = await keep_pause_round(subject, f"frozen{attempt}", budget, cut_budget, last=last)
-        if outputs is not None:
+        if outputs is not None and (last or not ran_out(outputs[0], budget)):
             break
         await engine.update_weights(None, version=0)  # ran out first: again, longer
     assert outputs is not None
