@@ -38,10 +38,14 @@ from asyncroll.engines import (
 )
 from asyncroll.types import Int32Array
 from tests.conftest import VLLM_MAX_MODEL_LEN
+from tests.vllm.server import ON_THE_SESSION_SERVER
 
 DEADLINE_S = 60.0  # for any single wait; every operation here takes well under a second
 RUN_TO_END_S = 600.0  # for a request of `long_budget` tokens run to its end (16k over HTTP)
 SIM_TOKEN_S = 0.02  # SimEngine's per-token latency: a long request runs for hours
+# The server's `Subject.shorter_budgets` (the keep-pause test prints how many tokens its
+# request made before the pause landed: the first budget is meant to be several times that)
+SERVER_SHORTER_BUDGETS = (1024, 4096)
 PROMPT = np.array([0, 5, 6, 7], dtype=np.int32)
 
 
@@ -65,6 +69,12 @@ class ObservableEngine(Engine, Protocol):
 class Subject:
     engine: ObservableEngine
     long_budget: int  # tokens per sample that take far longer than an abort to land
+    shorter_budgets: tuple[int, ...] = ()
+    """Budgets tried before `long_budget` where a request must still run when a pause lands
+    and then run to its end (`keep_pause_round`): an attempt in which a request ran to its
+    end before the pause landed proves nothing and is run again with the next budget. The
+    first is some times the tokens a request makes before a pause lands, so that it is the
+    one that runs; the last, `long_budget`, is what every attempt used before."""
     observe_each_token: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
     """Within it, `generated_tokens` counts every token as it is sampled (engines that report
     progress in chunks switch to one token per chunk), where `delivered_at_pause`; elsewhere
@@ -189,7 +199,13 @@ def make_subject(kind: str, vllm_engine: object = None) -> Subject:
         budget = SERVER_MAX_MODEL_LEN - len(PROMPT) - 8
         # Its count is not checked one by one (see delivered_at_pause), and an event per token
         # of two 16k-token requests costs 2 cores more than generating them: chunks of 16.
-        return Subject(engine, budget, streaming_every(16), delivered_at_pause=False)
+        return Subject(
+            engine,
+            budget,
+            streaming_every(16),
+            delivered_at_pause=False,
+            shorter_budgets=SERVER_SHORTER_BUDGETS,
+        )
     return Subject(engine, VLLM_MAX_MODEL_LEN - len(PROMPT) - 8, each_token)
 
 
@@ -203,7 +219,7 @@ def skip_without_vllm() -> None:
 ENGINES = [
     "sim",
     pytest.param("vllm", marks=pytest.mark.vllm),
-    pytest.param("server", marks=pytest.mark.vllm),
+    pytest.param("server", marks=[pytest.mark.vllm, ON_THE_SESSION_SERVER]),
 ]
 
 
@@ -362,6 +378,60 @@ async def test_a_fresh_id_after_many_aborted_ones_is_unaffected(subject: Subject
 # -- pause, versions -----------------------------------------------------------------------------
 
 
+def ran_out(out: SampleOutput, budget: int) -> bool:
+    """Whether `out` ran to its end before any pause or update reached it."""
+    return (out.finish_reason, len(out.tokens)) == ("length", budget) and bool(
+        (out.versions == 0).all()
+    )
+
+
+async def keep_pause_round(
+    subject: Subject, tag: str, keep_budget: int, cut_budget: int, *, last: bool
+) -> Sequence[SampleOutput] | None:
+    """`test_keep_pause_freezes_requests_and_updates_in_between_restamp`'s scenario with
+    requests of these budgets; what the kept request returned, or None (never when `last`)
+    when a request ran to its end before the pause landed, which proves nothing."""
+    engine = subject.engine
+    keep_req = make_request(tag, [keep_budget])
+    with subject.observe_each_token():
+        cut_req = make_request(f"{tag}-cut", [cut_budget])
+        keep, cut = await subject.start_together(keep_req, cut_req)
+
+        def keep_ran_out() -> bool:  # its last tokens may still arrive after the pause
+            return not last and keep.done() and ran_out(keep.result()[0], keep_budget)
+
+        await engine.pause_generation()
+        try:
+            await engine.update_weights(None, version=1)
+            frozen_at = engine.generated_tokens
+            await engine.pause_generation()  # one more round trip: still nothing new
+            if subject.delivered_at_pause:
+                assert engine.generated_tokens == frozen_at
+            if keep_ran_out():
+                await engine.abort(f"{RUN}-{tag}-cut")
+                await finished(cut)
+                return None
+            assert not keep.done(), keep.result()
+            await engine.abort(f"{RUN}-{tag}-cut")
+            (partial,) = await finished(cut)
+            if not last and ran_out(partial, cut_budget):
+                await engine.abort(f"{RUN}-{tag}")
+                await finished(keep)
+                return None
+            assert partial.finish_reason == "abort"
+            assert 0 < len(partial.tokens) < cut_budget
+            assert (partial.versions == 0).all()
+            if keep_ran_out():
+                return None
+            assert not keep.done()
+            await engine.update_weights(None, version=2)
+        finally:
+            await engine.resume_generation()
+        outputs = await finished(keep, RUN_TO_END_S)
+    check_outputs(outputs, keep_req)
+    return outputs
+
+
 async def test_keep_pause_freezes_requests_and_updates_in_between_restamp(
     subject: Subject,
 ) -> None:
@@ -370,35 +440,24 @@ async def test_keep_pause_freezes_requests_and_updates_in_between_restamp(
     resume with its first tokens at version 0 and its last at version 2. No token is labelled
     1: one would have been sampled while paused. Where the engine delivers every token
     sampled before the pause by the time it returns, the count also stays put across a
-    control round trip."""
+    control round trip. Run again with longer requests (`Subject.shorter_budgets`) where one
+    ran to its end before the pause landed."""
     engine = subject.engine
     if not engine.supports_keep_pause:
         pytest.skip("engine cannot pause in place")
-    budget = 40 if isinstance(engine, SimEngine) else subject.long_budget
-    keep_req = make_request("frozen", [budget])
-    with subject.observe_each_token():
-        cut_req = make_request("frozen-cut", [subject.long_budget])
-        keep, cut = await subject.start_together(keep_req, cut_req)
-        await engine.pause_generation()
-        try:
-            await engine.update_weights(None, version=1)
-            frozen_at = engine.generated_tokens
-            await engine.pause_generation()  # one more round trip: still nothing new
-            if subject.delivered_at_pause:
-                assert engine.generated_tokens == frozen_at
-            assert not keep.done(), keep.result()
-            await engine.abort(f"{RUN}-frozen-cut")
-            (partial,) = await finished(cut)
-            assert partial.finish_reason == "abort"
-            assert 0 < len(partial.tokens) < subject.long_budget
-            assert (partial.versions == 0).all()
-            assert not keep.done()
-            await engine.update_weights(None, version=2)
-        finally:
-            await engine.resume_generation()
-        outputs = await finished(keep, RUN_TO_END_S)
-    check_outputs(outputs, keep_req)
+    if isinstance(engine, SimEngine):
+        budgets = [(40, subject.long_budget)]
+    else:
+        budgets = [(b, b) for b in (*subject.shorter_budgets, subject.long_budget)]
+    for attempt, (budget, cut_budget) in enumerate(budgets):
+        last = attempt == len(budgets) - 1
+        outputs = await keep_pause_round(subject, f"frozen{attempt}", budget, cut_budget, last=last)
+        if outputs is not None and (last or not ran_out(outputs[0], budget)):
+            break
+        await engine.update_weights(None, version=0)  # ran out first: again, longer
+    assert outputs is not None
     (out,) = outputs
+    print(f"{budget}-token request: {int((out.versions == 0).sum())} tokens before the pause")
     assert (out.finish_reason, len(out.tokens)) == ("length", budget)
     assert out.versions[0] == 0 and out.versions[-1] == 2
     assert (np.diff(out.versions) >= 0).all() and 1 not in out.versions

@@ -3,6 +3,12 @@
 under its label, and control calls (keep-pause, relabel, abort by id) must reach requests on
 either core. docs/design.md, "Data-parallel vLLM servers", has what vLLM 0.32 routes where.
 
+Then, last, the same server as the second of two replicas behind one engine (the session's
+server the first): sessions stick to a replica; a replica whose API server is SIGKILLed in the
+middle of a Producer run fails only its own groups while the run goes on with the other and
+the ledger holds; restarted, it rejoins with the engine's current version label. The kill ends
+the DP server's life, so that test costs one server start (the return), not two.
+
 The server runs `--api-server-count 1`: with more API servers an abort by id is honoured only
 by the API server that accepted the request (see the design section), and the engine sends
 its aborts on a connection of its own. Slow: a DP server takes 1-5 minutes to start on 2
@@ -22,12 +28,17 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from asyncroll import DropRecord, Producer, PutOutcome, RolloutGroup, SamplingConfig
 from asyncroll.engines import SampleOutput, VLLMEngine, VLLMServerEngine
 from asyncroll.engines.server.launch import ServerProcess
+from asyncroll.engines.server.replicas import ReplicaState
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.helpers import ids, request
+from tests.vllm.server import ON_THE_SESSION_SERVER, SERVER_MAX_MODEL_LEN, server_engine_on
 
-pytestmark = pytest.mark.slow
+# The module's own server and, in the replica test, the session's: on the session server's
+# worker under `pytest -n 2 --dist loadgroup`
+pytestmark = [pytest.mark.slow, ON_THE_SESSION_SERVER]
 
 ENGINE_CORES = 2
 DP_MAX_MODEL_LEN = 8192
@@ -35,6 +46,12 @@ PROMPTS = [ids(0, 17 + i, 18 + i % 5, 19, 20 + i % 7) for i in range(16)]  # 16 
 GREEDY_TOKENS = 12
 # ~17 s per request unloaded: an update or an abort (well under a second) lands while it runs
 LONG_TOKENS = DP_MAX_MODEL_LEN - 16
+# The relabel test's budgets, tried in turn. A request that ran to its end before the update
+# landed (every token labelled 0) makes its attempt prove nothing, and the next budget is
+# tried; the last is the model's length, which every run used before. The test prints how many
+# tokens each request made before the update landed: the first budget is meant to be several
+# times that, so that it is the attempt that runs unless the machine stalls.
+RELABEL_BUDGETS = (1024, 4096, LONG_TOKENS)
 RUN_TO_END_S = 600.0
 
 
@@ -89,7 +106,8 @@ async def greedy_all(engine: VLLMEngine | VLLMServerEngine, tag: str) -> list[Sa
 
 @pytest.fixture(scope="module")
 def dp_server(server_model: Path) -> Iterator[ServerProcess]:
-    """The module's data-parallel server (stopped by process group at the end)."""
+    """The module's data-parallel server (stopped by process group at the end, if the
+    replica test has not killed it)."""
     server = ServerProcess.start(
         server_model,
         max_model_len=DP_MAX_MODEL_LEN,
@@ -196,12 +214,14 @@ async def test_every_engine_core_serves_the_update_under_its_label(
                 assert sums[f"dp{i}:" + key.split(":", 1)[1]] == value, key
 
 
-async def long_requests(engine: VLLMServerEngine, tag: str, count: int) -> list[asyncio.Task]:
-    """`count` long greedy requests, returned once each has its first token."""
+async def long_requests(
+    engine: VLLMServerEngine, tag: str, count: int, tokens: int = LONG_TOKENS
+) -> list[asyncio.Task]:
+    """`count` greedy requests of `tokens` each, returned once each has its first token."""
     tasks = [
         asyncio.ensure_future(
             engine.generate(
-                request(f"{tag}-{i}", PROMPTS[i], max_new_tokens=LONG_TOKENS, temperature=0.0)
+                request(f"{tag}-{i}", PROMPTS[i], max_new_tokens=tokens, temperature=0.0)
             )
         )
         for i in range(count)
@@ -217,18 +237,30 @@ async def test_an_update_relabels_requests_running_on_every_engine_core(
 ) -> None:
     """A keep-pause update lands while requests run on both cores: each continues to its end,
     its tokens labelled 0 up to the update and 2 after it, in that order (labels are per engine
-    core in vLLM: `/update_weight_version` must reach both)."""
+    core in vLLM: `/update_weight_version` must reach both). An attempt where requests ended
+    before the update landed, or before the server counted them running on both cores, is
+    run again with longer requests (`RELABEL_BUDGETS`)."""
     engine = dp_engine
-    tasks = await long_requests(engine, "relabel", 4)
-    running = await per_engine(dp_server.url, "vllm:num_requests_running")
-    await engine.update_weights(None, version=2)
-    async with asyncio.timeout(RUN_TO_END_S):
-        results = await asyncio.gather(*tasks)
-    assert all(running[str(i)] > 0 for i in range(ENGINE_CORES)), running
+    for attempt, tokens in enumerate(RELABEL_BUDGETS):
+        last = attempt == len(RELABEL_BUDGETS) - 1
+        tasks = await long_requests(engine, f"relabel{attempt}", 4, tokens)
+        running = await per_engine(dp_server.url, "vllm:num_requests_running")
+        await engine.update_weights(None, version=2)
+        async with asyncio.timeout(RUN_TO_END_S):
+            results = await asyncio.gather(*tasks)
+        before_update = [int((out.versions == 0).sum()) for (out,) in results]
+        print(f"{tokens}-token requests: {before_update} tokens each before the update landed")
+        for (out,) in results:
+            assert (out.finish_reason, len(out.tokens)) == ("length", tokens)
+            assert set(out.versions.tolist()) <= {0, 2}
+            assert (np.diff(out.versions) >= 0).all()
+        on_every_core = all(running[str(i)] > 0 for i in range(ENGINE_CORES))
+        if last or (on_every_core and all(2 in out.versions for (out,) in results)):
+            break
+        await engine.update_weights(None, version=0)  # some ended first: again, longer
+    assert on_every_core, running
     for (out,) in results:
-        assert (out.finish_reason, len(out.tokens)) == ("length", LONG_TOKENS)
         assert set(out.versions.tolist()) == {0, 2}
-        assert (np.diff(out.versions) >= 0).all()
 
 
 async def test_an_abort_by_id_reaches_a_request_on_either_engine_core(
@@ -247,3 +279,83 @@ async def test_an_abort_by_id_reaches_a_request_on_either_engine_core(
     for (out,) in results:
         assert out.finish_reason == "abort"
         assert 0 < len(out.tokens) < LONG_TOKENS
+
+
+async def zero_reward(group: RolloutGroup) -> list[float]:
+    return [0.0] * len(group.samples)
+
+
+async def served_by(engine: VLLMServerEngine, rid: str) -> int:
+    """Run one small request; the index of the replica it went to."""
+    before = [r.sent for r in engine.replicas]
+    await engine.generate(request(rid, ids(0, 5, 6), n=2, max_new_tokens=4))
+    (index,) = [i for i, r in enumerate(engine.replicas) if r.sent != before[i]]
+    return index
+
+
+async def test_sticky_sessions_a_killed_replica_and_its_return(
+    vllm_server: ServerProcess,
+    dp_server: ServerProcess,
+    server_model: Path,
+    server_weights_dir: Path,
+) -> None:
+    """Last in the module: it kills the DP server. Back, the replica is a plain server."""
+    second = dp_server
+    engine = server_engine_on(
+        [vllm_server.url, second.url], server_weights_dir, health_interval_s=60.0
+    )
+    try:
+        # Sticky: every attempt of a session meets the same replica; sessions use both.
+        homes = {}
+        for k in range(24):
+            where = {await served_by(engine, f"sticky{k}-{attempt}") for attempt in range(3)}
+            assert len(where) == 1, f"session {k} moved between replicas: {where}"
+            homes[k] = where.pop()
+        assert set(homes.values()) == {0, 1}
+
+        # SIGKILL the second replica's API server while it streams groups of a Producer run.
+        drops: list[DropRecord] = []
+        producer = Producer(
+            engine,
+            [[0, 5 + i % 40, 7] for i in range(24)],
+            zero_reward,
+            group_size=4,
+            sampling=SamplingConfig(max_new_tokens=120, ignore_eos=True),
+            max_inflight_groups=8,
+            on_drop=drops.append,
+        )
+        killed = engine.replicas[1]
+        consumed: list[RolloutGroup] = []
+        async with producer:
+            await engine.wait_progress(lambda: killed.streams >= 2, DEADLINE_S)
+            second.kill_api_server()
+            async with asyncio.timeout(10 * DEADLINE_S):
+                async for batch in producer.batches(4):
+                    producer.check_ledger()
+                    consumed += batch.groups
+        ledger = producer.check_ledger()
+        failed = [d for d in drops if d.outcome is PutOutcome.DROPPED_FAILED]
+        assert failed, "the killed replica's groups should have failed"
+        assert all(second.url in (d.error or "") for d in failed), [d.error for d in failed]
+        assert len(consumed) + len(failed) == 24 == ledger.started_groups
+        assert ledger.in_flight_groups == 0 and len(consumed) >= 24 - 8
+        assert killed.state is ReplicaState.DOWN and engine.replicas[0].state is ReplicaState.UP
+
+        # Back on its port, it rejoins once probed, labelled with the engine's version.
+        await engine.update_weights(None, version=2)  # only the first replica hears it
+        await asyncio.to_thread(second.stop)
+        second = await asyncio.to_thread(
+            ServerProcess.start,
+            server_model,
+            port=int(second.url.rsplit(":", 1)[1]),
+            max_model_len=SERVER_MAX_MODEL_LEN,
+        )
+        await engine.check_replicas()
+        assert killed.state is ReplicaState.UP, killed.error
+        session = next(k for k, home in homes.items() if home == 1)
+        assert await served_by(engine, f"sticky{session}-9") == 1
+        (out,) = await engine.generate(request(f"sticky{session}-10", ids(0, 5), max_new_tokens=4))
+        assert (out.versions == 2).all()
+    finally:
+        await engine.close()
+        await asyncio.to_thread(second.stop)
