@@ -38,7 +38,6 @@ from asyncroll.engines import (
 )
 from asyncroll.types import Int32Array
 from tests.conftest import VLLM_MAX_MODEL_LEN
-from tests.vllm.server import ON_THE_SESSION_SERVER
 
 DEADLINE_S = 60.0  # for any single wait; every operation here takes well under a second
 RUN_TO_END_S = 600.0  # for a request of `long_budget` tokens run to its end (16k over HTTP)
@@ -219,7 +218,7 @@ def skip_without_vllm() -> None:
 ENGINES = [
     "sim",
     pytest.param("vllm", marks=pytest.mark.vllm),
-    pytest.param("server", marks=[pytest.mark.vllm, ON_THE_SESSION_SERVER]),
+    pytest.param("server", marks=pytest.mark.vllm),
 ]
 
 

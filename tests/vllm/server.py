@@ -24,10 +24,6 @@ from asyncroll.engines.server.launch import ServerProcess
 SERVER_MAX_MODEL_LEN = 16384
 SERVER_DEADLINE_S = 60.0
 
-ON_THE_SESSION_SERVER = pytest.mark.xdist_group("vllm-serve")
-"""For every test on `vllm_server`: `pytest -n 2 --dist loadgroup` runs them on one worker,
-which starts the server once (each worker has a session of its own)."""
-
 
 def skip_without_vllm() -> None:
     try:

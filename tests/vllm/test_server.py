@@ -16,9 +16,7 @@ from asyncroll.engines import VLLMServerEngine
 from asyncroll.engines.server.launch import ServerProcess
 from tests.vllm.conftest import DEADLINE_S, original_weights
 from tests.vllm.helpers import ids, request
-from tests.vllm.server import ON_THE_SESSION_SERVER
 
-pytestmark = ON_THE_SESSION_SERVER
 PROMPT = ids(0, 17, 18, 19, 20)
 
 

@@ -34,11 +34,11 @@ from asyncroll.engines.server.launch import ServerProcess
 from asyncroll.engines.server.replicas import ReplicaState
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.helpers import ids, request
-from tests.vllm.server import ON_THE_SESSION_SERVER, SERVER_MAX_MODEL_LEN, server_engine_on
+from tests.vllm.server import SERVER_MAX_MODEL_LEN, server_engine_on
 
 # The module's own server and, in the replica test, the session's: on the session server's
 # worker under `pytest -n 2 --dist loadgroup`
-pytestmark = [pytest.mark.slow, ON_THE_SESSION_SERVER]
+pytestmark = pytest.mark.slow
 
 ENGINE_CORES = 2
 DP_MAX_MODEL_LEN = 8192

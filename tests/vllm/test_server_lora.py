@@ -38,11 +38,11 @@ from asyncroll.lora import LoraAdapter, LoraConfig, LoraError, LoraSlots
 from tests.stubs import served
 from tests.test_server_lora_control import LoraStub
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
-from tests.vllm.server import ON_THE_SESSION_SERVER, server_engine_on
+from tests.vllm.server import server_engine_on
 from tests.vllm.test_lora_parity import CONFIG, TARGETS, Case, random_adapter
 from tests.vllm.test_weight_parity import STEPS, VERSION, assert_parity, serve
 
-pytestmark = [pytest.mark.slow, ON_THE_SESSION_SERVER]  # one test, and the module's servers
+pytestmark = pytest.mark.slow
 
 SLOTS = LoraSlots(max_rank=CONFIG.rank)
 

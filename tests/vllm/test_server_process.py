@@ -18,9 +18,6 @@ from __future__ import annotations
 import os
 
 from asyncroll.engines.server.launch import ServerProcess
-from tests.vllm.server import ON_THE_SESSION_SERVER
-
-pytestmark = ON_THE_SESSION_SERVER
 
 
 def test_the_server_runs_in_the_callers_session_in_a_process_group_of_its_own(

@@ -18,7 +18,7 @@ from asyncroll.engines.vllm import weight_check
 from asyncroll.engines.vllm.weights_file import write_safetensors
 from tests.vllm.conftest import DEADLINE_S, original_weights
 from tests.vllm.helpers import ids, request
-from tests.vllm.server import ON_THE_SESSION_SERVER, server_engine_on
+from tests.vllm.server import server_engine_on
 from tests.vllm.test_weight_parity import perturbed
 
 LEFT_OUT = "model.layers.0.self_attn.k_proj.weight"  # packed into qkv_proj with q and v
@@ -50,7 +50,6 @@ async def verified(
         await restore.update_weights(original_weights(server_model), version=0)
 
 
-@ON_THE_SESSION_SERVER
 async def test_server_verified_update_and_a_replica_that_misses_a_tensor(
     verified: VLLMServerEngine, server_model: Path, vllm_server: ServerProcess
 ) -> None:
@@ -71,7 +70,6 @@ async def test_server_verified_update_and_a_replica_that_misses_a_tensor(
     assert out.versions.tolist() == [1, 1, 1]
 
 
-@ON_THE_SESSION_SERVER
 async def test_the_served_value_check_finds_issue_24s_stale_tied_head(
     verified: VLLMServerEngine, server_model: Path, vllm_server: ServerProcess, tmp_path: Path
 ) -> None:
