@@ -1,0 +1,108 @@
+"""`asyncroll demo --task openai_echo` for real, short: tool_echo run by a plain openai-client
+agent through the agent endpoint, on the session's vLLM engine, trained by the demo's trainer.
+Every trained episode is exactly what the engine sampled (prefixes, ids, logprobs, versions),
+the loss mask is 1 on exactly the sampled ids and the rest is tool_echo's answers, what the
+agent scored is the text of those ids, and the reward rises from a random policy's."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncroll.app import demo, demo_openai, demo_tool
+from asyncroll.app.demo import demo_config, run_demo
+from asyncroll.engines import VLLMEngine
+from asyncroll.engines.base import GenerateRequest, SampleOutput
+from asyncroll.types import RolloutGroup
+from tests.vllm.test_demo import demo_engine, load_demo_model
+
+pytest.importorskip("openai")
+__all__ = ["demo_engine"]  # the fixture, shared with the other demo tests
+
+EOS = 1
+
+
+class Recorder:
+    """The engine, with every request and its outputs recorded."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self._engine = engine
+        self.seen: list[tuple[GenerateRequest, Sequence[SampleOutput]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        outputs = await self._engine.generate(request)
+        self.seen.append((request, outputs))
+        return outputs
+
+
+def check_episode(group: RolloutGroup, index: int, seen: list[Any], tokenizer: Any) -> None:
+    """Sample `index` of `group` against the engine's requests for its episode."""
+    sample = group.samples[index]
+    assert sample.loss_mask is not None and sample.turn_ends is not None
+    session = re.compile(rf"-{group.uid}-\d+-s{index}$")
+    mine = [(r, o) for r, o in seen if r.session is not None and session.search(r.session)]
+    assert mine, "no engine request of this episode was recorded"
+    tokens, mask = sample.tokens, sample.loss_mask.astype(bool)
+    sampled = np.zeros(len(tokens), dtype=bool)
+    for request, (out,) in mine:
+        assert request.prompt_tokens.tolist() == group.prompt_tokens.tolist()
+        start = len(request.samples[0].prefix)
+        end = start + len(out.tokens)
+        assert request.samples[0].prefix.tolist() == tokens[:start].tolist()
+        assert tokens[start:end].tolist() == out.tokens.tolist()
+        assert sample.logprobs[start:end].tolist() == out.logprobs.tolist()
+        assert sample.versions[start:end].tolist() == out.versions.tolist()
+        sampled[start:end] = True
+    assert (mask == sampled).all()  # trained: exactly the engine's ids
+    # The rest is tool_echo's answers, in order; each turn but the last ended with <|eos|>.
+    turns = demo_tool.split_turns(sample)
+    answers = [t.tolist() for policy, t in turns if not policy]
+    assert answers == group.metadata["answers"][: len(answers)]
+    policy = [t.tolist() for is_policy, t in turns if is_policy]
+    assert all(t[-1] == EOS for t in policy[:-1])
+    # What the agent scored is the text of the sampled ids (a turn that did not end: half).
+    letters = group.metadata["letters"]
+    for k, ids in enumerate(policy):
+        ended = ids[-1] == EOS
+        text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
+        want = demo_openai.score(text, letters[k]) * (1 if ended else demo_openai.UNENDED)
+        assert sample.extra["turn_scores"][k] == pytest.approx(want)
+    assert sample.reward == pytest.approx(np.mean(sample.extra["turn_scores"]))
+
+
+async def test_openai_echo_records_what_the_engine_sampled_and_learns(
+    tmp_path: Path, demo_engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoTokenizer
+
+    config = demo_config(
+        task="openai_echo", seed=1, steps=12, batch_groups=8, lr=1e-2, out=str(tmp_path),
+        solved_reward=0.0, batch_timeout_s=60.0,
+    )  # fmt: skip
+    trained: list[list[RolloutGroup]] = []
+    step = demo.Trainer.step
+
+    def recording_step(self: Any, groups: list[RolloutGroup], version: int) -> Any:
+        trained.append(groups)
+        return step(self, groups, version)
+
+    monkeypatch.setattr(demo.Trainer, "step", recording_step)
+    recorder = Recorder(await load_demo_model(demo_engine, config))
+    records = await run_demo(config, progress=False, engine=recorder)  # type: ignore[arg-type]
+    assert len(records) == config.steps and records[-1].failed_groups == 0
+    tokenizer = AutoTokenizer.from_pretrained(str(demo.demo_model(config)))
+    for groups in trained:
+        for group in groups:
+            for i in range(group.num_samples):
+                check_episode(group, i, recorder.seen, tokenizer)
+    first = float(np.mean([r.reward for r in records[:3]]))
+    last = float(np.mean([r.reward for r in records[-3:]]))
+    assert first < 0.05 and last > 3 * first, (first, last)
