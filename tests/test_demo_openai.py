@@ -1,7 +1,7 @@
 """The openai_echo demo task (`asyncroll.app.demo_openai`) with a scripted engine (a simulation:
 it returns the ids the test gives it): the openai-client agent gets each reply that ends its
 turn as a `say` tool call, answers it with tool_echo's next letter, scores the text it was
-given, and a reply cut by the token limit ends the episode at half its score. The real engine
+given, and a reply cut by the token limit ends the episode. The real engine
 runs it in tests/vllm/test_demo_openai.py."""
 
 from __future__ import annotations
@@ -63,14 +63,14 @@ async def test_each_turn_is_a_tool_call_answered_with_the_next_letter(model_dir:
     a, b, c = letters
     other = next(x for x in demo_tool.LETTERS if x != b)
     episode = [
-        ([*letter_ids(model_dir, a * 3), EOS], "stop"),  # all right
-        ([*letter_ids(model_dir, b + other), EOS], "stop"),  # half
-        (letter_ids(model_dir, c * 4), "length"),  # never ended: half its score
+        ([*letter_ids(model_dir, a * 3), EOS], "stop"),  # all right: 1
+        ([*letter_ids(model_dir, b + other), EOS], "stop"),  # half right: 0.8 x 0.5 + 0.2
+        (letter_ids(model_dir, c * 4), "length"),  # right, but not ended: 0.8
     ]
     group, engine = await run_one(model_dir, episode)
     for sample in group.samples:
-        assert sample.extra["turn_scores"] == [1.0, 0.5, 0.5]
-        assert sample.reward == pytest.approx(2 / 3)
+        assert sample.extra["turn_scores"] == pytest.approx([1.0, 0.6, 0.8])
+        assert sample.reward == pytest.approx(0.8)
         assert len(sample.extra["call_s"]) == 3
         mask = sample.loss_mask
         assert mask is not None
@@ -79,7 +79,7 @@ async def test_each_turn_is_a_tool_call_answered_with_the_next_letter(model_dir:
         want = [*episode[0][0], *answers[0], *episode[1][0], *answers[1], *episode[2][0]]
         assert sample.tokens.tolist() == want
         assert mask.tolist() == [1] * 4 + [0] * 2 + [1] * 3 + [0] * 2 + [1] * 4
-    assert demo_openai.turn_rewards(group).tolist() == [[1.0, 0.5, 0.5]]
+    assert demo_openai.turn_rewards(group)[0].tolist() == pytest.approx([1.0, 0.6, 0.8])
     # Each call's prompt is the last one's stream plus the reply and the tool's answer.
     assert [len(r.samples[0].prefix) for r in engine.requests[:3]] == [0, 6, 11]
 
@@ -89,11 +89,12 @@ async def test_a_reply_cut_by_the_token_limit_ends_the_episode(model_dir: Path) 
     cut = (letter_ids(model_dir, letters[0] * 4), "length")
     group, _ = await run_one(model_dir, [cut])
     for sample in group.samples:
-        assert sample.extra["turn_scores"] == [demo_openai.UNENDED, 0.0, 0.0]
+        assert sample.extra["turn_scores"] == pytest.approx([0.8, 0.0, 0.0])
         assert len(sample.extra["call_s"]) == 1 and sample.turn_ends is not None
         assert sample.turn_ends.tolist() == [4]
     metrics = demo_openai.step_metrics([group])
-    assert (metrics["reached0"], metrics["reached1"], metrics["turn0"]) == (1.0, 0.0, 0.5)
+    assert (metrics["reached0"], metrics["reached1"]) == (1.0, 0.0)
+    assert metrics["turn0"] == pytest.approx(0.8)
 
 
 def test_the_parser_and_the_score() -> None:
@@ -109,6 +110,9 @@ def test_the_parser_and_the_score() -> None:
     cut = parser.parse(ids[:-1], prompt_ids=[])
     assert (cut.content, cut.tool_calls, cut.finish_reason) == ("cc", (), "length")
     assert [demo_openai.score(t, "c") for t in ("ccc", "cat", "", "d")] == [1, 1 / 3, 0, 0]
+    turn = demo_openai.turn_score
+    assert [turn("c", "c", ended=True), turn("x", "c", ended=True)] == [1.0, 0.2]
+    assert [turn("", "c", ended=True), turn("cccc", "c", ended=False)] == [0.0, 0.8]
 
 
 def test_the_task_takes_tool_echos_defaults() -> None:

@@ -14,8 +14,9 @@ What differs from the token-level task, and why:
 
 * A chat turn must end with its end-of-turn token for the conversation to go on: the endpoint
   refuses to continue a reply cut by the token limit (there is no end of turn to continue
-  from). So the policy learns to end its turns too: a turn that did not (no tool call) scores
-  half its text's score, and its episode ends there (its later turns score 0).
+  from). So the policy learns to end its turns too: a turn that did not (no tool call) loses
+  the share of its score that ending earns (`turn_score`), and its episode ends there (its
+  later turns score 0).
 * The agent sees text, not token ids: a turn's score is the share of the said text's
   characters that are the letter ("ccc" and "c" 1, "cat" 1/3, nothing said 0).
 * The task's chat template renders exactly tool_echo's stream: a user or tool message as its
@@ -51,7 +52,9 @@ CALL_TIMEOUT_S = 600.0
 """Every phase of a call, connecting included (the client's default gives a connection 5 s:
 on a loaded machine the endpoint, on the trainer's event loop, accepted later, and the
 group failed with `APITimeoutError`); the group's episode deadline bounds it anyway."""
-UNENDED = 0.5  # a turn cut by the token limit scores this share of its text's score
+ENDED = 0.2
+"""Of a turn's score, what ending it (a `say` call) with something said earns, whatever was
+said; the rest is the text's share of the letter. See `turn_score`."""
 DEFAULTS: Final = demo_tool.DEFAULTS
 """tool_echo's defaults, whatever they are: the same training path."""
 
@@ -104,6 +107,20 @@ def score(text: str, letter: str) -> float:
     return text.count(letter) / len(text) if text else 0.0
 
 
+def turn_score(text: str, letter: str, *, ended: bool) -> float:
+    """A turn's score: `ENDED` for ending the turn with something said, and the rest for the
+    text's share of the letter ("c<|eos|>" 1, "cccc" cut by the limit 0.8, "x<|eos|>" 0.2,
+    "<|eos|>" 0).
+
+    With the letter's share alone and a cut turn scoring half of it (seed 1), the policy learnt
+    to say letters for all four tokens and was certain of it (entropy 0.00 by step 75) before
+    one sample had ended a turn: nothing was left to find `<|eos|>` with, and the first turn's
+    score stayed at 0.18, no episode reaching a second turn. Ending a turn on its own is a
+    single token in every context, found early; then every episode has all its turns to learn
+    from, and a turn needs one right letter, not four."""
+    return (1 - ENDED) * score(text, letter) + ENDED * (ended and bool(text))
+
+
 async def openai_echo_agent(client: Any, episode: Episode, model: str) -> float:
     """The agent: plain OpenAI-client code. `client` is an `openai.AsyncOpenAI` on the
     episode's URL. Each turn's score goes to `episode.extra["turn_scores"]`, each call's wall
@@ -118,12 +135,12 @@ async def openai_echo_agent(client: Any, episode: Episode, model: str) -> float:
         calls.append(time.perf_counter() - start)
         message = response.choices[0].message
         if not message.tool_calls:  # cut by the token limit: the conversation cannot go on
-            scores[turn] = UNENDED * score(message.content or "", letters[turn])
+            scores[turn] = turn_score(message.content or "", letters[turn], ended=False)
             break
         messages.append(message.model_dump(exclude_none=True))
         (call,) = message.tool_calls
         said = call.function.arguments  # the tool: score what was said, answer the next letter
-        scores[turn] = score(_text(said), letters[turn])
+        scores[turn] = turn_score(_text(said), letters[turn], ended=True)
         if turn + 1 < TURNS:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": letters[turn + 1]})
     episode.extra["turn_scores"] = scores

@@ -68,12 +68,12 @@ def check_episode(group: RolloutGroup, index: int, seen: list[Any], tokenizer: A
     assert answers == group.metadata["answers"][: len(answers)]
     policy = [t.tolist() for is_policy, t in turns if is_policy]
     assert all(t[-1] == EOS for t in policy[:-1])
-    # What the agent scored is the text of the sampled ids (a turn that did not end: half).
+    # What the agent scored is the text of the sampled ids.
     letters = group.metadata["letters"]
     for k, ids in enumerate(policy):
         ended = ids[-1] == EOS
         text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
-        want = demo_openai.score(text, letters[k]) * (1 if ended else demo_openai.UNENDED)
+        want = demo_openai.turn_score(text, letters[k], ended=ended)
         assert sample.extra["turn_scores"][k] == pytest.approx(want)
     assert sample.reward == pytest.approx(np.mean(sample.extra["turn_scores"]))
 
