@@ -79,7 +79,9 @@ async def test_each_turn_is_a_tool_call_answered_with_the_next_letter(model_dir:
         want = [*episode[0][0], *answers[0], *episode[1][0], *answers[1], *episode[2][0]]
         assert sample.tokens.tolist() == want
         assert mask.tolist() == [1] * 4 + [0] * 2 + [1] * 3 + [0] * 2 + [1] * 4
-    assert demo_openai.turn_rewards(group)[0].tolist() == pytest.approx([1.0, 0.6, 0.8])
+    assert demo_openai.turn_scores(group)[0].tolist() == pytest.approx([1.0, 0.6, 0.8])
+    # The trainer's: shifted alike (GRPO's advantages are the same); <= 0 for no letter said.
+    assert demo_openai.turn_rewards(group)[0].tolist() == pytest.approx([0.8, 0.4, 0.6])
     # Each call's prompt is the last one's stream plus the reply and the tool's answer.
     assert [len(r.samples[0].prefix) for r in engine.requests[:3]] == [0, 6, 11]
 

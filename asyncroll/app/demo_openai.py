@@ -155,15 +155,24 @@ def _text(arguments: str) -> str:
     return str(value.get("text", "")) if isinstance(value, dict) else ""
 
 
-def turn_rewards(group: RolloutGroup) -> npt.NDArray[np.float64]:
-    """[samples, TURNS]: each turn's score as the agent gave it."""
+def turn_scores(group: RolloutGroup) -> npt.NDArray[np.float64]:
+    """[samples, TURNS]: each turn's score as the agent gave it (0 for a turn not reached)."""
     return np.array([s.extra["turn_scores"] for s in group.samples], dtype=np.float64)
+
+
+def turn_rewards(group: RolloutGroup) -> npt.NDArray[np.float64]:
+    """[samples, TURNS]: the trainer's per-turn rewards, each turn's score less `ENDED`. The
+    same shift for every sample leaves GRPO's advantages as they are, and a turn's reward is
+    then <= 0 exactly when it said no letter, what the trainer's "failed problem" (every
+    sample <= 0: `asyncroll.train.failed_tokens`) means in tool_echo; unshifted, a group that
+    ends its turns with a wrong letter (0.2 each) would never count as failed."""
+    return turn_scores(group) - ENDED
 
 
 def step_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
     """Per batch: each turn's mean score and the share of episodes that reached it (every
     earlier turn ended with a tool call), and the mean proxy call time in ms."""
-    scores = np.stack([turn_rewards(g) for g in groups])  # [groups, samples, turns]
+    scores = np.stack([turn_scores(g) for g in groups])  # [groups, samples, turns]
     samples = [s for g in groups for s in g.samples]
     reached = np.zeros(TURNS)
     for s in samples:
