@@ -7,6 +7,7 @@ agent scored is the text of those ids, and the reward rises from a random policy
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,23 +29,30 @@ EOS = 1
 
 
 class Recorder:
-    """The engine, with every request and its outputs recorded."""
+    """The engine, with every request, its outputs and how long it took recorded."""
 
     def __init__(self, engine: VLLMEngine) -> None:
         self._engine = engine
         self.seen: list[tuple[GenerateRequest, Sequence[SampleOutput]]] = []
+        self.took: dict[str, float] = {}  # request id: seconds in the engine
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        start = time.perf_counter()
         outputs = await self._engine.generate(request)
+        self.took[request.request_id] = time.perf_counter() - start
         self.seen.append((request, outputs))
         return outputs
 
 
-def check_episode(group: RolloutGroup, index: int, seen: list[Any], tokenizer: Any) -> None:
-    """Sample `index` of `group` against the engine's requests for its episode."""
+def check_episode(
+    group: RolloutGroup, index: int, recorder: Recorder, tokenizer: Any
+) -> list[tuple[float, float]]:
+    """Sample `index` of `group` against the engine's requests for its episode; each turn's
+    (call's wall time as the agent saw it, time in the engine)."""
+    seen = recorder.seen
     sample = group.samples[index]
     assert sample.loss_mask is not None and sample.turn_ends is not None
     session = re.compile(rf"-{group.uid}-\d+-s{index}$")
@@ -76,6 +84,12 @@ def check_episode(group: RolloutGroup, index: int, seen: list[Any], tokenizer: A
         want = demo_openai.turn_score(text, letters[k], ended=ended)
         assert sample.extra["turn_scores"][k] == pytest.approx(want)
     assert sample.reward == pytest.approx(np.mean(sample.extra["turn_scores"]))
+    starts = [0, *sample.turn_ends.tolist()][0::2]  # where each policy turn starts
+    engine_s = [0.0] * len(policy)
+    for request, _ in mine:
+        turn = sum(1 for s in starts[1:] if len(request.samples[0].prefix) >= s)
+        engine_s[turn] += recorder.took[request.request_id]
+    return list(zip(sample.extra["call_s"], engine_s, strict=True))
 
 
 async def test_openai_echo_records_what_the_engine_sampled_and_learns(
@@ -99,10 +113,22 @@ async def test_openai_echo_records_what_the_engine_sampled_and_learns(
     records = await run_demo(config, progress=False, engine=recorder)  # type: ignore[arg-type]
     assert len(records) == config.steps and records[-1].failed_groups == 0
     tokenizer = AutoTokenizer.from_pretrained(str(demo.demo_model(config)))
-    for groups in trained:
-        for group in groups:
-            for i in range(group.num_samples):
-                check_episode(group, i, recorder.seen, tokenizer)
+    turns = [
+        turn
+        for groups in trained
+        for group in groups
+        for i in range(group.num_samples)
+        for turn in check_episode(group, i, recorder, tokenizer)
+    ]
+    # The proxy's own cost per call (the call's wall time less the engine's, parked time in
+    # a weight update included): printed for the record (-s), never asserted (a timing).
+    call = np.array([c for c, _ in turns])
+    own = call - np.array([e for _, e in turns])
+    print(
+        f"\nopenai_echo, {len(turns)} calls: call median {1e3 * np.median(call):.1f} ms, "
+        f"proxy's own cost median {1e3 * np.median(own):.2f} ms "
+        f"({np.median(own / call):.1%} of the call), mean {1e3 * own.mean():.2f} ms"
+    )
     first = float(np.mean([r.reward for r in records[:3]]))
     last = float(np.mean([r.reward for r in records[-3:]]))
     assert first < 0.05 and last > 3 * first, (first, last)
