@@ -212,3 +212,39 @@ def test_tool_echo_step_metrics_name_the_letter_that_stalls() -> None:
     assert got["letter_c"] == 0.0 and got["letter_a"] == 1.0 and got["letter_b"] == 1.0
     assert got["zero_std"] == 1.0 and got["zero_std_wrong"] == 2 / (2 * TURNS)
     assert got["turn0"] == 0.5 and got["turn2"] == 0.5
+
+
+def test_failed_tokens_are_those_of_the_problems_every_sample_missed() -> None:
+    """The entropy bonus of `--entropy-on failed` covers exactly the trained tokens of the
+    (group, turn) problems whose samples all scored 0: not a problem one sample hit (GRPO has
+    a signal there), not one every sample solved (it may become certain), not the environment's
+    tokens. Without per-turn rewards a problem is a whole group."""
+    torch = pytest.importorskip("torch")
+    from asyncroll.train import failed_tokens, mean_entropy
+
+    groups = [scored_turn_group(2), scored_turn_group(2)]
+    scores = {  # [samples, turns] per group: turn 0 of group 0 and turns 0, 2 of group 1 fail
+        0: np.array([[0.0, 0.0, 1.0], [0.0, 0.5, 1.0]]),
+        1: np.array([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]),
+    }
+    groups = [msgspec.structs.replace(g, prompt_id=str(i)) for i, g in enumerate(groups)]
+    batch = to_batch(groups)
+    failed = failed_tokens(batch, groups, lambda g: scores[int(g.prompt_id)])
+    turn = torch.from_numpy(turn_index(groups, batch.input_ids.shape[1]))
+    expected = torch.zeros_like(batch.loss_mask)
+    expected[:2] = turn[:2] == 0
+    expected[2:] = (turn[2:] == 0) | (turn[2:] == 2)
+    assert torch.equal(failed, expected) and bool((failed <= batch.loss_mask).all())
+
+    missed = tuple(msgspec.structs.replace(s, reward=0.0) for s in groups[0].samples)
+    flat = [msgspec.structs.replace(groups[0], samples=missed), groups[1]]  # group 1: 0 and 1
+    whole = failed_tokens(to_batch(flat), flat, None)
+    assert torch.equal(whole[:2], batch.loss_mask[:2]) and not bool(whole[2:].any())
+
+    logits = torch.randn((*batch.input_ids.shape, 16)).requires_grad_()  # not uniform: grad != 0
+    mean_entropy(logits, batch, 1.0, mask=failed).backward()
+    assert logits.grad is not None
+    sampled_at = torch.zeros_like(failed)  # the position whose logits sampled a failed token
+    sampled_at[:, :-1] = failed[:, 1:]
+    moved = logits.grad.abs().sum(-1) > 0
+    assert torch.equal(moved, sampled_at)

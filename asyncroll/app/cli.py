@@ -149,6 +149,13 @@ def _parser() -> argparse.ArgumentParser:
         f"advantage); none: train on every group ({_defaults('filter', d.filter)})",
     )
     demo.add_argument(
+        "--entropy-on",
+        default=argparse.SUPPRESS,  # demo_config fills in the task's
+        help="the tokens the --entropy bonus is the mean over: all trained tokens, or failed: "
+        "those of the problems (a group's turn under --credit turn) whose samples all scored 0, "
+        f"where GRPO has no signal ({_defaults('entropy_on', d.entropy_on)})",
+    )
+    demo.add_argument(
         "--correction",
         default=d.correction,
         help="off-policy correction of stale tokens: none, decoupled, tis, mask, seq-mask "

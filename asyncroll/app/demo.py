@@ -33,7 +33,7 @@ import psutil
 from asyncroll import ProduceBatchResult
 from asyncroll.engines.base import SamplingConfig, Weights
 from asyncroll.lora import VLLM_MAX_RANKS, LoraAdapter, LoraConfig, LoraSlots
-from asyncroll.train.turns import TurnRewards, mean_entropy, turn_loss
+from asyncroll.train.turns import TurnRewards, failed_tokens, token_entropy, turn_loss
 from asyncroll.types import Prompt, RolloutGroup
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 LETTERS = "abcdefgh"
 TASKS = ("echo", "tool_echo", "chat", "openai_echo")
 CREDITS = ("turn", "episode")
+ENTROPY_ON = ("all", "failed")  # --entropy-on: the tokens the entropy bonus is the mean over
 FILTERS = ("nonzero_std", "none")  # --filter: an `asyncroll.filters` name, or keep every group
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The --lora demo's base model: the tiny model with weights drawn 5x larger. An adapter cannot
@@ -84,6 +85,9 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     credit: str = "turn"
     # weight of the policy's mean entropy at the trained tokens, added to the objective (0: none)
     entropy: float = 0.0
+    # where the bonus applies: "all" trained tokens, or only those of the problems (group, or
+    # group and turn with per-turn credit) whose samples all failed (asyncroll.train.failed_tokens)
+    entropy_on: str = "all"
     # "nonzero_std": drop groups whose samples all scored the same (zero GRPO advantage);
     # "none": train on them too (their only gradient is then the entropy bonus's)
     filter: str = "nonzero_std"
@@ -117,6 +121,8 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"--correction must be one of {', '.join(CORRECTIONS)}")
         if self.task not in TASKS:
             raise ValueError(f"--task must be one of {', '.join(TASKS)}")
+        if self.entropy_on not in ENTROPY_ON:
+            raise ValueError(f"--entropy-on must be one of {', '.join(ENTROPY_ON)}")
         if self.credit not in CREDITS:
             raise ValueError(f"--credit must be one of {', '.join(CREDITS)}")
         if self.filter not in FILTERS:
@@ -241,6 +247,7 @@ class Trainer:
         turn_rewards: TurnRewards | None = None,
         entropy: float = 0.0,
         lora: LoraConfig | None = None,
+        entropy_on: str = "all",
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -261,7 +268,10 @@ class Trainer:
         self.correction = CORRECTIONS[correction]
         self.turn_rewards = turn_rewards
         self.entropy = entropy
-        self.last_entropy = math.nan  # mean entropy at the trained tokens of the last step
+        self.entropy_on = entropy_on
+        # the last step's mean entropy at the trained tokens, and at those of failed problems
+        self.last_entropy = math.nan
+        self.last_failed_entropy = math.nan
 
     def step(self, groups: list[RolloutGroup], version: int) -> tuple[float, dict[str, float]]:
         """One optimizer step on the batch; `version` is the policy version of the current
@@ -286,11 +296,16 @@ class Trainer:
             )
         else:
             loss = turn_loss(logprobs, batch, groups, self.turn_rewards, self.correction, anchor)
-        entropy = mean_entropy(logits, batch, s.temperature)
+        per_token = token_entropy(logits, s.temperature)
+        failed = failed_tokens(batch, groups, self.turn_rewards)
+        entropy, failed_entropy = (
+            (per_token * m).sum() / m.sum().clamp(min=1) for m in (batch.loss_mask, failed)
+        )
         if self.entropy:
-            loss = loss - self.entropy * entropy
+            loss = loss - self.entropy * (entropy if self.entropy_on == "all" else failed_entropy)
         metrics = mismatch_metrics(proximal, batch, version=version, correction=self.correction)
         self.last_entropy = float(entropy.detach())
+        self.last_failed_entropy = float(failed_entropy.detach()) if failed.any() else math.nan
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         self.torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], 1.0)
@@ -393,8 +408,9 @@ async def run_demo(
         prompts, reward, episodes = echo_prompts(tokenizer, cfg.seed), echo_reward, {}
     lora = cfg.lora_config()
     trainer = Trainer(
-        model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy, lora
-    )
+        model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy, lora,
+        cfg.entropy_on,
+    )  # fmt: skip
     if engine is None:
         slots = _lora_engine_args(lora, cfg.max_staleness)
         context: contextlib.AbstractAsyncContextManager[VLLMEngine] = VLLMEngine(
@@ -467,6 +483,7 @@ async def run_demo(
                 records.append(_record(step, batch, loss, offpolicy, train_s, waited, start))
                 records[-1].task_metrics = {
                     "entropy": trainer.last_entropy,
+                    "entropy_failed": trainer.last_failed_entropy,
                     **task_metrics(batch.groups),
                 }
                 _log(out, records[-1])

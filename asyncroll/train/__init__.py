@@ -23,7 +23,15 @@ from asyncroll.train.loss import (
     to_batch,
     token_logprobs,
 )
-from asyncroll.train.turns import TurnRewards, mean_entropy, turn_index, turn_loss
+from asyncroll.train.turns import (
+    TurnRewards,
+    failed_problems,
+    failed_tokens,
+    mean_entropy,
+    token_entropy,
+    turn_index,
+    turn_loss,
+)
 
 __all__ = [
     "CORRECTIONS",
@@ -34,6 +42,8 @@ __all__ = [
     "TurnRewards",
     "adapter_of",
     "behaviour_weights",
+    "failed_problems",
+    "failed_tokens",
     "group_advantages",
     "lora_layers",
     "mean_entropy",
@@ -41,6 +51,7 @@ __all__ = [
     "policy_loss",
     "proximal_logprobs",
     "to_batch",
+    "token_entropy",
     "token_logprobs",
     "trainable_parameters",
     "turn_index",

@@ -49,19 +49,54 @@ def turn_loss(
     return loss
 
 
-def mean_entropy(logits: Any, batch: TrainBatch, temperature: float) -> Any:
-    """Mean entropy of the distribution each trained token was sampled from (the logits one
-    position before it, at the sampling temperature; the demo samples without top-k/top-p).
-
-    A bonus on it pushes the policy away from certainty, where GRPO is blind: once every sample
-    of a group agrees, its advantages are 0 and nothing corrects a mistake (tool_echo's seed-1
-    runs stall so at 0.75-0.87 now and then; a bonus of 0.01 did not prevent it)."""
+def token_entropy(logits: Any, temperature: float) -> Any:
+    """[B, L]: the entropy of the distribution each token was sampled from (the logits one
+    position before it, at the sampling temperature; the demo samples without top-k/top-p),
+    aligned with `input_ids` as `token_logprobs` is; position 0 is 0."""
     import torch
 
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)  # [B, L - 1]: of the token at position t + 1
-    mask = batch.loss_mask[:, 1:]
-    return (entropy * mask).sum() / mask.sum().clamp(min=1)
+    return torch.nn.functional.pad(entropy, (1, 0))
+
+
+def mean_entropy(logits: Any, batch: TrainBatch, temperature: float, mask: Any = None) -> Any:
+    """Mean entropy of the distributions that sampled the trained tokens (`token_entropy`), or
+    the tokens of `mask` (a [B, L] bool within the loss mask; `failed_tokens`); 0 where none.
+
+    A bonus on it pushes the policy away from certainty, where GRPO is blind: once every sample
+    of a group agrees, its advantages are 0 and nothing corrects a mistake."""
+    mask = batch.loss_mask if mask is None else mask
+    return (token_entropy(logits, temperature) * mask).sum() / mask.sum().clamp(min=1)
+
+
+def failed_problems(rewards: npt.NDArray[np.float64]) -> npt.NDArray[np.bool_]:
+    """[groups, turns] of `rewards` [groups, samples, turns]: the problems (one per group and
+    turn) whose samples all failed, each scoring 0 or less. GRPO gives them no advantage (their
+    rewards do not vary) and nothing in them to reinforce; unlike an all-right problem, the
+    policy must change there."""
+    return np.asarray((rewards <= 0).all(axis=1), dtype=np.bool_)
+
+
+def failed_tokens(
+    batch: TrainBatch, groups: list[RolloutGroup], turn_rewards: TurnRewards | None
+) -> Any:
+    """[B, L] bool: the trained tokens of the problems every sample failed (`failed_problems`):
+    a (group, policy turn) with `turn_rewards`, else a whole group by its samples' rewards. An
+    entropy bonus on these alone (`mean_entropy(..., mask=...)`) explores where the policy fails
+    and lets the contexts it has solved become certain."""
+    import torch
+
+    if turn_rewards is None:
+        failed = failed_problems(np.stack([g.rewards() for g in groups])[:, :, None])[:, 0]
+        per_row = torch.from_numpy(np.repeat(failed, groups[0].num_samples))
+        return batch.loss_mask & per_row[:, None]
+    per_turn = failed_problems(np.stack([turn_rewards(g) for g in groups]))  # [groups, turns]
+    turn = turn_index(groups, batch.input_ids.shape[1])  # [rows, L], -1 off the policy turns
+    rows = np.repeat(per_turn, groups[0].num_samples, axis=0)  # [rows, turns]
+    known = (turn >= 0) & (turn < rows.shape[1])  # a turn past the task's has no reward
+    hit = np.take_along_axis(rows, np.where(known, turn, 0), axis=1) & known
+    return batch.loss_mask & torch.from_numpy(hit)
 
 
 def turn_index(groups: list[RolloutGroup], length: int) -> npt.NDArray[np.int64]:
