@@ -64,13 +64,13 @@ async def test_each_turn_is_a_tool_call_answered_with_the_next_letter(model_dir:
     other = next(x for x in demo_tool.LETTERS if x != b)
     episode = [
         ([*letter_ids(model_dir, a * 3), EOS], "stop"),  # all right: 1
-        ([*letter_ids(model_dir, b + other), EOS], "stop"),  # half right: 0.8 x 0.5 + 0.2
+        ([*letter_ids(model_dir, b + other), EOS], "stop"),  # one of 3: 0.8 / 3 + 0.2
         (letter_ids(model_dir, c * 4), "length"),  # right, but not ended: 0.8
     ]
     group, engine = await run_one(model_dir, episode)
     for sample in group.samples:
-        assert sample.extra["turn_scores"] == pytest.approx([1.0, 0.6, 0.8])
-        assert sample.reward == pytest.approx(0.8)
+        assert sample.extra["turn_scores"] == pytest.approx([1.0, 0.8 / 3 + 0.2, 0.8])
+        assert sample.reward == pytest.approx((1.8 + 0.8 / 3 + 0.2) / 3)
         assert len(sample.extra["call_s"]) == 3
         mask = sample.loss_mask
         assert mask is not None
@@ -79,9 +79,9 @@ async def test_each_turn_is_a_tool_call_answered_with_the_next_letter(model_dir:
         want = [*episode[0][0], *answers[0], *episode[1][0], *answers[1], *episode[2][0]]
         assert sample.tokens.tolist() == want
         assert mask.tolist() == [1] * 4 + [0] * 2 + [1] * 3 + [0] * 2 + [1] * 4
-    assert demo_openai.turn_scores(group)[0].tolist() == pytest.approx([1.0, 0.6, 0.8])
+    assert demo_openai.turn_scores(group)[0].tolist() == pytest.approx([1.0, 0.8 / 3 + 0.2, 0.8])
     # The trainer's: shifted alike (GRPO's advantages are the same); <= 0 for no letter said.
-    assert demo_openai.turn_rewards(group)[0].tolist() == pytest.approx([0.8, 0.4, 0.6])
+    assert demo_openai.turn_rewards(group)[0].tolist() == pytest.approx([0.8, 0.8 / 3, 0.6])
     # Each call's prompt is the last one's stream plus the reply and the tool's answer.
     assert [len(r.samples[0].prefix) for r in engine.requests[:3]] == [0, 6, 11]
 
@@ -113,8 +113,10 @@ def test_the_parser_and_the_score() -> None:
     assert (cut.content, cut.tool_calls, cut.finish_reason) == ("cc", (), "length")
     assert [demo_openai.score(t, "c") for t in ("ccc", "cat", "", "d")] == [1, 1 / 3, 0, 0]
     turn = demo_openai.turn_score
-    assert [turn("c", "c", ended=True), turn("x", "c", ended=True)] == [1.0, 0.2]
-    assert [turn("", "c", ended=True), turn("cccc", "c", ended=False)] == [0.0, 0.8]
+    assert turn("ccc", "c", ended=True) == turn("cccc", "c", ended=True) == 1.0
+    assert turn("c", "c", ended=True) == pytest.approx(0.8 / 3 + 0.2)
+    assert [turn("x", "c", ended=True), turn("", "c", ended=True)] == [0.2, 0.0]
+    assert turn("cccc", "c", ended=False) == pytest.approx(0.8)
 
 
 def test_the_task_takes_tool_echos_defaults() -> None:

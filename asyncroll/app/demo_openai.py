@@ -107,10 +107,11 @@ def score(text: str, letter: str) -> float:
     return text.count(letter) / len(text) if text else 0.0
 
 
-def turn_score(text: str, letter: str, *, ended: bool) -> float:
-    """A turn's score: `ENDED` for ending the turn with something said, and the rest for the
-    text's share of the letter ("c<|eos|>" 1, "cccc" cut by the limit 0.8, "x<|eos|>" 0.2,
-    "<|eos|>" 0).
+def turn_score(text: str, letter: str, *, ended: bool, slots: int = 3) -> float:
+    """A turn's score: `ENDED` for ending the turn with something said, and the rest for how
+    many of the turn's `slots` (the letters a turn has room for before its `<|eos|>`) hold
+    the letter: "ccc<|eos|>" 1, "cccc" cut by the limit 0.8, "c<|eos|>" 0.47, "x<|eos|>" 0.2,
+    "<|eos|>" 0.
 
     With the letter's share alone and a cut turn scoring half of it (seed 1), the policy learnt
     to say letters for all four tokens and was certain of it (entropy 0.00 by step 75) before
@@ -118,7 +119,8 @@ def turn_score(text: str, letter: str, *, ended: bool) -> float:
     score stayed at 0.18, no episode reaching a second turn. Ending a turn on its own is a
     single token in every context, found early; then every episode has all its turns to learn
     from, and a turn needs one right letter, not four."""
-    return (1 - ENDED) * score(text, letter) + ENDED * (ended and bool(text))
+    hits = min(text.count(letter), slots) / slots
+    return (1 - ENDED) * hits + ENDED * (ended and bool(text))
 
 
 async def openai_echo_agent(client: Any, episode: Episode, model: str) -> float:
