@@ -65,12 +65,12 @@ async def test_each_turn_is_a_tool_call_answered_with_the_next_letter(model_dir:
     episode = [
         ([*letter_ids(model_dir, a * 3), EOS], "stop"),  # all right: 1
         ([*letter_ids(model_dir, b + other), EOS], "stop"),  # one of 3: 0.8 / 3 + 0.2
-        (letter_ids(model_dir, c * 4), "length"),  # right, but not ended: 0.8
+        (letter_ids(model_dir, c * 4), "length"),  # right, but not ended: 0
     ]
     group, engine = await run_one(model_dir, episode)
     for sample in group.samples:
-        assert sample.extra["turn_scores"] == pytest.approx([1.0, 0.8 / 3 + 0.2, 0.8])
-        assert sample.reward == pytest.approx((1.8 + 0.8 / 3 + 0.2) / 3)
+        assert sample.extra["turn_scores"] == pytest.approx([1.0, 0.8 / 3 + 0.2, 0.0])
+        assert sample.reward == pytest.approx((1.2 + 0.8 / 3) / 3)
         assert len(sample.extra["call_s"]) == 3
         mask = sample.loss_mask
         assert mask is not None
@@ -79,9 +79,9 @@ async def test_each_turn_is_a_tool_call_answered_with_the_next_letter(model_dir:
         want = [*episode[0][0], *answers[0], *episode[1][0], *answers[1], *episode[2][0]]
         assert sample.tokens.tolist() == want
         assert mask.tolist() == [1] * 4 + [0] * 2 + [1] * 3 + [0] * 2 + [1] * 4
-    assert demo_openai.turn_scores(group)[0].tolist() == pytest.approx([1.0, 0.8 / 3 + 0.2, 0.8])
+    assert demo_openai.turn_scores(group)[0].tolist() == pytest.approx([1.0, 0.8 / 3 + 0.2, 0])
     # The trainer's: shifted alike (GRPO's advantages are the same); <= 0 for no letter said.
-    assert demo_openai.turn_rewards(group)[0].tolist() == pytest.approx([0.8, 0.8 / 3, 0.6])
+    assert demo_openai.turn_rewards(group)[0].tolist() == pytest.approx([0.8, 0.8 / 3, -0.2])
     # Each call's prompt is the last one's stream plus the reply and the tool's answer.
     assert [len(r.samples[0].prefix) for r in engine.requests[:3]] == [0, 6, 11]
 
@@ -91,12 +91,12 @@ async def test_a_reply_cut_by_the_token_limit_ends_the_episode(model_dir: Path) 
     cut = (letter_ids(model_dir, letters[0] * 4), "length")
     group, _ = await run_one(model_dir, [cut])
     for sample in group.samples:
-        assert sample.extra["turn_scores"] == pytest.approx([0.8, 0.0, 0.0])
+        assert sample.extra["turn_scores"] == [0.0, 0.0, 0.0]
         assert len(sample.extra["call_s"]) == 1 and sample.turn_ends is not None
         assert sample.turn_ends.tolist() == [4]
     metrics = demo_openai.step_metrics([group])
     assert (metrics["reached0"], metrics["reached1"]) == (1.0, 0.0)
-    assert metrics["turn0"] == pytest.approx(0.8)
+    assert metrics["turn0"] == 0.0
 
 
 def test_the_parser_and_the_score() -> None:
@@ -116,7 +116,7 @@ def test_the_parser_and_the_score() -> None:
     assert turn("ccc", "c", ended=True) == turn("cccc", "c", ended=True) == 1.0
     assert turn("c", "c", ended=True) == pytest.approx(0.8 / 3 + 0.2)
     assert [turn("x", "c", ended=True), turn("", "c", ended=True)] == [0.2, 0.0]
-    assert turn("cccc", "c", ended=False) == pytest.approx(0.8)
+    assert turn("cccc", "c", ended=False) == turn("ccc", "c", ended=False) == 0.0
 
 
 def test_the_task_takes_tool_echos_defaults() -> None:

@@ -14,11 +14,11 @@ What differs from the token-level task, and why:
 
 * A chat turn must end with its end-of-turn token for the conversation to go on: the endpoint
   refuses to continue a reply cut by the token limit (there is no end of turn to continue
-  from). So the policy learns to end its turns too: a turn that did not (no tool call) loses
-  the share of its score that ending earns (`turn_score`), and its episode ends there (its
-  later turns score 0).
-* The agent sees text, not token ids: a turn's score is the share of the said text's
-  characters that are the letter ("ccc" and "c" 1, "cat" 1/3, nothing said 0).
+  from). So the policy learns to end its turns too: a turn that did not (no tool call)
+  scores 0 and ends its episode (its later turns score 0 too); see `turn_score`.
+* The agent sees text, not token ids: a turn scores the letter's occurrences in what was
+  said (up to 3, the room a 4-token turn has before its `<|eos|>`) and 0.2 for ending with
+  something said.
 * The task's chat template renders exactly tool_echo's stream: a user or tool message as its
   text and a colon, an assistant turn as what was sampled and `<|eos|>`. It writes no tool
   specs into the prompt (a 361k-parameter random-weight model gains nothing from reading
@@ -108,19 +108,22 @@ def score(text: str, letter: str) -> float:
 
 
 def turn_score(text: str, letter: str, *, ended: bool, slots: int = 3) -> float:
-    """A turn's score: `ENDED` for ending the turn with something said, and the rest for how
-    many of the turn's `slots` (the letters a turn has room for before its `<|eos|>`) hold
-    the letter: "ccc<|eos|>" 1, "cccc" cut by the limit 0.8, "c<|eos|>" 0.47, "x<|eos|>" 0.2,
-    "<|eos|>" 0.
+    """A turn's score: 0 unless it ended (a `say` call); then `ENDED` for saying something and
+    the rest for how many of the turn's `slots` (the letters a 4-token turn has room for
+    before its `<|eos|>`) hold the letter: "ccc<|eos|>" 1, "c<|eos|>" 0.47, "x<|eos|>" 0.2,
+    "<|eos|>" 0, "cccc" cut by the token limit 0.
 
-    With the letter's share alone and a cut turn scoring half of it (seed 1), the policy learnt
-    to say letters for all four tokens and was certain of it (entropy 0.00 by step 75) before
-    one sample had ended a turn: nothing was left to find `<|eos|>` with, and the first turn's
-    score stayed at 0.18, no episode reaching a second turn. Ending a turn on its own is a
-    single token in every context, found early; then every episode has all its turns to learn
-    from, and a turn needs one right letter, not four."""
+    Designs measured first (benchmarks/results/openai_echo.md): a cut turn scoring half its
+    text's share of the letter, with nothing for ending, let the policy grow certain of
+    four-letter turns before any sample ended one (0.06 at step 100, no episode past its first
+    turn); 0.2 for ending and the share of what was said made replies short ("x<|eos|>"),
+    with one letter to explore per turn (0.35-0.41 at steps 74-97, entropy ~0); counting
+    slots but scoring a cut turn's letters made "cccc" (0.8) beat ending ("cc<|eos|>" 0.73):
+    0.65-0.79 on the first turn, no episode past it."""
+    if not ended:
+        return 0.0
     hits = min(text.count(letter), slots) / slots
-    return (1 - ENDED) * hits + ENDED * (ended and bool(text))
+    return (1 - ENDED) * hits + ENDED * bool(text)
 
 
 async def openai_echo_agent(client: Any, episode: Episode, model: str) -> float:
