@@ -17,6 +17,7 @@ from asyncroll.app import demo_openai, demo_tool
 from asyncroll.app.demo import demo_config
 from asyncroll.app.models import build_tiny_model
 from tests.test_chat_episodes import ScriptEngine
+from tests.test_cli import _demo_help
 
 pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
@@ -120,9 +121,20 @@ def test_the_parser_and_the_score() -> None:
 
 
 def test_the_task_takes_tool_echos_defaults() -> None:
-    config = demo_config(task="openai_echo")
+    """`asyncroll demo --task openai_echo` trains as tool_echo does (its defaults); a flag
+    given wins."""
+    from asyncroll.app import cli
+
+    parser = cli._parser()
+    config = cli._demo_config(parser.parse_args(["demo", "--task", "openai_echo"]))
+    assert config == demo_config(task="openai_echo") and config.task == "openai_echo"
     for name, value in demo_tool.DEFAULTS.items():
         assert getattr(config, name) == value
+    flags = ["demo", "--task", "openai_echo", "--max-new-tokens", "6"]
+    assert cli._demo_config(parser.parse_args(flags)).max_new_tokens == 6
+    assert "openai_echo (tool_echo by an OpenAI-client agent" in " ".join(
+        _demo_help(parser).split()
+    )
     with pytest.raises(ValueError, match="--task must be one of"):
         demo_config(task="openai")
 
