@@ -37,9 +37,11 @@ these commands show it at work; `asyncroll COMMAND --help` describes one and its
 DEMO_DESCRIPTION = """\
 Build a 361k-parameter Llama and its tokenizer locally (nothing is downloaded), serve it with
 vLLM in this process and train it with GRPO on the "echo" task (prompt "q:", reward = share of
-response tokens equal to "q"), with --task tool_echo on a multi-turn task, or with --task chat
-on a question in a chat template, scored on the decoded reply and evaluated on held-out
-questions every --eval-every steps (eval.jsonl, and the curve in demo.png). Generation
+response tokens equal to "q"), with --task tool_echo on a multi-turn task, with --task
+openai_echo on the same task run by an agent written with the `openai` client against an
+OpenAI-compatible endpoint per episode, or with --task chat on a question in a chat template,
+scored on the decoded reply and evaluated on held-out questions every --eval-every steps
+(eval.jsonl, and the curve in demo.png). Generation
 overlaps training within --max-staleness versions. With --lora the trainer trains a LoRA
 adapter (base weights frozen) and each step moves only the adapter into vLLM. Writes
 metrics.jsonl, summary.txt, demo.png and engine.log to --out.
@@ -128,15 +130,17 @@ def _parser() -> argparse.ArgumentParser:
         "--task",
         default=d.task,
         help="echo (single turn), tool_echo (multi-turn: a tool answers each turn with a "
-        "letter the policy must echo on its next turn) or chat (a question in a chat template, "
-        "a verifier on the decoded reply, greedy evaluation on held-out questions; "
+        "letter the policy must echo on its next turn), openai_echo (tool_echo by an "
+        "OpenAI-client agent: each turn a chat.completions call with tools, answered by the "
+        "policy through asyncroll.agents; tool_echo's defaults) or chat (a question in a chat "
+        "template, a verifier on the decoded reply, greedy evaluation on held-out questions; "
         "default %(default)s)",
     )
     demo.add_argument(
         "--credit",
         default=d.credit,
-        help="tool_echo: GRPO advantages per policy turn (turn) or one per episode (episode); "
-        "default %(default)s",
+        help="tool_echo, openai_echo: GRPO advantages per policy turn (turn) or one per "
+        "episode (episode); default %(default)s",
     )
     demo.add_argument(
         "--filter",

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from asyncroll.engines import VLLMEngine
 
 LETTERS = "abcdefgh"
-TASKS = ("echo", "tool_echo", "chat")
+TASKS = ("echo", "tool_echo", "chat", "openai_echo")
 CREDITS = ("turn", "episode")
 ENTROPY_ON = ("all", "failed")  # --entropy-on: the tokens the entropy bonus is the mean over
 FILTERS = ("nonzero_std", "none")  # --filter: an `asyncroll.filters` name, or keep every group
@@ -77,8 +77,11 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     solved_reward: float = 0.98  # stop once the last 3 steps average this (0: never)
     batch_timeout_s: float = 120.0  # a batch that cannot fill (everything filtered) ends the run
     correction: str = "tis"  # off-policy correction, a key of asyncroll.train.loss.CORRECTIONS
-    task: str = "echo"  # "echo" (single turn) or "tool_echo" (multi-turn, asyncroll.app.demo_tool)
-    # tool_echo: GRPO advantages per policy turn ("turn") or one per episode ("episode")
+    # "echo" (single turn), "tool_echo" (multi-turn, asyncroll.app.demo_tool), "chat"
+    # (asyncroll.app.demo_chat) or "openai_echo" (tool_echo by an OpenAI-client agent,
+    # asyncroll.app.demo_openai)
+    task: str = "echo"
+    # tool_echo, openai_echo: GRPO advantages per policy turn ("turn") or one per episode
     credit: str = "turn"
     # weight of the policy's mean entropy at the trained tokens, added to the objective (0: none)
     entropy: float = 0.0
@@ -140,11 +143,12 @@ def demo_config(**options: Any) -> DemoConfig:
     """The config of `asyncroll demo`: `options` over the task's own defaults (tool_echo's are
     `asyncroll.app.demo_tool.DEFAULTS`) and --lora's (`LORA_DEFAULTS`) over `DemoConfig`'s.
     `DemoConfig(...)` alone keeps the echo task's full fine-tuning defaults whatever it is told."""
-    from asyncroll.app import demo_chat, demo_tool
+    from asyncroll.app import demo_chat, demo_openai, demo_tool
 
     task_defaults: dict[str, Mapping[str, Any]] = {
         "tool_echo": demo_tool.DEFAULTS,
         "chat": demo_chat.DEFAULTS,
+        "openai_echo": demo_openai.DEFAULTS,
     }
     defaults: dict[str, Any] = dict(task_defaults.get(options.get("task", "echo"), {}))
     if options.get("lora"):
@@ -372,6 +376,8 @@ async def run_demo(
     step = 0
     turn_rewards: TurnRewards | None = None
     chat: Any = None
+    serving: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
+    task_metrics: Callable[[list[RolloutGroup]], dict[str, float]] = _no_task_metrics
     if cfg.task == "tool_echo":
         from asyncroll.app import demo_tool
 
@@ -384,6 +390,15 @@ async def run_demo(
             "max_turns": demo_tool.TURNS,
             "max_episode_tokens": demo_tool.episode_tokens(cfg.max_new_tokens),
         }
+        task_metrics = demo_tool.step_metrics
+    elif cfg.task == "openai_echo":
+        from asyncroll.app import demo_openai
+
+        agents = demo_openai.OpenAIEchoTask(model_dir, tokenizer, cfg.seed, sampling)
+        turn_rewards = agents.turn_rewards if cfg.credit == "turn" else None
+        prompts, reward, episodes = agents.prompts(), agents.reward, agents.episodes()
+        serving = agents.serving()  # the endpoint the agents call, around the producer's run
+        task_metrics = demo_openai.step_metrics
     elif cfg.task == "chat":
         from asyncroll.app.demo_chat import ChatTask
 
@@ -391,9 +406,6 @@ async def run_demo(
         prompts, reward, episodes = chat.prompts(), chat.reward, {}
     else:
         prompts, reward, episodes = echo_prompts(tokenizer, cfg.seed), echo_reward, {}
-    task_metrics: Callable[[ProduceBatchResult], dict[str, float]] = (
-        (lambda b: demo_tool.step_metrics(b.groups)) if cfg.task == "tool_echo" else lambda b: {}
-    )
     lora = cfg.lora_config()
     trainer = Trainer(
         model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy, lora,
@@ -408,7 +420,7 @@ async def run_demo(
         raise ValueError(f"the engine given serves version {engine.version}: give it at 0")
     else:
         context = contextlib.nullcontext(engine)  # the caller's: left open
-    async with context as engine:
+    async with context as engine, serving:
         producer = Producer(
             engine,
             prompts,
@@ -472,7 +484,7 @@ async def run_demo(
                 records[-1].task_metrics = {
                     "entropy": trainer.last_entropy,
                     "entropy_failed": trainer.last_failed_entropy,
-                    **task_metrics(batch),
+                    **task_metrics(batch.groups),
                 }
                 _log(out, records[-1])
                 bar.update(1)
@@ -489,6 +501,10 @@ async def run_demo(
         producer.check_ledger()
     _summarise(out, records, producer.progress.counters.copy(), staleness, cfg.task, console, evals)
     return records
+
+
+def _no_task_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
+    return {}
 
 
 def _lora_engine_args(lora: LoraConfig | None, max_staleness: int) -> dict[str, Any]:
