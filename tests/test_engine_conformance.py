@@ -201,11 +201,11 @@ def make_subject(kind: str, vllm_engine: object = None) -> Subject:
         return Subject(
             engine,
             budget,
-            streaming_every(16),
+            observe_each_token=streaming_every(16),
             delivered_at_pause=False,
             shorter_budgets=SERVER_SHORTER_BUDGETS,
         )
-    return Subject(engine, VLLM_MAX_MODEL_LEN - len(PROMPT) - 8, each_token)
+    return Subject(engine, VLLM_MAX_MODEL_LEN - len(PROMPT) - 8, observe_each_token=each_token)
 
 
 def skip_without_vllm() -> None:
