@@ -56,7 +56,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures: set[str] = set()
         params: set[str] = set()
         for item in module_items:
-            fixtures.update(getattr(item, "fixturenames", ()))
+            # A module's own fixture of the same name (an `engine` on another model) shadows
+            # the session's: it does not tie the module to a lane.
+            own = vars(getattr(item, "module", None) or object)
+            fixtures.update(n for n in getattr(item, "fixturenames", ()) if n not in own)
             callspec = getattr(item, "callspec", None)
             if callspec is not None:
                 params.update(map(str, callspec.params.values()))
