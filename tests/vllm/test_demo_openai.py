@@ -92,7 +92,7 @@ def check_episode(
     return list(zip(sample.extra["call_s"], engine_s, strict=True))
 
 
-async def test_openai_echo_records_what_the_engine_sampled_and_learns(
+async def test_openai_echo_records_what_the_engine_sampled_and_trains_on_it(
     tmp_path: Path, demo_engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from transformers import AutoTokenizer
