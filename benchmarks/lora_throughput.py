@@ -49,7 +49,7 @@ import itertools
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +93,11 @@ COLORS = {"base": "#555555", "full, abort": "#e6550d", "full, keep": "#fdae6b",
 
 
 def main(argv: list[str] | None = None) -> int:
+    asyncio.run(measure(parse_args(argv)))
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -130,16 +135,24 @@ def main(argv: list[str] | None = None) -> int:
         # engine starts are most of the run.
         args.model, args.seconds, args.rounds, args.min_steps = "tiny", 0.0, 1, 6
         args.batch, args.group_size, args.new_tokens, args.prompt_len = 2, 2, 4, 8
+    return args
+
+
+async def measure(args: argparse.Namespace, engines: Mapping[str, Any] | None = None) -> None:
+    """Every setting's runs, then the report. `engines`: an engine per kind ("base", "lora":
+    the tiny model's, LoRA with rank 8 or more) to run on instead of starting them (the test
+    suite's smoke run uses its session's)."""
     model = build_tiny_model(MODELS[args.model])
-    rounds = asyncio.run(_measure(model, args))
+    rounds = await _measure(model, args, engines or {})
     _report({name: _pool(runs) for name, runs in rounds.items() if runs}, rounds, args)
-    return 0
 
 
-async def _measure(model: Path, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+async def _measure(
+    model: Path, args: argparse.Namespace, given: Mapping[str, Any]
+) -> dict[str, list[dict[str, Any]]]:
     """Every setting `args.rounds` times, the settings of one engine taking turns round by
     round (so load from other processes hits them alike); each setting starts from version 0
-    and the starting weights (or adapter)."""
+    and the starting weights (or adapter). Engines in `given` are used, the others started."""
     from safetensors.torch import load_file
 
     weights = list(load_file(model / "model.safetensors").items())
@@ -147,7 +160,7 @@ async def _measure(model: Path, args: argparse.Namespace) -> dict[str, list[dict
     adapters = [_scaled_adapter(random_adapter(weights, RANK), s) for s in (1.0, 1.001, 1.002)]
     runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in SETTINGS}
     for kind in args.engines:
-        async with _engine(model, kind, args.slots) as engine:
+        async with _engine(model, kind, args.slots, given.get(kind)) as engine:
             if kind == "lora":  # the adapter the no-update setting serves, as version 0
                 await engine.update_weights(adapters[0], version=0)
             for round_ in range(args.rounds):
@@ -174,7 +187,11 @@ def _scaled_adapter(adapter: LoraAdapter, scale: float) -> LoraAdapter:
 
 
 @asynccontextmanager
-async def _engine(model: Path, kind: str, slots: int) -> AsyncIterator[Any]:
+async def _engine(model: Path, kind: str, slots: int, given: Any | None) -> AsyncIterator[Any]:
+    """`given`, left open, or an engine of `kind` started and closed here."""
+    if given is not None:
+        yield given
+        return
     from asyncroll.engines import VLLMEngine
 
     lora = LoraSlots(max_rank=RANK, slots=slots) if kind == "lora" else None

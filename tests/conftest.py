@@ -20,11 +20,12 @@ from tests.vllm.server import (  # noqa: F401
 # worker starts the session engines its own tests ask for. Lanes keep the modules that share
 # session engines on one worker each, so each engine starts once a run: the in-process engines
 # (plain and LoRA, and the LoRA parity references) in one lane, the session's `vllm serve` in
-# the other; the modules that start engines of their own, the benchmark smoke runs and the
-# rest of the suite fill in beside them.
+# another, the Qwen3 model's in a third; the modules that start engines of their own, the
+# benchmark smoke runs and the rest of the suite fill in beside them.
 LORA_FIXTURES = frozenset({"vllm_lora_engine", "lora_engine", "lora_cases"})
 IN_PROCESS_FIXTURES = frozenset({"vllm_engine", "engine", "engine_to_kill"})
 SERVER_FIXTURES = frozenset({"vllm_server", "server_engine", "server_weights_dir"})
+QWEN3_FIXTURES = frozenset({"qwen3_model", "qwen3_engine"})
 
 
 def lane(fixtures: set[str], params: set[str]) -> str | None:
@@ -38,6 +39,8 @@ def lane(fixtures: set[str], params: set[str]) -> str | None:
         return "serve"
     if fixtures & IN_PROCESS_FIXTURES or "vllm" in params:
         return "in-process"
+    if fixtures & QWEN3_FIXTURES:
+        return "qwen3"
     return None
 
 

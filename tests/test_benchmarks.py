@@ -17,7 +17,8 @@ stopped hoarding cannot make the comparison pass.
 
 The CPU-only runs start together as the module starts (`RUNS`, `Background`) and each test
 waits for its own: the soak mostly waits on timers and the others keep one core each busy,
-so together they take about as long as the longest. The vLLM run goes alone, last.
+so together they take about as long as the longest. The benchmarks that need vLLM run in
+tests/vllm on the session's engines (`import_benchmark`).
 """
 
 from __future__ import annotations
@@ -54,13 +55,6 @@ def import_benchmark(name: str) -> ModuleType:
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     return importlib.import_module(name)
-
-
-def run_benchmark(
-    script: str, out: Path, *args: str, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    command, env = _command(script, out, *args)
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 class Background:
@@ -197,24 +191,3 @@ def test_logprob_memory_quick_stays_under_a_quarter_of_the_logits(run: Backgroun
     results = json.loads((run.out / "logprob_memory.json").read_text())["results"]
     naive = next(r for r in results if r["filter"] == "naive log_softmax")
     assert naive["forward_share"] >= 1 and (run.out / "logprob_memory.png").exists()
-
-
-def test_lora_throughput_quick_runs(tmp_path: Path) -> None:
-    """Real vLLM on the tiny model, ~2 min: every setting generated and handed out groups,
-    none failed, the updating settings updated (and timed each update), the others did not.
-    The deadline allows for a LoRA engine's shutdown, seen to wait out vLLM's 300 s once."""
-    proc = run_benchmark("lora_throughput.py", tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    pooled = json.loads((tmp_path / "lora_throughput.json").read_text())["pooled"]
-    assert set(pooled) == {
-        "base", "full, abort", "full, keep",
-        "LoRA, 1 adapter", "LoRA, update", "LoRA, update, pause",
-    }  # fmt: skip
-    for name, run in pooled.items():
-        assert run["generated_tokens"] > 0 and run["kept_tokens"] > 0, name
-        assert run["failed_groups"] == 0, name
-        updates = 0 if name in ("base", "LoRA, 1 adapter") else run["steps"]
-        assert run["updates"] == len(run["update_s"]) == updates, name
-        assert len(run["stall_s"]) == run["steps"] > 0, name  # one per step, update or not
-        assert all(s > 0 for s in run["update_s"]) and min(run["stall_s"]) >= 0, name
-    assert (tmp_path / "lora_throughput.png").exists()

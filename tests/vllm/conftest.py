@@ -7,7 +7,9 @@ suite, and `vllm_lora_engine`); the `engine` and `lora_engine` fixtures hand the
 with the original weights and version 0 restored (and, with LoRA, no adapter), so tests do not
 depend on each other's order. Tests that kill the engine use `engine_to_kill` and run last;
 the LoRA engine is closed before them. The references of the LoRA parity tests (`lora_cases`:
-a fresh engine per model) are computed once, for the in-process and the server tests.
+a fresh engine per model) are computed once, for the in-process and the server tests. The
+random-weight Qwen3 model with the real tokenizer (`qwen3_model`) has one in-process engine too
+(`qwen3_engine`), for the chat and the agent endpoint tests.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest_asyncio
 
 from asyncroll.engines import VLLMEngine
 from asyncroll.lora import LoraSlots
+from tests.chat.qwen3_model import build_tiny_qwen3
 from tests.conftest import VLLM_DEADLINE_S, VLLM_MAX_MODEL_LEN
 
 if TYPE_CHECKING:
@@ -107,6 +110,25 @@ async def lora_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case
     from tests.vllm.test_lora_parity import make_cases
 
     return await make_cases(tmp_path_factory.mktemp("lora-parity"))
+
+
+QWEN3_MAX_LEN = 2048  # a few chat turns of 64 tokens with Qwen3's template around them
+
+
+@pytest.fixture(scope="session")
+def qwen3_model() -> Path:
+    return build_tiny_qwen3()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def qwen3_engine(qwen3_model: Path) -> AsyncIterator[VLLMEngine]:
+    """The session's in-process engine on `qwen3_model` (its tests never change its weights)."""
+    engine = VLLMEngine(qwen3_model, max_model_len=QWEN3_MAX_LEN, dtype="float32", seed=0)
+    _closing_first.append(engine)
+    try:
+        yield engine
+    finally:
+        await asyncio.wait_for(engine.close(), DEADLINE_S)
 
 
 @pytest_asyncio.fixture

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import pytest_asyncio
 import torch
 
 from asyncroll import Episode, Producer, SamplingConfig
@@ -23,12 +22,12 @@ from asyncroll.chat.parse import RenderersParser
 from asyncroll.chat.template import ChatFormat
 from asyncroll.engines.base import GenerateRequest, SampleOutput
 from asyncroll.train import token_logprobs
-from tests.chat.qwen3_model import build_tiny_qwen3
+from tests.vllm.conftest import QWEN3_MAX_LEN
 
 pytestmark = pytest.mark.vllm
 openai = pytest.importorskip("openai")
 
-MAX_LEN = 2048
+MAX_LEN = QWEN3_MAX_LEN
 DEADLINE_S = 300.0
 SAMPLING = SamplingConfig(max_new_tokens=48, temperature=1.0, seed=0)
 FIRST = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
@@ -51,20 +50,9 @@ class Recorder:
         return outputs
 
 
-@pytest.fixture(scope="module")
-def qwen3_model() -> Path:
-    return build_tiny_qwen3()
-
-
-@pytest_asyncio.fixture(scope="module")
-async def engine(qwen3_model: Path) -> AsyncIterator[Any]:
-    from asyncroll.engines import VLLMEngine
-
-    eng = VLLMEngine(qwen3_model, max_model_len=MAX_LEN, dtype="float32", seed=0)
-    try:
-        yield eng
-    finally:
-        await asyncio.wait_for(eng.close(), 60.0)
+@pytest.fixture
+def engine(qwen3_engine: Any) -> Any:
+    return qwen3_engine  # the session's (tests/vllm/conftest.py)
 
 
 async def agent_loop(base_url: str, episode: Episode, stream: bool, got: dict[int, Any]) -> float:

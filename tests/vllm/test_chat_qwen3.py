@@ -22,20 +22,15 @@ from asyncroll.chat.template import ChatFormat
 from asyncroll.engines.base import Engine
 from asyncroll.train import token_logprobs
 from asyncroll.types import RolloutGroup
-from tests.chat.qwen3_model import build_tiny_qwen3
+from tests.vllm.conftest import QWEN3_MAX_LEN
 
 pytestmark = pytest.mark.vllm
 
 VOCAB = 151936
-MAX_LEN = 2048
+MAX_LEN = QWEN3_MAX_LEN
 DEADLINE_S = 300.0
 SAMPLING = SamplingConfig(max_new_tokens=64, temperature=1.0, seed=0)
 FIRST = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module")
-def qwen3_model() -> Path:
-    return build_tiny_qwen3()
 
 
 @pytest.fixture(scope="module")
@@ -58,24 +53,27 @@ def server(qwen3_model: Path) -> Iterator[Any]:
         proc.stop()
 
 
-@pytest_asyncio.fixture(params=["inproc", "serve"])
-async def engine(request: pytest.FixtureRequest, qwen3_model: Path) -> AsyncIterator[Engine]:
-    if request.param == "inproc":
-        from asyncroll.engines import VLLMEngine
+@pytest_asyncio.fixture
+async def qwen3_server_engine(server: Any) -> AsyncIterator[Engine]:
+    from asyncroll.engines import VLLMServerEngine
 
-        eng: Any = VLLMEngine(qwen3_model, max_model_len=MAX_LEN, dtype="float32", seed=0)
-    else:
-        from asyncroll.engines import VLLMServerEngine
-
-        proc = request.getfixturevalue("server")
-        eng = VLLMServerEngine(
-            proc.url, vocab_size=VOCAB, max_model_len=MAX_LEN, request_timeout_s=DEADLINE_S,
-            control_timeout_s=60.0, connect_timeout_s=60.0,
-        )  # fmt: skip
+    eng = VLLMServerEngine(
+        server.url, vocab_size=VOCAB, max_model_len=MAX_LEN, request_timeout_s=DEADLINE_S,
+        control_timeout_s=60.0, connect_timeout_s=60.0,
+    )  # fmt: skip
     try:
         yield eng
     finally:
         await asyncio.wait_for(eng.close(), 60.0)
+
+
+@pytest.fixture(params=["inproc", "serve"])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    """The session's in-process engine (tests/vllm/conftest.py) or one on this module's server
+    (a sync fixture: an async one cannot start the session's engine from its running loop)."""
+    name = "qwen3_engine" if request.param == "inproc" else "qwen3_server_engine"
+    engine: Engine = request.getfixturevalue(name)
+    return engine
 
 
 async def test_chat_episodes_train_exactly_the_sampled_ids(
