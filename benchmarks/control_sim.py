@@ -247,6 +247,8 @@ class SimReplica:
         if route == "/v1/models":
             card = {"id": "sim", "root": str(self.own), "parent": None}
             return 200, json.dumps({"data": [card]}).encode()
+        if route == "/collective_rpc" and body["method"] == "asyncroll_process":
+            return 200, json.dumps({"results": [f"{self.name}.{self.lives}"]}).encode()
         if route == "/collective_rpc":
             await asyncio.sleep(self.reload_s)
             if self.crashed:

@@ -103,6 +103,7 @@ class TransferStub:
         self.joined = False  # in the trainer's NCCL group (`/init_weight_transfer_engine`)
         self.init_infos: list[dict[str, Any]] = []
         self.update_infos: list[dict[str, Any]] = []
+        self.lives = 0  # restarts so far: its process identity (`asyncroll_process`)
 
     def calls(self) -> list[str]:
         return [call for who, call in self.log if who == self.name]
@@ -111,6 +112,7 @@ class TransferStub:
         """A new server process in the same place: vLLM's initial label, its own weights, in
         no NCCL group; it answers every probe as before."""
         self.label, self.joined = "default", False
+        self.lives += 1
 
     def app(self) -> web.Application:
         def record(call: str) -> None:
@@ -184,6 +186,10 @@ class TransferStub:
             record(f"/update_weight_version {self.label}")
             return web.json_response({"success": True})
 
+        async def process(request: web.Request) -> web.Response:
+            assert (await request.json())["method"] == "asyncroll_process"
+            return web.json_response({"results": [f"{self.name}.{self.lives}"]})
+
         async def generate(request: web.Request) -> web.Response:
             if not (await request.json())["request_id"].startswith("asyncroll-liveness"):
                 record("generate")  # the engine's liveness probes are not the test's requests
@@ -220,6 +226,7 @@ class TransferStub:
         app.router.add_post("/init_weight_transfer_engine", init)
         app.router.add_post("/update_weights", update)
         app.router.add_post("/update_weight_version", version)
+        app.router.add_post("/collective_rpc", process)
         app.router.add_post("/inference/v1/generate", generate)
         return app
 
