@@ -16,7 +16,9 @@ The rules it keeps (see `vllm_server`'s docstring): no request straddles an upda
 inside `Fleet.frozen`); an update commits only once every replica in the rotation loaded it,
 and one cut off part-way sends the replicas that may carry its weights or label out of the
 rotation until re-synced (`resync_if_interrupted`); new full weights end the requests sent
-with an adapter first.
+with an adapter first; a label is put only on the process that loaded the weights it names
+(`label`: vLLM has no compare-and-set, so the replica's process identity is read before the
+load and again after the label).
 """
 
 from __future__ import annotations
