@@ -8,7 +8,8 @@ routes `VLLMServerEngine` uses with the shapes vLLM 0.32 gives them (see the tea
 * `GET /health`; `POST /pause?mode=keep|abort`, `/resume`, `GET /is_paused`;
   `POST /collective_rpc` (`reload_weights` with `kwargs.weights_path`, asyncroll's worker
   extension `asyncroll_load_path` with the path in `args` or `kwargs`, answered with a clean
-  load report, `compute_weight_checksums`; any other method is a 500);
+  load report, and `asyncroll_process`, this process's identity; `compute_weight_checksums`;
+  any other method is a 500);
   `/reset_prefix_cache` (`{"success": true}`), `/update_weight_version` (`{"new_version"}`),
   `GET /weight_info`, `/abort_requests` (ids `generate-tokens-<request_id>`), `GET /v1/models`
   (its `root`: the `--model` folder it was started from);
@@ -50,6 +51,7 @@ import logging
 import os
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -62,6 +64,7 @@ WEIGHTS_TENSOR = "chaos.weights_id"
 INITIAL_LABEL = "default"  # vLLM's label before any /update_weight_version
 SERVER_PREFIX = "generate-tokens-"
 GARBAGE = b"\x00\xff\xfeSSH-2.0-not-http\r\n\x1b[0m" + bytes(range(256))
+PROCESS = uuid.uuid4().hex  # this process's identity, as the worker extension's
 STALL_BOUND_S = 30.0  # a stalled route answers by then even if never released
 
 
@@ -163,6 +166,8 @@ class FakeReplica:
         body = await request.json()
         method = body.get("method")
         args, kwargs = body.get("args") or [], body.get("kwargs") or {}
+        if method == "asyncroll_process":  # the extension's identity of this process
+            return web.json_response({"results": [PROCESS]})
         if method == "compute_weight_checksums":
             return web.json_response({"results": [{WEIGHTS_TENSOR: str(self.weights_id)}]})
         if method not in ("reload_weights", "asyncroll_load_path"):

@@ -20,6 +20,13 @@ def test_seeds_keep_every_invariant(tmp_path: Path) -> None:
         control_sim.run_seed(seed, tmp_path)
 
 
+def test_sluggish_seeds_keep_every_invariant(tmp_path: Path) -> None:
+    """A slice of `.ci/run`'s second run (`--sluggish`: replicas whose control calls take up
+    to 0.45 s, within every deadline)."""
+    for seed in range(60):
+        control_sim.run_seed(seed, tmp_path, sluggish=True)
+
+
 def test_a_seed_replays_event_for_event(tmp_path: Path) -> None:
     first = control_sim.run_seed(7, tmp_path, verbose=False)
     again = control_sim.run_seed(7, tmp_path, verbose=False)

@@ -103,6 +103,8 @@ class TransferStub:
         self.joined = False  # in the trainer's NCCL group (`/init_weight_transfer_engine`)
         self.init_infos: list[dict[str, Any]] = []
         self.update_infos: list[dict[str, Any]] = []
+        self.lives = 0  # restarts so far: its process identity (`asyncroll_process`)
+        self.restart_at: set[str] = set()  # routes whose next call a new process takes
 
     def calls(self) -> list[str]:
         return [call for who, call in self.log if who == self.name]
@@ -111,6 +113,7 @@ class TransferStub:
         """A new server process in the same place: vLLM's initial label, its own weights, in
         no NCCL group; it answers every probe as before."""
         self.label, self.joined = "default", False
+        self.lives += 1
 
     def app(self) -> web.Application:
         def record(call: str) -> None:
@@ -180,9 +183,16 @@ class TransferStub:
             return web.json_response({"weight_version": self.label})
 
         async def version(request: web.Request) -> web.Response:
+            if request.path in self.restart_at:
+                self.restart_at.discard(request.path)
+                self.restart()
             self.label = (await request.json())["new_version"]
             record(f"/update_weight_version {self.label}")
             return web.json_response({"success": True})
+
+        async def process(request: web.Request) -> web.Response:
+            assert (await request.json())["method"] == "asyncroll_process"
+            return web.json_response({"results": [f"{self.name}.{self.lives}"]})
 
         async def generate(request: web.Request) -> web.Response:
             if not (await request.json())["request_id"].startswith("asyncroll-liveness"):
@@ -220,6 +230,7 @@ class TransferStub:
         app.router.add_post("/init_weight_transfer_engine", init)
         app.router.add_post("/update_weights", update)
         app.router.add_post("/update_weight_version", version)
+        app.router.add_post("/collective_rpc", process)
         app.router.add_post("/inference/v1/generate", generate)
         return app
 
@@ -394,6 +405,23 @@ async def test_a_replica_restarted_between_probes_rejoins_the_group_at_the_next_
     assert stubs[1].calls().count("/shutdown_weight_transfer_engine") == 0  # it had no end
     (sample,) = await asyncio.wait_for(engine.generate(_request("after-0")), WAIT_S)
     assert sample.versions.tolist() == [2]
+
+
+async def test_a_replica_restarted_after_the_broadcast_never_serves_under_its_label(
+    setup: Setup,
+) -> None:
+    """A replica that restarted after it received the broadcast, before its label call
+    (which the new process takes), serves its own weights: under the new label it would
+    have served them as the broadcast's. It waits for the next update instead."""
+    engine, stubs = setup.engine, setup.stubs
+    await engine.update_weights(WEIGHTS, version=1)
+    stubs[1].restart_at = {"/update_weight_version"}
+    await engine.update_weights(WEIGHTS, version=2)
+    assert engine.replicas[0].state is ReplicaState.UP
+    assert engine.replicas[1].state is not ReplicaState.UP
+    await engine.update_weights(WEIGHTS, version=3)
+    assert [r.state for r in engine.replicas] == [ReplicaState.UP] * 2
+    assert all(s.label == "3" and s.joined for s in stubs)
 
 
 async def test_a_replica_restarted_behind_the_engines_back_fails_one_request_then_waits(

@@ -160,7 +160,11 @@ class PausableStub:
             self.label = (await request.json())["new_version"]
             return web.json_response({"success": True})
 
+        async def process(request: web.Request) -> web.Response | None:
+            return await _process(request, "stub")
+
         app = web.Application()
+        app.router.add_post("/collective_rpc", process)
         app.router.add_get("/health", ok)
         app.router.add_get("/weight_info", weight_info)
         app.router.add_post(GENERATE, generate)
@@ -304,6 +308,15 @@ def _choice(
 
 GENERATE = "/inference/v1/generate"
 LIVENESS = "asyncroll-liveness"
+PROCESS = "asyncroll_process"  # the extension's process identity, read around loads and labels
+
+
+async def _process(request: web.Request, process: str) -> web.Response | None:
+    """The worker extension's answer to `/collective_rpc asyncroll_process` (None: another
+    method): a stub's process identity, which a test changes to restart it."""
+    if (await request.json())["method"] != PROCESS:
+        return None
+    return web.json_response({"results": [process]})
 
 
 def _sse(*events: bytes) -> bytes:
@@ -333,6 +346,7 @@ class ScriptedStub:
         self.not_http = False  # generates (not liveness probes) answer bytes that are not HTTP
         self.model = "/nonexistent/model"  # the model it was started from (`/v1/models` root)
         self.loaded: list[str] = []  # the folders its worker extension was told to load
+        self.process = "stub"  # its process identity (`asyncroll_process`)
         # the extension's report on a load (path, verify) -> report; default: a clean one
         self.report: Callable[[str, bool], dict[str, Any]] = lambda _p, _v: {
             "expected": [],
@@ -376,6 +390,8 @@ class ScriptedStub:
             path = request.path
             if path == GENERATE and (await request.json())["request_id"].startswith(LIVENESS):
                 path = LIVENESS  # the engine's liveness probe, not a request of the test's
+            if path == "/collective_rpc" and (await request.json())["method"] == PROCESS:
+                path = PROCESS  # the process identity, not a load
             self.calls.append(path)
             self.progress.notify()
             try:
@@ -388,6 +404,9 @@ class ScriptedStub:
                 self.progress.notify()
 
         async def load(request: web.Request) -> web.Response:  # the extension's report
+            identity = await _process(request, self.process)
+            if identity is not None:
+                return identity
             kwargs = (await request.json())["kwargs"]
             self.loaded.append(kwargs["path"])
             return web.json_response({"results": [self.report(kwargs["path"], kwargs["verify"])]})

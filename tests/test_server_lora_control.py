@@ -190,8 +190,31 @@ def restart(stub: LoraStub) -> None:
     `models` count from the restart on)."""
     stub.adapters.clear()
     stub.label = "default"
+    stub.process += "+"  # a new process identity
     stub.calls.clear()
     stub.models.clear()
+
+
+async def test_a_replica_restarted_before_its_adapter_load_never_serves_under_its_label(
+    tmp_path: Path,
+) -> None:
+    """An adapter is trained on the engine's base weights (v1's here). A replica that
+    restarted just before its adapter load serves the adapter over its own base weights: the
+    label that followed named v2 on it. It leaves the rotation, and its re-sync loads v1's
+    weights, the adapter, and the label."""
+    async with lora_scripted(2, tmp_path) as (engine, stubs):
+        await engine.update_weights([("w", torch.ones(2))], version=1)
+        (v1,) = stubs[1].loaded
+        stubs[1].hang, stubs[1].hanging = asyncio.Event(), {LOAD}
+        update = asyncio.ensure_future(engine.update_weights(adapter(1), version=2))
+        await stubs[1].progress.wait_until(lambda: LOAD in stubs[1].calls, 10.0)
+        restart(stubs[1])  # the new process takes the adapter load
+        stubs[1].hang.set()
+        await asyncio.wait_for(update, 10.0)
+        assert engine.replicas[1].state is not ReplicaState.UP
+        await engine.check_replicas()
+        assert engine.replicas[1].state is ReplicaState.UP
+        assert stubs[1].loaded[-1] == v1 and stubs[1].label == "2" and stubs[1].adapters
 
 
 def session_on(engine: VLLMServerEngine, replica: Replica) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ SLOW_S = 0.2  # a slow replica's answer to the routes it is slow on: under PAUSE
 
 class SlowReplica(control_sim.SimReplica):
     """A simulated replica that answers the routes in `slow` `SLOW_S` late (within every
-    deadline), and notes each route it was called on."""
+    deadline), and notes each route it was called on (a stream as "generate REQUEST_ID")."""
 
     def __init__(self, world: control_sim.World, name: str, own: Path) -> None:
         super().__init__(world, name, own, random.Random(name))
@@ -35,25 +35,39 @@ class SlowReplica(control_sim.SimReplica):
 
     async def handle(self, method: str, path: str, body: Any) -> tuple[int, bytes]:
         route = path.split("?")[0]
-        self.routes.append(route)
-        self.called.set()
-        self.called = asyncio.Event()
+        self._note(route)
         if route in self.slow:
             await asyncio.sleep(SLOW_S)
         return await super().handle(method, path, body)
+
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        self._note(f"generate {body['request_id']}")
+        async for chunk in super().stream(body):
+            yield chunk
+
+    def _note(self, route: str) -> None:
+        self.routes.append(route)
+        self.called.set()
+        self.called = asyncio.Event()
 
     async def until_called(self, route: str) -> None:
         while route not in self.routes:
             await self.called.wait()
 
 
-def _simulated(test: Callable[..., Awaitable[None]], replicas: int, tmp: Path) -> None:
-    """Run `test(engine, loop, sims)` on a virtual clock against `replicas` simulated ones."""
+def _simulated(
+    test: Callable[..., Awaitable[None]],
+    replicas: int,
+    tmp: Path,
+    kind: type[SlowReplica] = SlowReplica,
+) -> None:
+    """Run `test(engine, loop, sims)` on a virtual clock against `replicas` simulated ones
+    (of `kind`)."""
     loop = control_sim.VirtualLoop()
     world = control_sim.World(tmp, verbose=False)
     world.loop = loop
     own = world.folder("own", 0)
-    sims = {f"r{i}": SlowReplica(world, f"r{i}", own) for i in range(replicas)}
+    sims = {f"r{i}": kind(world, f"r{i}", own) for i in range(replicas)}
     engine = VLLMServerEngine(
         [f"http://{name}" for name in sims],
         vocab_size=control_sim.STRIDE * 1024,

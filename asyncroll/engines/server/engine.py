@@ -11,9 +11,10 @@ what the code keeps, and why:
   together as `n`, continued ones one request each. On 2 CPU cores one request carrying a
   group ran at offline speed, while many single-sample requests starved.
 * **Versions come from the server.** Each token's version is vLLM's label of the weights
-  that sampled it (`/update_weight_version`, set with the weights); a label the engine never
-  set (a replica that restarted between probes) fails the request and takes the replica out
-  of the rotation until it is synced again.
+  that sampled it (`/update_weight_version`, set with the weights, on the process that
+  loaded them: `updates.WeightUpdates.label`); a label the engine never set (a replica that
+  restarted between probes) fails the request and takes the replica out of the rotation
+  until it is synced again.
 * **No request straddles a weight update.** vLLM queues requests that arrive while it is
   paused and runs them later on whatever weights it then has, so admission stops *here*
   first (`control.Dispatch`).

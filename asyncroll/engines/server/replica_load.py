@@ -31,6 +31,7 @@ from asyncroll.engines.vllm import weight_check
 
 Call = Callable[[str, str, Any], Awaitable[Any]]  # (method, path, json) -> the reply's JSON
 _METHOD = "asyncroll_load_path"
+_PROCESS = "asyncroll_process"
 
 
 class ReplicaWeightsError(ReplicaError, weight_check.WeightMismatchError):
@@ -60,6 +61,23 @@ async def load(
         weight_check.check(results, sent if verify else None, "weights")
     except weight_check.WeightMismatchError as exc:
         raise ReplicaWeightsError(url, str(exc)) from None
+
+
+async def process(call: Call, url: str) -> str:
+    """The identity of the processes serving the replica at `url` now (each worker's
+    `WeightLoaderExtension.asyncroll_process`, new with every start of `vllm serve`): read
+    before a load and after the label it ends with, it tells whether the process that took
+    the label is the one that loaded (`WeightUpdates.label`)."""
+    try:
+        reply = await call("POST", "/collective_rpc", {"method": _PROCESS})
+    except ReplicaError as exc:
+        if _PROCESS in str(exc):
+            raise missing_extension(exc) from None
+        raise
+    results = reply.get("results") if isinstance(reply, dict) else None
+    if not (isinstance(results, list) and results and all(isinstance(r, str) for r in results)):
+        raise ReplicaError(url, f"POST /collective_rpc {_PROCESS} -> {reply!r:.300}")
+    return " ".join(results)
 
 
 def missing_extension(exc: Exception) -> ValueError:

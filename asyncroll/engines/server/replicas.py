@@ -85,6 +85,9 @@ class Replica:
         # the folder it was last told to load (None: none since the model it started from);
         # one an update reached before any committed may serve that update's weights
         self.loaded: Path | None = None
+        # the identity of the process that took the weights it serves (`replica_load.process`):
+        # a label is put on that process only (`WeightUpdates.label`)
+        self.process: str | None = None
         self.core = CoreHealth.ANSWERED
         self.syncing = asyncio.Lock()
         self.pauses = 0  # `/pause` calls sent to it so far (a probe they overtook proves nothing)

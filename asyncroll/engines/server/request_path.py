@@ -262,9 +262,10 @@ class RequestPath:
                 if p.started and ss.unfinished(task)
             ]
             if unfinished and not self._state.closed:  # do not rely on the disconnect alone
-                # in a task of the engine's: a caller that gave up is not held for it
+                # in a task of the engine's: a caller that gave up, or aborted (its abort
+                # ends it within one control call: its own), is not held for it
                 abort = self._tasks.spawn(self._abort_left(replica, unfinished), name="abort")
-                if not gave_up:
+                if not (gave_up or live.aborted):
                     await asyncio.shield(abort)
         if self._state.closed:
             raise EngineDeadError("VLLMServerEngine is closed")
@@ -362,7 +363,8 @@ class RequestPath:
                         self.generated += got
                     self._progress.notify()
                     if first and _aborted(live):  # the abort may have beaten the request there
-                        await self.abort_on(replica, [part.server_id])
+                        # not awaited: the stream ends on the replica's answer to either abort
+                        self._tasks.spawn(self._abort_left(replica, [part.server_id]), "abort")
                     first = False
         except asyncio.CancelledError:
             if asyncio.current_task() not in self._closing or _cancelling():
@@ -456,8 +458,9 @@ class RequestPath:
         return True
 
     async def _abort_left(self, replica: Replica, server_ids: list[str]) -> None:
-        """`abort_on` for the requests a group left unfinished: the stream's own end (its
-        cancellation) is their fallback, so whether it got there is nobody's to read."""
+        """`abort_on` in a task of the engine's, whose outcome nobody reads: for requests a
+        group left unfinished (their stream's end is their fallback), and for one whose
+        abort may have beaten it to its replica (its stream goes on to the replica's end)."""
         await self.abort_on(replica, server_ids)
 
     async def end_adapter_requests(self) -> None:

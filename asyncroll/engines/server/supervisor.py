@@ -324,7 +324,10 @@ class Supervisor:
                 if not await self._carries(str(label)):
                     return None
                 if now.version != label:
-                    await self._relabel(replica, now.version)
+                    try:
+                        await self._relabel(replica, now.version)
+                    except UnsyncedReplicaError:
+                        return None  # restarted just now: the label found another process
                 path = PAUSE if now.paused else "/resume"
                 await self._client.call(replica, "POST", path, timeout_s=self._pause_timeout_s)
         except TimeoutError:

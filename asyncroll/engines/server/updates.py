@@ -16,7 +16,9 @@ The rules it keeps (see `vllm_server`'s docstring): no request straddles an upda
 inside `Fleet.frozen`); an update commits only once every replica in the rotation loaded it,
 and one cut off part-way sends the replicas that may carry its weights or label out of the
 rotation until re-synced (`resync_if_interrupted`); new full weights end the requests sent
-with an adapter first.
+with an adapter first; a label is put only on the process that loaded the weights it names
+(`label`: vLLM has no compare-and-set, so the replica's process identity is read before the
+load and again after the label).
 """
 
 from __future__ import annotations
@@ -212,9 +214,7 @@ class WeightUpdates:
                 lambda r: self._client.call(r, "POST", sup.PAUSE, timeout_s=self._pause_timeout_s),
             )
             version_now = self._state.version
-            members = await self._fleet.on_every(
-                members, lambda r: self._group.leave_if_restarted(r, version_now)
-            )
+            members = await self._fleet.on_every(members, lambda r: self._member(r, version_now))
             if not members:
                 raise EngineDeadError(f"no replica is up: {self._fleet.states()}")
             if self._group.members != tuple(members):
@@ -233,6 +233,14 @@ class WeightUpdates:
             self._lora.commit(None, self._state.version)  # full weights are the policy again
             self._state.adapter = None
             self._state.version = version
+
+    async def _member(self, replica: Replica, version: int) -> None:
+        """Before a broadcast: note the process that will receive it (the label after it is
+        put on that process only), then leave the group if it restarted since the last
+        update (`NcclGroup.leave_if_restarted`). In that order: a restart between the two
+        is seen by the second, and the group is rebuilt with the new process."""
+        replica.process = await self.process(replica)
+        await self._group.leave_if_restarted(replica, version)
 
     async def _revive_for_broadcast(self) -> None:
         """Before an NCCL update (under the control lock): new and stale replicas that answer
@@ -296,6 +304,7 @@ class WeightUpdates:
         before anything is sent; so is a missing one, whose reload kills a vLLM engine."""
         if folder is not None:
             path = folder.check()
+            replica.process = await self.process(replica)  # the process the label must find
             replica.loaded = path  # before it is sent: a cut-off call may still land
             sent = None if folder.digests is None else dict(folder.digests)
             await replica_load.load(
@@ -314,17 +323,11 @@ class WeightUpdates:
         await self.label(replica, version)
 
     async def _relabel_on(self, replica: Replica, version: int) -> None:
-        """A relabel (`update_weights(None, ...)`) on one paused replica, once it is seen to
-        carry the engine's label: one that restarted between probes serves its own weights
-        under vLLM's initial label, and a relabel would put the new label on them (the
-        control-plane simulation found tokens of a restarted replica's weights labelled with
-        the next version). Such a replica is `UnsyncedReplicaError`: synced again."""
-        reply = await self._client.call(replica, "GET", "/weight_info")
-        label = reply.get("weight_version") if isinstance(reply, dict) else reply
-        if label != str(self._state.version):
-            raise UnsyncedReplicaError(
-                replica.url, f"carries the label {label!r}, not {self._state.version} (restarted?)"
-            )
+        """A relabel (`update_weights(None, ...)`) on one paused replica: `load_on` without a
+        folder, whose label is put only on the process that loaded the weights (`label`): one
+        that restarted since (between probes, or just now) serves its own weights under
+        vLLM's initial label, and the control-plane simulation found them labelled with the
+        next version."""
         await self.load_on(replica, None, version)
 
     async def own_model(self, replica: Replica) -> Path:
@@ -337,14 +340,39 @@ class WeightUpdates:
         self, replica: Replica, folder: server_weights.Checkpoint | None, version: int
     ) -> None:
         """A re-sync's load (`Supervisor`, `catch_up`): the weights and label, then the
-        current LoRA adapter, which a replica that restarted lacks."""
+        current LoRA adapter, which a replica that restarted lacks. Without a folder (no
+        update committed yet: each replica serves its own weights) whatever process answers
+        serves the engine's weights: it is the one the label must find."""
+        if folder is None:
+            replica.process = await self.process(replica)
         await self.load_on(replica, folder, version)
         await self._lora.catch_up(replica)
 
     async def label(self, replica: Replica, version: int) -> None:
-        """Set `replica`'s version label to `version`."""
+        """Set `replica`'s version label to `version`, on the process that took the weights
+        it names (`replica.process`, noted before their load). vLLM sets a label
+        unconditionally, so the process is read again once the label is set: a replica that
+        restarted in between (before the label call, or during it: the call, tried again on
+        a fresh connection, reached the new process) serves its own weights under the label.
+        It is `UnsyncedReplicaError` then, out of the rotation until synced again; nothing
+        was sent to it meanwhile (an update holds admission, a sync is not in the rotation),
+        and a restart after the read leaves vLLM's initial label, which no request accepts.
+        (The control-plane simulation found tokens of weights 0 labelled 3 this way.)"""
         await self._client.call(
             replica, "POST", "/update_weight_version", {"new_version": str(version)}
+        )
+        now = await self.process(replica)
+        if now != replica.process:
+            raise UnsyncedReplicaError(
+                replica.url,
+                f"took the label {version} in a process that did not load the weights it"
+                " names (restarted since)",
+            )
+
+    async def process(self, replica: Replica) -> str:
+        """The identity of `replica`'s serving processes now (`replica_load.process`)."""
+        return await replica_load.process(
+            functools.partial(self._client.call, replica), replica.url
         )
 
 

@@ -29,9 +29,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+_PROCESS = uuid.uuid4().hex
+"""This process's identity, new with every start (each worker imports this module once):
+`VLLMServerEngine` reads it before a replica loads weights and after it labels them, and a
+replica whose identity changed in between (restarted) serves its own weights, not the ones
+the label names."""
 
 _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 _FAILED = ": Failed to load weights"
@@ -73,6 +80,10 @@ def _unloaded_layers() -> Iterator[_UnloadedLayers]:
 class WeightLoaderExtension:
     """Methods vLLM adds to its worker. Names carry an `asyncroll_` prefix because vLLM refuses
     an extension attribute that the worker class already has."""
+
+    def asyncroll_process(self) -> str:
+        """This worker process's identity (`_PROCESS`): a restarted replica answers another."""
+        return _PROCESS
 
     def asyncroll_load_path(self, path: str, verify: bool = False) -> dict[str, Any]:
         """Load every tensor of a safetensors file, or of every *.safetensors file in a
