@@ -17,7 +17,8 @@ import numpy as np
 import pytest_asyncio
 
 from asyncroll.app import demo_tool
-from asyncroll.app.demo import DemoConfig, StepRecord, demo_config, demo_model, run_demo
+from asyncroll.app.demo import DemoConfig, demo_config, demo_model, run_demo
+from asyncroll.app.demo_report import StepRecord
 from asyncroll.engines import VLLMEngine
 from tests.vllm.conftest import original_weights
 
