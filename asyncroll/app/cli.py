@@ -68,6 +68,12 @@ DEMO_NUMBERS = (
     ("--max-staleness", "versions a token may lag when trained on; 0: synchronous"),
     ("--lr", "AdamW learning rate"),
     ("--entropy", "weight of an entropy bonus on the trained tokens"),
+    (
+        "--blind-entropy",
+        "weight of an entropy bonus on the tokens of the problems GRPO is blind "
+        "to (every sample scored the same, below 1), up to --blind-target nats each",
+    ),
+    ("--blind-target", "nats: the entropy --blind-entropy raises a blind problem's tokens to"),
     ("--eval-every", "chat: steps between evaluations on the held-out questions; 0: none"),
 )
 

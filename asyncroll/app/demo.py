@@ -97,6 +97,11 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     # where the bonus applies: "all" trained tokens, or only those of the problems (group, or
     # group and turn with per-turn credit) whose samples all failed (asyncroll.train.failed_tokens)
     entropy_on: str = "all"
+    # weight of a second entropy bonus, on the tokens of the problems GRPO is blind to (every
+    # sample scored the same, below 1: `asyncroll.train.blind_problems`), capped per token at
+    # `blind_target` nats (`asyncroll.train.capped_entropy`); 0: none
+    blind_entropy: float = 0.0
+    blind_target: float = 2.0
     # "nonzero_std": drop groups whose samples all scored the same (zero GRPO advantage);
     # "none": train on them too (their only gradient is then the entropy bonus's)
     filter: str = "nonzero_std"
@@ -122,8 +127,9 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--eval-every must be >= 0 (0: no evaluation)")
         if self.eval_every and self.task != "chat":
             raise ValueError("--eval-every needs a held-out set: only --task chat has one")
-        if not (self.entropy >= 0 and math.isfinite(self.entropy)):
-            raise ValueError("--entropy must be a finite number >= 0")
+        for name in ("entropy", "blind_entropy", "blind_target"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0")
         from asyncroll.train import CORRECTIONS
 
         if self.correction not in CORRECTIONS:
@@ -261,7 +267,7 @@ async def run_demo(
     lora = cfg.lora_config()
     trainer = Trainer(
         model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy, lora,
-        cfg.entropy_on,
+        cfg.entropy_on, cfg.blind_entropy, cfg.blind_target,
     )  # fmt: skip
     if engine is None:
         slots = _lora_engine_args(lora, cfg.max_staleness)
@@ -336,6 +342,7 @@ async def run_demo(
                 records[-1].task_metrics = {
                     "entropy": trainer.last_entropy,
                     "entropy_failed": trainer.last_failed_entropy,
+                    "entropy_blind": trainer.last_blind_entropy,
                     **task_metrics(batch.groups),
                 }
                 log_record(out, records[-1])

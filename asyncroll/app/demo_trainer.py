@@ -8,8 +8,17 @@ from pathlib import Path
 
 from asyncroll.engines.base import SamplingConfig, Weights
 from asyncroll.lora import LoraAdapter, LoraConfig
-from asyncroll.train.turns import TurnRewards, failed_tokens, token_entropy, turn_loss
+from asyncroll.train.turns import (
+    TurnRewards,
+    blind_tokens,
+    capped_entropy,
+    failed_tokens,
+    token_entropy,
+    turn_loss,
+)
 from asyncroll.types import RolloutGroup
+
+BLIND_SOLVED = 1.0  # the demo's tasks score a right answer 1 (rewards in [0, 1])
 
 
 class Trainer:
@@ -20,7 +29,14 @@ class Trainer:
     reward for the whole episode credits every turn with the other turns' luck: in tool_echo
     (three turns, each echoing its own letter) the per-turn hit rates stalled together near the
     1/8 of a policy that says letters at random, with masks, turn boundaries and logprobs right
-    (KL at staleness 0 ~1e-13)."""
+    (KL at staleness 0 ~1e-13).
+
+    `entropy`: the weight of an entropy bonus on the trained tokens (`entropy_on="all"`) or on
+    those of the failed problems (`"failed"`). `blind_entropy`: the weight of a second bonus,
+    on the tokens of the problems GRPO is blind to (`asyncroll.train.blind_problems`: every
+    sample scored the same, below `BLIND_SOLVED`), capped per token at `blind_target` nats
+    (`asyncroll.train.capped_entropy`): a problem stuck on one wrong answer gets the whole
+    bonus and is spread over a few answers until a sample differs and GRPO sees it."""
 
     def __init__(
         self,
@@ -33,6 +49,8 @@ class Trainer:
         entropy: float = 0.0,
         lora: LoraConfig | None = None,
         entropy_on: str = "all",
+        blind_entropy: float = 0.0,
+        blind_target: float = math.inf,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -54,9 +72,13 @@ class Trainer:
         self.turn_rewards = turn_rewards
         self.entropy = entropy
         self.entropy_on = entropy_on
-        # the last step's mean entropy at the trained tokens, and at those of failed problems
+        self.blind_entropy = blind_entropy
+        self.blind_target = blind_target
+        # the last step's mean entropy at the trained tokens, and at those of the failed and
+        # the blind problems (nan: none)
         self.last_entropy = math.nan
         self.last_failed_entropy = math.nan
+        self.last_blind_entropy = math.nan
 
     def step(self, groups: list[RolloutGroup], version: int) -> tuple[float, dict[str, float]]:
         """One optimizer step on the batch; `version` is the policy version of the current
@@ -88,9 +110,15 @@ class Trainer:
         )
         if self.entropy:
             loss = loss - self.entropy * (entropy if self.entropy_on == "all" else failed_entropy)
+        blind = blind_tokens(batch, groups, self.turn_rewards, BLIND_SOLVED)
+        if self.blind_entropy:
+            loss = loss - self.blind_entropy * capped_entropy(per_token, blind, self.blind_target)
         metrics = mismatch_metrics(proximal, batch, version=version, correction=self.correction)
         self.last_entropy = float(entropy.detach())
         self.last_failed_entropy = float(failed_entropy.detach()) if failed.any() else math.nan
+        self.last_blind_entropy = (
+            float(capped_entropy(per_token.detach(), blind, math.inf)) if blind.any() else math.nan
+        )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         self.torch.nn.utils.clip_grad_norm_(self.optimizer.param_groups[0]["params"], 1.0)
