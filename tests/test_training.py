@@ -728,3 +728,41 @@ def test_capped_entropy_pushes_only_the_tokens_below_the_target() -> None:
     assert float(capped_entropy(per_token.detach(), torch.zeros_like(mask), 1.0)) == 0.0
     with pytest.raises(ValueError, match="target"):
         capped_entropy(per_token, mask, target=-1.0)
+
+
+def test_unlikelihood_pushes_a_certain_wrong_token_down_where_entropy_cannot() -> None:
+    """`unlikelihood` is the sum over the masked tokens of -log(1 - p(token)), divided by
+    `total` (the batch's trained tokens, as the policy loss is, so its weight reads as an
+    advantage). Its gradient on a token's own logit is p: at a context 99.9% sure of the
+    sampled (wrong) token it is ~1, where the entropy's is ~0.01 (an entropy bonus barely moves
+    a certain context); the mass leaves that token for the others in proportion to their
+    probability. A masked token sampled outside the nucleus (logprob -inf) adds 0, finitely."""
+    from asyncroll.train import token_entropy, unlikelihood
+
+    vocab = 8
+    logits = torch.zeros((1, 3, vocab))
+    logits[0, 0, 3] = math.log(0.999 * (vocab - 1) / 0.001)  # p(3) = 0.999 at position 0
+    logits[0, 0, 5] = math.log(2.0)  # the others 1:2 between tokens 5 and 4, say
+    logits.requires_grad_()
+    ids = torch.tensor([[0, 3, 0]])  # position 1 was sampled from position 0's logits
+    logprobs = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    logprobs = torch.nn.functional.pad(logprobs, (1, 0))
+    p = float(logprobs[0, 1].detach().exp())
+    mask = torch.tensor([[False, True, False]])
+    got = unlikelihood(logprobs, mask, total=4)
+    assert float(got) == pytest.approx(-math.log(1 - p) / 4, rel=1e-4)
+    (grad,) = torch.autograd.grad(got * 4, logits)
+    assert float(grad[0, 0, 3]) == pytest.approx(p, rel=1e-4)  # d/dz_x -log(1-p_x) = p_x
+    others = -grad[0, 0, [4, 5]]
+    assert float(others[1] / others[0]) == pytest.approx(2.0, rel=1e-4)  # in proportion
+    assert not bool(grad[0, 1:].any())
+    entropy = token_entropy(logits, 1.0)[0, 1]
+    (entropy_grad,) = torch.autograd.grad(entropy, logits)
+    assert abs(float(entropy_grad[0, 0, 3])) < 0.02 < float(grad[0, 0, 3])
+
+    outside = torch.tensor([[0.0, -math.inf, 0.0]], requires_grad=True)
+    value = unlikelihood(outside, mask, total=1)
+    value.backward()
+    assert float(value) == 0.0 and outside.grad is not None
+    assert bool(torch.isfinite(outside.grad).all())
+    assert float(unlikelihood(logprobs.detach(), torch.zeros_like(mask), total=0)) == 0.0

@@ -74,6 +74,11 @@ DEMO_NUMBERS = (
         "to (every sample scored the same, below 1), up to --blind-target nats each",
     ),
     ("--blind-target", "nats: the entropy --blind-entropy raises a blind problem's tokens to"),
+    (
+        "--blind-push",
+        "weight of an unlikelihood term on the sampled tokens of the problems GRPO "
+        "is blind to, while their context's entropy is below --blind-target",
+    ),
     ("--eval-every", "chat: steps between evaluations on the held-out questions; 0: none"),
 )
 

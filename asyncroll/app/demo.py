@@ -102,6 +102,9 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     # `blind_target` nats (`asyncroll.train.capped_entropy`); 0: none
     blind_entropy: float = 0.0
     blind_target: float = 2.0
+    # weight of `asyncroll.train.unlikelihood` on the tokens of the blind problems whose
+    # context's entropy is below `blind_target`: their sampled answers made less likely; 0: none
+    blind_push: float = 0.0
     # "nonzero_std": drop groups whose samples all scored the same (zero GRPO advantage);
     # "none": train on them too (their only gradient is then the entropy bonus's)
     filter: str = "nonzero_std"
@@ -127,7 +130,7 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("--eval-every must be >= 0 (0: no evaluation)")
         if self.eval_every and self.task != "chat":
             raise ValueError("--eval-every needs a held-out set: only --task chat has one")
-        for name in ("entropy", "blind_entropy", "blind_target"):
+        for name in ("entropy", "blind_entropy", "blind_target", "blind_push"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0")
         from asyncroll.train import CORRECTIONS
@@ -267,7 +270,7 @@ async def run_demo(
     lora = cfg.lora_config()
     trainer = Trainer(
         model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy, lora,
-        cfg.entropy_on, cfg.blind_entropy, cfg.blind_target,
+        cfg.entropy_on, cfg.blind_entropy, cfg.blind_target, cfg.blind_push,
     )  # fmt: skip
     if engine is None:
         slots = _lora_engine_args(lora, cfg.max_staleness)

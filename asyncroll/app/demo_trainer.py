@@ -15,6 +15,7 @@ from asyncroll.train.turns import (
     failed_tokens,
     token_entropy,
     turn_loss,
+    unlikelihood,
 )
 from asyncroll.types import RolloutGroup
 
@@ -36,7 +37,11 @@ class Trainer:
     on the tokens of the problems GRPO is blind to (`asyncroll.train.blind_problems`: every
     sample scored the same, below `BLIND_SOLVED`), capped per token at `blind_target` nats
     (`asyncroll.train.capped_entropy`): a problem stuck on one wrong answer gets the whole
-    bonus and is spread over a few answers until a sample differs and GRPO sees it."""
+    bonus and is spread over a few answers until a sample differs and GRPO sees it.
+    `blind_push`: the weight of `asyncroll.train.unlikelihood` on the tokens of the blind
+    problems whose context's entropy is below `blind_target`: the sampled answers of a problem
+    GRPO is blind to are made less likely, with a gradient that does not vanish at certainty
+    as the entropy's does."""
 
     def __init__(
         self,
@@ -51,6 +56,7 @@ class Trainer:
         entropy_on: str = "all",
         blind_entropy: float = 0.0,
         blind_target: float = math.inf,
+        blind_push: float = 0.0,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -74,6 +80,7 @@ class Trainer:
         self.entropy_on = entropy_on
         self.blind_entropy = blind_entropy
         self.blind_target = blind_target
+        self.blind_push = blind_push
         # the last step's mean entropy at the trained tokens, and at those of the failed and
         # the blind problems (nan: none)
         self.last_entropy = math.nan
@@ -113,6 +120,10 @@ class Trainer:
         blind = blind_tokens(batch, groups, self.turn_rewards, BLIND_SOLVED)
         if self.blind_entropy:
             loss = loss - self.blind_entropy * capped_entropy(per_token, blind, self.blind_target)
+        if self.blind_push:
+            below = blind & (per_token.detach() < self.blind_target)
+            total = batch.loss_mask.sum()
+            loss = loss + self.blind_push * unlikelihood(logprobs, below, total)
         metrics = mismatch_metrics(proximal, batch, version=version, correction=self.correction)
         self.last_entropy = float(entropy.detach())
         self.last_failed_entropy = float(failed_entropy.detach()) if failed.any() else math.nan

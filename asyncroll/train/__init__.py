@@ -35,6 +35,7 @@ from asyncroll.train.turns import (
     token_entropy,
     turn_index,
     turn_loss,
+    unlikelihood,
 )
 
 __all__ = [
@@ -64,5 +65,6 @@ __all__ = [
     "trainable_parameters",
     "turn_index",
     "turn_loss",
+    "unlikelihood",
     "wrap_lora",
 ]

@@ -144,6 +144,21 @@ def capped_entropy(per_token: Any, mask: Any, target: float) -> Any:
     return (per_token.clamp(max=target) * mask).sum() / mask.sum().clamp(min=1)
 
 
+def unlikelihood(logprobs: Any, mask: Any, total: Any) -> Any:
+    """Sum over the tokens of `mask` of -log(1 - p(token)) (`logprobs`: `token_logprobs`),
+    divided by `total` (the batch's trained tokens, as the policy loss is, so a weight on it
+    reads as an advantage). Minimising it makes the masked tokens less likely: its gradient on
+    a token's own logit is p, ~1 at a context certain of that token, where an entropy bonus's
+    vanishes (~p log(1/p) of the rest), and the mass goes to the other tokens in proportion to
+    their probability (the policy's next answers, not the vocabulary at large). A token with
+    logprob -inf (sampled outside the trainer's nucleus) adds 0."""
+    import torch
+
+    # p < 1 - 1e-6 keeps the log finite; -inf off the mask: those add exactly 0, gradient too
+    chosen = torch.where(mask, logprobs.clamp(max=math.log1p(-1e-6)), -math.inf)
+    return -torch.log(-torch.expm1(chosen)).sum() / torch.as_tensor(total).clamp(min=1)
+
+
 def turn_index(groups: list[RolloutGroup], length: int) -> npt.NDArray[np.int64]:
     """[rows, length] of `to_batch`'s layout: which policy turn (0, 1, ...) each token belongs
     to, from the samples' `turn_ends` and `loss_mask`; -1 for prompt, environment and padding."""
