@@ -83,3 +83,28 @@ def test_tool_echo_defaults_reach_the_config() -> None:
     cfg = demo_config(task="tool_echo")
     assert {k: getattr(cfg, k) for k in DEFAULTS} == dict(DEFAULTS)
     assert demo_config(task="tool_echo", blind_push=0.0).blind_push == 0.0
+
+
+def test_solved_needs_the_last_ten_steps_settled_too() -> None:
+    """The demo stops once the last 3 steps average `solved_reward` and the last 10 at least
+    0.9: a steep rise (0.98 over 3 steps, the 7 before it low) goes on until it is settled."""
+    from asyncroll.app.demo import solved
+    from asyncroll.app.demo_report import StepRecord
+
+    def records(rewards: list[float]) -> list[StepRecord]:
+        return [
+            StepRecord(
+                step=i, version=i, reward=r, train_s=0.0, wait_s=0.0, wall_s=0.0,
+                tokens_per_s=0.0, failed_groups=0, filtered_groups=0, expired_groups=0,
+                rss_mib=0.0, loss=0.0, staleness_mean=0.0, idle_s=0.0, offpolicy={},
+            )
+            for i, r in enumerate(rewards)
+        ]  # fmt: skip
+
+    steep = [0.8] * 7 + [0.98] * 3  # last 10: 0.854
+    assert not solved(records(steep), 0.98)
+    assert solved(records(steep[3:] + [0.98] * 4), 0.98)  # last 10: 0.934
+    assert solved(records([0.98] * 3), 0.98)  # a short run: the 3 steps are all there is
+    assert not solved(records([0.98] * 2), 0.98)
+    assert solved(records([0.5] * 10), 0.5)  # a threshold below 0.9 asks that much of the 10
+    assert not solved(records([1.0] * 10), 0.0)  # 0: never
