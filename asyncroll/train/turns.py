@@ -1,5 +1,7 @@
-"""Trainer maths for multi-turn episodes: a GRPO loss with one advantage per policy turn,
-and an entropy bonus. The demo's tool_echo task uses them; any trainer may."""
+"""Trainer maths for multi-turn episodes: a GRPO loss with one advantage per policy turn, an
+entropy bonus (plain or capped at a target), and the problems GRPO is blind to (every sample
+scored the same, below solved) with the unlikelihood term that pushes their sampled answers
+down. The demo's tool_echo task uses them; any trainer may."""
 
 from __future__ import annotations
 
