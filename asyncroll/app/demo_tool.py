@@ -61,8 +61,8 @@ stalled others; a target of 4 nats collapsed a run. With the push, 10 runs of 11
 were solved (65-153 steps); one seed-1 run was not (0.66 at step 200): no letter lost, but the
 entropy at 2.3-3.2 nats for 120 steps, every letter half right and 6-27% of the problems at one
 partial score, where the push lowers the right tokens too (the next thing to measure: the push
-on all-0 problems only). benchmarks/results/tool_echo_dynamics.md has every run. `steps` is a ceiling
-with room for a slow run: the demo stops once solved (`DemoConfig.solved_reward`)."""
+on all-0 problems only). benchmarks/results/tool_echo_dynamics.md has every run. `steps` is a
+ceiling with room for a slow run: the demo stops once solved (`DemoConfig.solved_reward`)."""
 
 
 def episode_tokens(max_new_tokens: int) -> int:
