@@ -27,7 +27,8 @@ import msgspec
 import numpy as np
 from _common import DEFAULT_OUT, info_line, new_figure, print_section, run_info, save_outputs
 
-from asyncroll.app.demo import DemoConfig, StepRecord, run_demo
+from asyncroll.app.demo import DemoConfig, run_demo
+from asyncroll.app.demo_report import StepRecord
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 
 from _common import DEFAULT_OUT, MIB, info_line, new_figure, print_section, run_info, save_outputs
 
-from asyncroll.app.demo import tree_rss_mib
+from asyncroll.app.demo_report import tree_rss_mib
 from asyncroll.app.models import TinyModelConfig, build_tiny_model
 from asyncroll.engines.base import Engine
 from asyncroll.lora import LoraAdapter, LoraConfig, LoraSlots

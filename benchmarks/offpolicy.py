@@ -29,7 +29,8 @@ import msgspec
 import numpy as np
 from _common import DEFAULT_OUT, info_line, new_figure, print_section, run_info, save_outputs
 
-from asyncroll.app.demo import DemoConfig, StepRecord, demo_model, run_demo
+from asyncroll.app.demo import DemoConfig, demo_model, run_demo
+from asyncroll.app.demo_report import StepRecord
 from asyncroll.engines import VLLMEngine
 
 Key = tuple[int, str]  # (max_staleness, correction)

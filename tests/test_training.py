@@ -636,3 +636,133 @@ def test_token_logprobs_extra_memory_scales_with_the_batch(
     with LiveBytes() as backward:
         (grad,) = torch.autograd.grad(out.sum(), logits)
     assert backward.peak - grad.nbytes < logits.nbytes / 4, backward.peak / logits.nbytes
+
+
+# --- The problems GRPO is blind to: zero variance below the solved reward ---
+
+
+def test_blind_problems_are_every_zero_variance_problem_below_solved() -> None:
+    """A (group, turn) problem is blind when its samples all scored the same and below the
+    solved reward: all 0 (the failed ones) and all the same partial score too (each sample
+    half right gets no advantage either); not one whose samples differ (GRPO has a signal) nor
+    one every sample solved (nothing to change)."""
+    from asyncroll.train import blind_problems
+
+    rewards = np.array(  # [groups, samples, turns]
+        [
+            [[0.0, 0.5, 1.0, 0.0], [0.0, 0.5, 1.0, 0.25]],
+            [[0.0, 0.5, 0.25, 1.0], [1.0, 0.25, 0.25, 1.0]],
+        ]
+    )
+    assert blind_problems(rewards).tolist() == [
+        [True, True, False, False],
+        [False, False, True, False],
+    ]
+    # the solved reward is the caller's: with rewards up to 2, an all-1 problem is blind
+    assert blind_problems(rewards, solved=2.0)[0].tolist() == [True, True, True, False]
+    with pytest.raises(ValueError, match="solved"):
+        blind_problems(rewards, solved=float("nan"))
+
+
+def test_blind_tokens_are_the_trained_tokens_of_the_blind_problems() -> None:
+    """Exactly the trained tokens of the blind (group, turn) problems, the partial ones
+    included (which `failed_tokens` leaves out); without per-turn rewards a problem is a
+    whole group, judged by the samples' rewards."""
+    import msgspec
+
+    from asyncroll.train import blind_tokens, failed_tokens, turn_index
+    from tests.test_turns import scored_turn_group
+
+    scores = {  # [samples, turns]: group 0 turn 0 all 0, turn 1 all 0.5; group 1 turn 2 all 1
+        0: np.array([[0.0, 0.5, 1.0], [0.0, 0.5, 0.0]]),
+        1: np.array([[0.0, 0.5, 1.0], [1.0, 0.0, 1.0]]),
+    }
+    groups = [msgspec.structs.replace(scored_turn_group(2), prompt_id=str(i)) for i in range(2)]
+    batch = to_batch(groups)
+    blind = blind_tokens(batch, groups, lambda g: scores[int(g.prompt_id)])
+    turn = torch.from_numpy(turn_index(groups, batch.input_ids.shape[1]))
+    expected = torch.zeros_like(batch.loss_mask)
+    expected[:2] = (turn[:2] == 0) | (turn[:2] == 1)
+    assert torch.equal(blind, expected) and bool((blind <= batch.loss_mask).all())
+    failed = failed_tokens(batch, groups, lambda g: scores[int(g.prompt_id)])
+    assert torch.equal(failed[:2], turn[:2] == 0)  # the partial problem is not "failed"
+
+    half = tuple(msgspec.structs.replace(s, reward=0.5) for s in groups[0].samples)
+    flat = [msgspec.structs.replace(groups[0], samples=half), groups[1]]  # group 1: 0 and 1
+    whole = blind_tokens(to_batch(flat), flat, None)
+    assert torch.equal(whole[:2], batch.loss_mask[:2]) and not bool(whole[2:].any())
+
+
+def test_capped_entropy_pushes_only_the_tokens_below_the_target() -> None:
+    """`capped_entropy` is the mean over the masked tokens of min(entropy, target): its
+    gradient reaches the logits that sampled a masked token whose entropy is below the target
+    and no others, so a bonus on it raises a certain context's entropy up to the target and
+    no further (a plain bonus drives a stuck context towards uniform over the vocabulary).
+    With an infinite target it is `mean_entropy`."""
+    from asyncroll.train import capped_entropy, mean_entropy, token_entropy
+
+    batch = to_batch([scored(0, [0.0, 1.0], tokens=4)])
+    rows, length = batch.input_ids.shape
+    vocab = 16
+    logits = torch.zeros((rows, length, vocab))  # uniform: entropy log 16 = 2.77
+    logits[0, :, 0] = 6.0  # row 0 nearly certain: entropy ~0.1
+    logits.requires_grad_()
+    per_token = token_entropy(logits, 1.0)
+    mask = batch.loss_mask
+    low, high = float(per_token[0, -1].detach()), math.log(vocab)
+    assert low < 1.0 < high
+    got = capped_entropy(per_token, mask, target=1.0)
+    expected = float((per_token.detach().clamp(max=1.0) * mask).sum() / mask.sum())
+    assert float(got.detach()) == pytest.approx(expected, rel=1e-6)
+    got.backward()
+    assert logits.grad is not None
+    sampled_at = torch.zeros_like(mask)  # the position whose logits sampled a trained token
+    sampled_at[:, :-1] = mask[:, 1:]
+    moved = logits.grad.abs().sum(-1) > 0
+    assert torch.equal(moved[0], sampled_at[0])  # below the target: pushed up
+    assert not bool(moved[1].any())  # at log 16 > 1: left alone
+
+    uncapped = capped_entropy(per_token.detach(), mask, target=math.inf)
+    plain = mean_entropy(logits.detach(), batch, 1.0)
+    assert float(uncapped) == pytest.approx(float(plain), rel=1e-6)
+    assert float(capped_entropy(per_token.detach(), torch.zeros_like(mask), 1.0)) == 0.0
+    with pytest.raises(ValueError, match="target"):
+        capped_entropy(per_token, mask, target=-1.0)
+
+
+def test_unlikelihood_pushes_a_certain_wrong_token_down_where_entropy_cannot() -> None:
+    """`unlikelihood` is the sum over the masked tokens of -log(1 - p(token)), divided by
+    `total` (the batch's trained tokens, as the policy loss is, so its weight reads as an
+    advantage). Its gradient on a token's own logit is p: at a context 99.9% sure of the
+    sampled (wrong) token it is ~1, where the entropy's is ~0.01 (an entropy bonus barely moves
+    a certain context); the mass leaves that token for the others in proportion to their
+    probability. A masked token sampled outside the nucleus (logprob -inf) adds 0, finitely."""
+    from asyncroll.train import token_entropy, unlikelihood
+
+    vocab = 8
+    logits = torch.zeros((1, 3, vocab))
+    logits[0, 0, 3] = math.log(0.999 * (vocab - 1) / 0.001)  # p(3) = 0.999 at position 0
+    logits[0, 0, 5] = math.log(2.0)  # the others 1:2 between tokens 5 and 4, say
+    logits.requires_grad_()
+    ids = torch.tensor([[0, 3, 0]])  # position 1 was sampled from position 0's logits
+    logprobs = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    logprobs = torch.nn.functional.pad(logprobs, (1, 0))
+    p = float(logprobs[0, 1].detach().exp())
+    mask = torch.tensor([[False, True, False]])
+    got = unlikelihood(logprobs, mask, total=4)
+    assert float(got) == pytest.approx(-math.log(1 - p) / 4, rel=1e-4)
+    (grad,) = torch.autograd.grad(got * 4, logits)
+    assert float(grad[0, 0, 3]) == pytest.approx(p, rel=1e-4)  # d/dz_x -log(1-p_x) = p_x
+    others = -grad[0, 0, [4, 5]]
+    assert float(others[1] / others[0]) == pytest.approx(2.0, rel=1e-4)  # in proportion
+    assert not bool(grad[0, 1:].any())
+    entropy = token_entropy(logits, 1.0)[0, 1]
+    (entropy_grad,) = torch.autograd.grad(entropy, logits)
+    assert abs(float(entropy_grad[0, 0, 3])) < 0.02 < float(grad[0, 0, 3])
+
+    outside = torch.tensor([[0.0, -math.inf, 0.0]], requires_grad=True)
+    value = unlikelihood(outside, mask, total=1)
+    value.backward()
+    assert float(value) == 0.0 and outside.grad is not None
+    assert bool(torch.isfinite(outside.grad).all())
+    assert float(unlikelihood(logprobs.detach(), torch.zeros_like(mask), total=0)) == 0.0

@@ -68,6 +68,17 @@ DEMO_NUMBERS = (
     ("--max-staleness", "versions a token may lag when trained on; 0: synchronous"),
     ("--lr", "AdamW learning rate"),
     ("--entropy", "weight of an entropy bonus on the trained tokens"),
+    (
+        "--blind-entropy",
+        "weight of an entropy bonus on the tokens of the problems GRPO is blind "
+        "to (every sample scored the same, below 1), up to --blind-target nats each",
+    ),
+    ("--blind-target", "nats: the entropy --blind-entropy raises a blind problem's tokens to"),
+    (
+        "--blind-push",
+        "weight of an unlikelihood term on the sampled tokens of the problems GRPO "
+        "is blind to, while their context's entropy is below --blind-target",
+    ),
     ("--eval-every", "chat: steps between evaluations on the held-out questions; 0: none"),
 )
 

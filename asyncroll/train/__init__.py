@@ -25,12 +25,17 @@ from asyncroll.train.loss import (
 )
 from asyncroll.train.turns import (
     TurnRewards,
+    blind_problems,
+    blind_tokens,
+    capped_entropy,
     failed_problems,
     failed_tokens,
     mean_entropy,
+    problem_tokens,
     token_entropy,
     turn_index,
     turn_loss,
+    unlikelihood,
 )
 
 __all__ = [
@@ -42,6 +47,9 @@ __all__ = [
     "TurnRewards",
     "adapter_of",
     "behaviour_weights",
+    "blind_problems",
+    "blind_tokens",
+    "capped_entropy",
     "failed_problems",
     "failed_tokens",
     "group_advantages",
@@ -49,6 +57,7 @@ __all__ = [
     "mean_entropy",
     "mismatch_metrics",
     "policy_loss",
+    "problem_tokens",
     "proximal_logprobs",
     "to_batch",
     "token_entropy",
@@ -56,5 +65,6 @@ __all__ = [
     "trainable_parameters",
     "turn_index",
     "turn_loss",
+    "unlikelihood",
     "wrap_lora",
 ]

@@ -1,8 +1,11 @@
-"""Trainer maths for multi-turn episodes: a GRPO loss with one advantage per policy turn,
-and an entropy bonus. The demo's tool_echo task uses them; any trainer may."""
+"""Trainer maths for multi-turn episodes: a GRPO loss with one advantage per policy turn, an
+entropy bonus (plain or capped at a target), and the problems GRPO is blind to (every sample
+scored the same, below solved) with the unlikelihood term that pushes their sampled answers
+down. The demo's tool_echo task uses them; any trainer may."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -78,6 +81,17 @@ def failed_problems(rewards: npt.NDArray[np.float64]) -> npt.NDArray[np.bool_]:
     return np.asarray((rewards <= 0).all(axis=1), dtype=np.bool_)
 
 
+def blind_problems(rewards: npt.NDArray[np.float64], solved: float = 1.0) -> npt.NDArray[np.bool_]:
+    """[groups, turns] of `rewards` [groups, samples, turns]: the problems GRPO is blind to and
+    has not solved, whose samples all scored the same, below `solved`. All 0 (`failed_problems`)
+    and also all the same partial score (every sample half right): neither has an advantage,
+    and in both the policy must change to improve. `solved`: the reward of a right answer."""
+    if not math.isfinite(solved):
+        raise ValueError(f"solved must be a finite reward, not {solved}")
+    flat = (rewards == rewards[:, :1]).all(axis=1)
+    return np.asarray(flat & (rewards[:, 0] < solved), dtype=np.bool_)
+
+
 def failed_tokens(
     batch: TrainBatch, groups: list[RolloutGroup], turn_rewards: TurnRewards | None
 ) -> Any:
@@ -85,18 +99,66 @@ def failed_tokens(
     a (group, policy turn) with `turn_rewards`, else a whole group by its samples' rewards. An
     entropy bonus on these alone (`mean_entropy(..., mask=...)`) explores where the policy fails
     and lets the contexts it has solved become certain."""
+    return problem_tokens(batch, groups, turn_rewards, failed_problems)
+
+
+def blind_tokens(
+    batch: TrainBatch,
+    groups: list[RolloutGroup],
+    turn_rewards: TurnRewards | None,
+    solved: float = 1.0,
+) -> Any:
+    """[B, L] bool: the trained tokens of the blind problems (`blind_problems`), per (group,
+    policy turn) with `turn_rewards`, else per group."""
+    return problem_tokens(batch, groups, turn_rewards, lambda r: blind_problems(r, solved))
+
+
+def problem_tokens(
+    batch: TrainBatch,
+    groups: list[RolloutGroup],
+    turn_rewards: TurnRewards | None,
+    problems: Callable[[npt.NDArray[np.float64]], npt.NDArray[np.bool_]],
+) -> Any:
+    """[B, L] bool: the trained tokens of the problems `problems` picks from the rewards
+    [groups, samples, turns] (one turn, the samples' rewards, without `turn_rewards`)."""
     import torch
 
     if turn_rewards is None:
-        failed = failed_problems(np.stack([g.rewards() for g in groups])[:, :, None])[:, 0]
-        per_row = torch.from_numpy(np.repeat(failed, groups[0].num_samples))
+        picked = problems(np.stack([g.rewards() for g in groups])[:, :, None])[:, 0]
+        per_row = torch.from_numpy(np.repeat(picked, groups[0].num_samples))
         return batch.loss_mask & per_row[:, None]
-    per_turn = failed_problems(np.stack([turn_rewards(g) for g in groups]))  # [groups, turns]
+    per_turn = problems(np.stack([turn_rewards(g) for g in groups]))  # [groups, turns]
     turn = turn_index(groups, batch.input_ids.shape[1])  # [rows, L], -1 off the policy turns
     rows = np.repeat(per_turn, groups[0].num_samples, axis=0)  # [rows, turns]
     known = (turn >= 0) & (turn < rows.shape[1])  # a turn past the task's has no reward
     hit = np.take_along_axis(rows, np.where(known, turn, 0), axis=1) & known
     return batch.loss_mask & torch.from_numpy(hit)
+
+
+def capped_entropy(per_token: Any, mask: Any, target: float) -> Any:
+    """Mean over the tokens of `mask` of min(entropy, `target`) (`per_token`: `token_entropy`);
+    0 where none. A bonus on it raises the entropy of the contexts below `target` and leaves
+    the others alone: a stuck context is spread over a few of the policy's likeliest answers,
+    not driven towards uniform over the vocabulary, where a sample almost never hits the one
+    right answer. `target=math.inf` is the plain mean (`mean_entropy`)."""
+    if not target >= 0:
+        raise ValueError(f"the entropy target must be >= 0 nats, not {target}")
+    return (per_token.clamp(max=target) * mask).sum() / mask.sum().clamp(min=1)
+
+
+def unlikelihood(logprobs: Any, mask: Any, total: Any) -> Any:
+    """Sum over the tokens of `mask` of -log(1 - p(token)) (`logprobs`: `token_logprobs`),
+    divided by `total` (the batch's trained tokens, as the policy loss is, so a weight on it
+    reads as an advantage). Minimising it makes the masked tokens less likely: its gradient on
+    a token's own logit is p, ~1 at a context certain of that token, where an entropy bonus's
+    vanishes (~p log(1/p) of the rest), and the mass goes to the other tokens in proportion to
+    their probability (the policy's next answers, not the vocabulary at large). A token with
+    logprob -inf (sampled outside the trainer's nucleus) adds 0."""
+    import torch
+
+    # p < 1 - 1e-6 keeps the log finite; -inf off the mask: those add exactly 0, gradient too
+    chosen = torch.where(mask, logprobs.clamp(max=math.log1p(-1e-6)), -math.inf)
+    return -torch.log(-torch.expm1(chosen)).sum() / torch.as_tensor(total).clamp(min=1)
 
 
 def turn_index(groups: list[RolloutGroup], length: int) -> npt.NDArray[np.int64]:

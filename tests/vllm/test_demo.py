@@ -17,7 +17,8 @@ import numpy as np
 import pytest_asyncio
 
 from asyncroll.app import demo_tool
-from asyncroll.app.demo import DemoConfig, StepRecord, demo_config, demo_model, run_demo
+from asyncroll.app.demo import DemoConfig, demo_config, demo_model, run_demo
+from asyncroll.app.demo_report import StepRecord
 from asyncroll.engines import VLLMEngine
 from tests.vllm.conftest import original_weights
 
@@ -90,10 +91,10 @@ async def test_demo_learns_the_multi_turn_tool_echo_task(
     0.20 (seed 1), too near 0.2 for a test. tool_echo's defaults keep every group and add an
     entropy bonus, against a late stall; they learn slower early (over steps 36-40: 0.22, 0.11
     and 0.15 for seed 2, 0.37, 0.26 and 0.30 for seed 1), so this 40-step test keeps the
-    filter."""
+    filter (and neither the bonus nor the push on the problems GRPO is blind to)."""
     config = demo_config(  # tool_echo's turns (demo_tool.DEFAULTS), fewer steps, the filter
         task="tool_echo", seed=2, steps=40, out=str(tmp_path), solved_reward=0.0,
-        batch_timeout_s=60.0, filter="nonzero_std", entropy=0.0,
+        batch_timeout_s=60.0, filter="nonzero_std", entropy=0.0, blind_push=0.0,
     )  # fmt: skip
     assert config.max_new_tokens == demo_tool.DEFAULTS["max_new_tokens"]
     records, first, last = await run_from_random(config, demo_engine)
@@ -101,10 +102,11 @@ async def test_demo_learns_the_multi_turn_tool_echo_task(
     # What shows a stall: each letter's hit rate, and the entropy where every sample failed
     # (the tokens `--entropy-on failed` explores; tool_echo_dynamics.md), logged every step.
     metrics = [r.task_metrics for r in records]
-    logged = {"entropy", "entropy_failed", "letter_a", "zero_std_wrong"}
+    logged = {"entropy", "entropy_failed", "entropy_blind", "letter_a", "zero_std_wrong"}
     assert all(logged <= set(m) for m in metrics)
-    failed = [m["entropy_failed"] for m in metrics if not np.isnan(m["entropy_failed"])]
-    assert failed and all(0 <= h <= np.log(512) + 1e-3 for h in failed)  # nats, 512 tokens
+    for name in ("entropy_failed", "entropy_blind"):  # nats, over 512 tokens
+        seen = [m[name] for m in metrics if not np.isnan(m[name])]
+        assert seen and all(0 <= h <= np.log(512) + 1e-3 for h in seen), name
     summary = (tmp_path / "summary.txt").read_text()
     assert "policy / environment tokens, turns per episode" in summary
     assert ", 5.0" in summary  # 3 policy turns and 2 tool answers per episode
