@@ -594,11 +594,14 @@ CUT_CASES = {
 }
 
 
-@pytest.mark.parametrize("template", sorted(CUT_CASES))
+@pytest.mark.parametrize(
+    ("template", "cut_by"), [("qwen3", "max_tokens"), ("tiny", "max_tokens"), ("tiny", "stop")]
+)
 async def test_a_reply_cut_by_max_tokens_is_continued_after_the_templates_end_of_turn(
-    template: str,
+    template: str, cut_by: str
 ) -> None:
-    """The agent gets the cut reply (`finish_reason="length"`) and goes on with a user message:
+    """The agent gets the cut reply (`finish_reason="length"`; "stop" where a stop string of
+    the call ended it, without an end-of-turn token too) and goes on with a user message:
     the stream keeps the sampled ids, then the template's own end-of-turn token and the user
     message's bridge, both untrained; the whole equals the template's render of the
     conversation (the cut ids are the text's own encoding here), so nothing was re-rendered
@@ -608,12 +611,16 @@ async def test_a_reply_cut_by_max_tokens_is_continued_after_the_templates_end_of
     first = [{"role": "user", "content": "add 1"}]
     more = {"role": "user", "content": "go on"}
     cut, answer = fmt.encode(cut_text), fmt.encode(answer_text)
-    engine = ScriptEngine([(cut, "length"), (answer, "stop")])
+    finish = "length" if cut_by == "max_tokens" else "stop"
+    engine = ScriptEngine([(cut, finish), (answer, "stop")])
+    limit: dict[str, Any] = (
+        {"max_tokens": len(cut)} if cut_by == "max_tokens" else {"stop": [cut_text[-1]]}
+    )
     seen: dict[str, Any] = {}
 
     async def agent(base_url: str, episode: Episode) -> float:
         c = client(base_url)
-        r = await c.chat.completions.create(model=MODEL, messages=first, max_tokens=len(cut))
+        r = await c.chat.completions.create(model=MODEL, messages=first, **limit)
         seen["finish"] = r.choices[0].finish_reason
         message = r.choices[0].message.model_dump(exclude_none=True)
         seen["content"] = message["content"]
@@ -636,7 +643,7 @@ async def test_a_reply_cut_by_max_tokens_is_continued_after_the_templates_end_of
         async with producer:
             batch = await producer.produce_batch(1, timeout=DEADLINE_S)
     assert not drops
-    assert seen["finish"] == "length" and seen["content"] == cut_text
+    assert seen["finish"] == finish and seen["content"] == cut_text
     status, body = seen["rewrite"]
     assert status == 400 and body["error"]["code"] == "conversation_rewritten"
     assert seen["second"] == ("stop", answer_text.rsplit("<|", 1)[0])
@@ -644,6 +651,8 @@ async def test_a_reply_cut_by_max_tokens_is_continued_after_the_templates_end_of
     bridge = fmt.bridge({"role": "assistant", "content": cut_text}, [more])
     (sample,) = batch.groups[0].samples
     assert len(engine.requests) == 2
+    if cut_by == "stop":  # the stop string's token is a stop id of the call, not a turn's end
+        assert cut[-1] in engine.requests[0].sampling.stop_token_ids
     assert engine.requests[1].samples[0].prefix.tolist() == [*cut, end, *bridge]
     assert sample.tokens.tolist() == [*cut, end, *bridge, *answer]
     assert sample.loss_mask is not None

@@ -9,8 +9,9 @@ How a call's messages relate to the episode (compared with `wire.known_message`)
   messages, each reply as it was answered, each message added); what follows (tool results,
   a user message) is appended through the chat format's bridge, and the policy replies;
 * after a reply that did not end its turn (`finish_reason` "length": cut by `max_tokens` or
-  the episode's budget), the template's own end-of-turn token is appended before the bridge,
-  untrained: the sampled ids stay as they were answered (`ChatEpisode.add(after_cut=True)`);
+  the episode's budget; or ended by a `stop` string of the call), the template's own
+  end-of-turn token is appended before the bridge, untrained: the sampled ids stay as they
+  were answered (`ChatEpisode.add(after_cut=True)`);
 * a call that repeats the last call's messages (a client retrying a lost answer) gets the
   same answer again: no new turn is sampled;
 * anything else rewrites the episode's history and is refused (400, `conversation_rewritten`):
