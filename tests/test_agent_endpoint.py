@@ -697,3 +697,42 @@ async def test_a_reply_cut_by_the_episode_budget_ends_the_episode_with_a_clear_m
     assert err.code == "context_length_exceeded" and "token budget is spent" in err.message
     (sample,) = batch.groups[0].samples
     assert sample.tokens.tolist() == cut and sample.extra["reward"] == 0.5
+
+
+async def test_chat_episode_add_after_a_cut_reply_closes_the_turn_only_when_asked() -> None:
+    """The chat layer under the endpoint: `add` after a cut reply is refused by default (the
+    message names `after_cut`); with `after_cut=True` it appends the template's end of turn
+    and the bridge, untrained, and says so in `differences`."""
+    from asyncroll.chat.episode import ChatEpisode
+    from asyncroll.chat.template import ChatError
+
+    fmt, parser = tiny_format()
+    first = [{"role": "user", "content": "add 1"}]
+    more = [{"role": "user", "content": "go on"}]
+    cut = fmt.encode("5 6")
+    engine = ScriptEngine([(cut, "length")])
+    got: dict[str, Any] = {}
+
+    async def rollout(episode: Episode) -> None:
+        chat = ChatEpisode(episode, fmt, parser(None), messages=first)
+        await chat.reply()
+        with pytest.raises(ChatError, match="after_cut=True"):
+            chat.add(more)
+        got["ids"] = chat.add(more, after_cut=True)
+        got["differences"] = chat.differences
+        episode.extra["reward"] = 0.0
+
+    producer = Producer(
+        engine, [fmt.prompt_ids(first)], agent_reward, group_size=1, batch_size=1,
+        rollout_fn=rollout, max_turns=4, max_episode_tokens=64, sampling=SAMPLING,
+    )  # fmt: skip
+    async with producer:
+        batch = await producer.produce_batch(1, timeout=DEADLINE_S)
+    bridge = fmt.bridge({"role": "assistant", "content": "5 6"}, more)
+    assert got["ids"] == [*fmt.stop_token_ids, *bridge]
+    (note,) = got["differences"]
+    assert "did not end its turn" in note and "'<|eos|>' appended as context" in note
+    (sample,) = batch.groups[0].samples
+    assert sample.tokens.tolist() == [*cut, *got["ids"]]
+    assert sample.loss_mask is not None
+    assert sample.loss_mask.tolist() == [1] * len(cut) + [0] * len(got["ids"])
