@@ -567,3 +567,172 @@ async def test_a_call_past_max_turns_is_refused_and_the_episode_is_kept(
     assert err.code == "max_turns_exceeded" and "taken its 4 turns" in err.message
     mask = group.samples[0].loss_mask
     assert mask is not None and int(mask.sum()) == 4 * len(ids(fmt, CALL))
+
+
+# -- a reply cut by max_tokens: continued after the template's end of turn ---------------------
+
+
+def tiny_format() -> tuple[ChatFormat, Callable[[Any], Any]]:
+    from asyncroll.app.models import build_tiny_model
+    from asyncroll.chat.parse import TextParser
+    from asyncroll.chat.tiny import tiny_chat_tokenizer
+
+    fmt = ChatFormat(tiny_chat_tokenizer(build_tiny_model()))
+    return fmt, lambda tools: TextParser(fmt.tokenizer, fmt.stop_token_ids)
+
+
+def qwen3_format() -> tuple[ChatFormat, Callable[[Any], Any]]:
+    renderers = pytest.importorskip("renderers")
+    fmt = ChatFormat(qwen3_tokenizer())
+    return fmt, lambda tools: RenderersParser(fmt.tokenizer, renderers.Qwen3RendererConfig())
+
+
+# (template, the cut reply's text, the next reply's text with its end of turn)
+CUT_CASES = {
+    "qwen3": (qwen3_format, "The sum is", "2.<|im_end|>"),
+    "tiny": (tiny_format, "5 6", "7<|eos|>"),
+}
+
+
+@pytest.mark.parametrize(
+    ("template", "cut_by"), [("qwen3", "max_tokens"), ("tiny", "max_tokens"), ("tiny", "stop")]
+)
+async def test_a_reply_cut_by_max_tokens_is_continued_after_the_templates_end_of_turn(
+    template: str, cut_by: str
+) -> None:
+    """The agent gets the cut reply (`finish_reason="length"`; "stop" where a stop string of
+    the call ended it, without an end-of-turn token too) and goes on with a user message:
+    the stream keeps the sampled ids, then the template's own end-of-turn token and the user
+    message's bridge, both untrained; the whole equals the template's render of the
+    conversation (the cut ids are the text's own encoding here), so nothing was re-rendered
+    and nothing is missing. A call that rewrites the cut reply is still refused."""
+    make, cut_text, answer_text = CUT_CASES[template]
+    fmt, parser = make()
+    first = [{"role": "user", "content": "add 1"}]
+    more = {"role": "user", "content": "go on"}
+    cut, answer = fmt.encode(cut_text), fmt.encode(answer_text)
+    finish = "length" if cut_by == "max_tokens" else "stop"
+    engine = ScriptEngine([(cut, finish), (answer, "stop")])
+    limit: dict[str, Any] = (
+        {"max_tokens": len(cut)} if cut_by == "max_tokens" else {"stop": [cut_text[-1]]}
+    )
+    seen: dict[str, Any] = {}
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        c = client(base_url)
+        r = await c.chat.completions.create(model=MODEL, messages=first, **limit)
+        seen["finish"] = r.choices[0].finish_reason
+        message = r.choices[0].message.model_dump(exclude_none=True)
+        seen["content"] = message["content"]
+        rewritten = {**message, "content": message["content"] + " 2"}
+        seen["rewrite"] = await raw(
+            base_url + "/chat/completions",
+            {"model": MODEL, "messages": [*first, rewritten, more]},
+        )
+        r = await c.chat.completions.create(model=MODEL, messages=[*first, message, more])
+        seen["second"] = r.choices[0].finish_reason, r.choices[0].message.content
+        return 1.0
+
+    drops: list[Any] = []
+    async with AgentEndpoint(fmt, parser, sampling=SAMPLING) as endpoint:
+        producer = Producer(
+            engine, [fmt.prompt_ids(first)], agent_reward, group_size=1, batch_size=1,
+            rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
+            max_episode_tokens=4096, sampling=SAMPLING,
+        )  # fmt: skip
+        async with producer:
+            batch = await producer.produce_batch(1, timeout=DEADLINE_S)
+    assert not drops
+    assert seen["finish"] == finish and seen["content"] == cut_text
+    status, body = seen["rewrite"]
+    assert status == 400 and body["error"]["code"] == "conversation_rewritten"
+    assert seen["second"] == ("stop", answer_text.rsplit("<|", 1)[0])
+    (end,) = fmt.encode(fmt.end_of_turn[0])
+    bridge = fmt.bridge({"role": "assistant", "content": cut_text}, [more])
+    (sample,) = batch.groups[0].samples
+    assert len(engine.requests) == 2
+    if cut_by == "stop":  # the stop string's token is a stop id of the call, not a turn's end
+        assert cut[-1] in engine.requests[0].sampling.stop_token_ids
+    assert engine.requests[1].samples[0].prefix.tolist() == [*cut, end, *bridge]
+    assert sample.tokens.tolist() == [*cut, end, *bridge, *answer]
+    assert sample.loss_mask is not None
+    assert sample.loss_mask.tolist() == [1] * len(cut) + [0] * (1 + len(bridge)) + [1] * len(answer)
+    # The template's own render of the conversation, the cut reply as its text, is the stream.
+    rendered = fmt.render_text(
+        [*first, {"role": "assistant", "content": cut_text}, more], generation_prompt=True
+    )
+    assert fmt.encode(rendered) == fmt.prompt_ids(first) + sample.tokens.tolist()[: -len(answer)]
+
+
+async def test_a_reply_cut_by_the_episode_budget_ends_the_episode_with_a_clear_message() -> None:
+    """A cut reply that used the last of the episode's tokens leaves no room for the end of
+    turn and the next messages: the next call is refused, the episode kept as it is."""
+    fmt, parser = tiny_format()
+    first = [{"role": "user", "content": "add 1"}]
+    cut = fmt.encode("5 6 7 8")
+    engine = ScriptEngine([(cut, "length")])
+    errors: list[Any] = []
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        c = client(base_url)
+        r = await c.chat.completions.create(model=MODEL, messages=first)
+        message = r.choices[0].message.model_dump(exclude_none=True)
+        with pytest.raises(openai.BadRequestError) as info:
+            more = {"role": "user", "content": "go on"}
+            await c.chat.completions.create(model=MODEL, messages=[*first, message, more])
+        errors.append(info.value)
+        return 0.5
+
+    drops: list[Any] = []
+    async with AgentEndpoint(fmt, parser, sampling=SAMPLING) as endpoint:
+        producer = Producer(
+            engine, [fmt.prompt_ids(first)], agent_reward, group_size=1, batch_size=1,
+            rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
+            max_episode_tokens=len(cut), sampling=SAMPLING,
+        )  # fmt: skip
+        async with producer:
+            batch = await producer.produce_batch(1, timeout=DEADLINE_S)
+    assert not drops
+    (err,) = errors
+    assert err.code == "context_length_exceeded" and "token budget is spent" in err.message
+    (sample,) = batch.groups[0].samples
+    assert sample.tokens.tolist() == cut and sample.extra["reward"] == 0.5
+
+
+async def test_chat_episode_add_after_a_cut_reply_closes_the_turn_only_when_asked() -> None:
+    """The chat layer under the endpoint: `add` after a cut reply is refused by default (the
+    message names `after_cut`); with `after_cut=True` it appends the template's end of turn
+    and the bridge, untrained, and says so in `differences`."""
+    from asyncroll.chat.episode import ChatEpisode
+    from asyncroll.chat.template import ChatError
+
+    fmt, parser = tiny_format()
+    first = [{"role": "user", "content": "add 1"}]
+    more = [{"role": "user", "content": "go on"}]
+    cut = fmt.encode("5 6")
+    engine = ScriptEngine([(cut, "length")])
+    got: dict[str, Any] = {}
+
+    async def rollout(episode: Episode) -> None:
+        chat = ChatEpisode(episode, fmt, parser(None), messages=first)
+        await chat.reply()
+        with pytest.raises(ChatError, match="after_cut=True"):
+            chat.add(more)
+        got["ids"] = chat.add(more, after_cut=True)
+        got["differences"] = chat.differences
+        episode.extra["reward"] = 0.0
+
+    producer = Producer(
+        engine, [fmt.prompt_ids(first)], agent_reward, group_size=1, batch_size=1,
+        rollout_fn=rollout, max_turns=4, max_episode_tokens=64, sampling=SAMPLING,
+    )  # fmt: skip
+    async with producer:
+        batch = await producer.produce_batch(1, timeout=DEADLINE_S)
+    bridge = fmt.bridge({"role": "assistant", "content": "5 6"}, more)
+    assert got["ids"] == [*fmt.stop_token_ids, *bridge]
+    (note,) = got["differences"]
+    assert "did not end its turn" in note and "'<|eos|>' appended as context" in note
+    (sample,) = batch.groups[0].samples
+    assert sample.tokens.tolist() == [*cut, *got["ids"]]
+    assert sample.loss_mask is not None
+    assert sample.loss_mask.tolist() == [1] * len(cut) + [0] * len(got["ids"])

@@ -1,14 +1,16 @@
 """The openai_echo demo task (`asyncroll.app.demo_openai`) with a scripted engine (a simulation:
 it returns the ids the test gives it): the openai-client agent gets each reply that ends its
-turn as a `say` tool call, answers it with tool_echo's next letter, scores the text it was
-given, and a reply cut by the token limit ends the episode. The real engine
-runs it in tests/vllm/test_demo_openai.py."""
+turn as a `say` tool call and each reply cut by the token limit as text, answers either with
+tool_echo's next letter and scores the text it was given as tool_echo scores the ids; the
+stream is tool_echo's but for the end of turn after a cut turn. The real engine runs it in
+tests/vllm/test_demo_openai.py."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -59,45 +61,38 @@ def letter_ids(model_dir: Path, letters: str) -> list[int]:
     return [raw.token_to_id(c) for c in letters]  # type: ignore[attr-defined]
 
 
-async def test_each_turn_is_a_tool_call_answered_with_the_next_letter(model_dir: Path) -> None:
-    letters = next(demo_tool.tool_echo_prompts(tokenizer(model_dir), 3)).metadata["letters"]
+async def test_ended_and_cut_turns_are_answered_with_the_next_letter_and_scored_as_tool_echo(
+    model_dir: Path,
+) -> None:
+    raw = tokenizer(model_dir)
+    letters = next(demo_tool.tool_echo_prompts(raw, 3)).metadata["letters"]
     a, b, c = letters
     other = next(x for x in demo_tool.LETTERS if x != b)
     episode = [
-        ([*letter_ids(model_dir, a * 3), EOS], "stop"),  # all right: 1
-        ([*letter_ids(model_dir, b + other), EOS], "stop"),  # one of 3: 0.8 / 3 + 0.2
-        (letter_ids(model_dir, c * 4), "length"),  # right, but not ended: 0
+        ([*letter_ids(model_dir, a * 3), EOS], "stop"),  # ended, 3 of 4 tokens right
+        (letter_ids(model_dir, b + other + b + b), "length"),  # cut, 3 of 4 right
+        (letter_ids(model_dir, c * 4), "length"),  # cut, all right
     ]
     group, engine = await run_one(model_dir, episode)
-    for sample in group.samples:
-        assert sample.extra["turn_scores"] == pytest.approx([1.0, 0.8 / 3 + 0.2, 0.0])
-        assert sample.reward == pytest.approx((1.2 + 0.8 / 3) / 3)
-        assert len(sample.extra["call_s"]) == 3
-        mask = sample.loss_mask
-        assert mask is not None
-        # The stream is tool_echo's: the replies as sampled, the tool's answers as tool_echo's.
-        answers = group.metadata["answers"]
-        want = [*episode[0][0], *answers[0], *episode[1][0], *answers[1], *episode[2][0]]
-        assert sample.tokens.tolist() == want
-        assert mask.tolist() == [1] * 4 + [0] * 2 + [1] * 3 + [0] * 2 + [1] * 4
-    assert demo_openai.turn_scores(group)[0].tolist() == pytest.approx([1.0, 0.8 / 3 + 0.2, 0])
-    # The trainer's: shifted alike (GRPO's advantages are the same); <= 0 for no letter said.
-    assert demo_openai.turn_rewards(group)[0].tolist() == pytest.approx([0.8, 0.8 / 3, -0.2])
-    # Each call's prompt is the last one's stream plus the reply and the tool's answer.
-    assert [len(r.samples[0].prefix) for r in engine.requests[:3]] == [0, 6, 11]
-
-
-async def test_a_reply_cut_by_the_token_limit_ends_the_episode(model_dir: Path) -> None:
-    letters = next(demo_tool.tool_echo_prompts(tokenizer(model_dir), 3)).metadata["letters"]
-    cut = (letter_ids(model_dir, letters[0] * 4), "length")
-    group, _ = await run_one(model_dir, [cut])
-    for sample in group.samples:
-        assert sample.extra["turn_scores"] == [0.0, 0.0, 0.0]
-        assert len(sample.extra["call_s"]) == 1 and sample.turn_ends is not None
-        assert sample.turn_ends.tolist() == [4]
+    answers = group.metadata["answers"]
+    (sample,) = group.samples
+    assert sample.extra["turn_scores"] == pytest.approx([0.75, 0.75, 1.0])
+    assert sample.reward == pytest.approx(2.5 / 3)
+    assert len(sample.extra["call_s"]) == 3
+    # The stream is tool_echo's, the template's <|eos|> after the cut turn (untrained) added.
+    want = [*episode[0][0], *answers[0], *episode[1][0], EOS, *answers[1], *episode[2][0]]
+    assert sample.tokens.tolist() == want
+    assert sample.loss_mask is not None
+    assert sample.loss_mask.tolist() == [1] * 4 + [0] * 2 + [1] * 4 + [0] * 3 + [1] * 4
+    # The scores are tool_echo's of the same ids; they are the trainer's per-turn rewards.
+    with_ids = msgspec.structs.replace(group, metadata={**group.metadata, "targets": [
+        raw.token_to_id(x) for x in letters]})  # fmt: skip
+    want_scores = demo_tool.turn_rewards(with_ids)[0].tolist()
+    assert demo_openai.turn_scores(group)[0].tolist() == pytest.approx(want_scores)
+    # Each call's prompt is the last one's stream plus the reply and the answer.
+    assert [len(r.samples[0].prefix) for r in engine.requests] == [0, 6, 13]
     metrics = demo_openai.step_metrics([group])
-    assert (metrics["reached0"], metrics["reached1"]) == (1.0, 0.0)
-    assert metrics["turn0"] == 0.0
+    assert metrics["ended"] == pytest.approx(1 / 3) and metrics["reached2"] == 1.0
 
 
 def test_the_parser_and_the_score() -> None:
@@ -112,12 +107,10 @@ def test_the_parser_and_the_score() -> None:
     assert (call.name, call.arguments, call.ok) == ("say", {"text": "cc"}, True)
     cut = parser.parse(ids[:-1], prompt_ids=[])
     assert (cut.content, cut.tool_calls, cut.finish_reason) == ("cc", (), "length")
-    assert [demo_openai.score(t, "c") for t in ("ccc", "cat", "", "d")] == [1, 1 / 3, 0, 0]
     turn = demo_openai.turn_score
-    assert turn("ccc", "c", ended=True) == turn("cccc", "c", ended=True) == 1.0
-    assert turn("c", "c", ended=True) == pytest.approx(0.8 / 3 + 0.2)
-    assert [turn("x", "c", ended=True), turn("", "c", ended=True)] == [0.2, 0.0]
-    assert turn("cccc", "c", ended=False) == turn("ccc", "c", ended=False) == 0.0
+    assert [turn("cccc", "c", 4), turn("cc", "c", 3), turn("cxc", "c", 4)] == [1, 2 / 3, 0.5]
+    assert [turn("", "c", 1), turn("", "c", 0), turn("dddd", "c", 4)] == [0, 0, 0]
+    assert turn("cccc", "c", 2) == 1.0  # never more than one per token
 
 
 def test_the_task_takes_tool_echos_defaults() -> None:

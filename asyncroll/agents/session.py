@@ -8,6 +8,10 @@ How a call's messages relate to the episode (compared with `wire.known_message`)
 * later calls: the messages must start with everything the episode holds (the prompt's
   messages, each reply as it was answered, each message added); what follows (tool results,
   a user message) is appended through the chat format's bridge, and the policy replies;
+* after a reply that did not end its turn (`finish_reason` "length": cut by `max_tokens` or
+  the episode's budget; or ended by a `stop` string of the call), the template's own
+  end-of-turn token is appended before the bridge, untrained: the sampled ids stay as they
+  were answered (`ChatEpisode.add(after_cut=True)`);
 * a call that repeats the last call's messages (a client retrying a lost answer) gets the
   same answer again: no new turn is sampled;
 * anything else rewrites the episode's history and is refused (400, `conversation_rewritten`):
@@ -182,22 +186,12 @@ class AgentSession:
                     param=f"messages[{i}]",
                     code="conversation_rewritten",
                 )
-        last_reply = chat.last
-        assert last_reply is not None  # a chat exists only after its first reply
-        if last_reply.truncated:
-            raise ApiError(
-                400,
-                "the episode's last reply was cut by max_tokens or the episode's token budget "
-                "(finish_reason 'length'): there is no end of turn to continue from, so the "
-                "episode ends there",
-                code="context_length_exceeded",
-            )
-        try:
-            bridge = chat.fmt.bridge(last_reply.message(), new)
+        try:  # after a cut reply, the template's end of turn first (`ChatEpisode.add`)
+            context = chat.context_ids(new, after_cut=True)
         except ChatError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        self._check_budget(len(bridge) + 1)
-        chat.add(new)
+        self._check_budget(len(context) + 1)
+        chat.add(new, after_cut=True)
         return await self._reply(call, known)
 
     async def _first(self, call: ChatCall, known: list[Known]) -> Answer:

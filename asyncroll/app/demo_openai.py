@@ -1,32 +1,35 @@
 """The demo's OpenAI-client task, "openai_echo": tool_echo (`asyncroll.app.demo_tool`) with its
 agent written as plain `openai`-client code against the episode's endpoint (`asyncroll.agents`).
 
-The prompts are tool_echo's ("q:", a letter and a colon) and so are the turns, the tool's
-answers and the budget. The agent calls `client.chat.completions.create` on the episode's
-`base_url` with the task's one tool, `say`; the tiny model's reply is a call of `say` with the
-reply's text once it ends its turn (`<|eos|>`); the agent runs the tool, which scores what was
-said against the letter just given and answers with the next letter, sends that back as the
-tool's message and asks again, for tool_echo's `TURNS` turns. The agent returns the episode's
-reward (the mean of its turns' scores) and leaves each turn's score in `episode.extra`, which
-the demo's trainer gives each turn its own GRPO advantage from, as it does for tool_echo.
+The prompts are tool_echo's ("q:", a letter and a colon) and so are the turns, the answers
+and the scores. The agent calls `client.chat.completions.create` on the episode's `base_url`
+with the task's one tool, `say`: a reply that ends its turn (`<|eos|>`) is a call of `say`
+with the reply's text, answered with a tool message; a reply cut by the token limit
+(`finish_reason="length"`, tool_echo's usual 4-token turn) is text, answered with a user
+message. Either way the answer is the next letter, for tool_echo's `TURNS` turns. The agent
+returns the episode's reward (the mean of its turns' scores) and leaves each turn's score in
+`episode.extra`, which the demo's trainer gives each turn its own GRPO advantage from, as it
+does for tool_echo.
 
-What differs from the token-level task, and why:
+The token stream is tool_echo's with one difference: after a turn cut by the token limit the
+endpoint appends the template's end of turn (`<|eos|>`) before the next letter, as context
+(untrained): "<|bos|>q:qqqq<|eos|>c:..." where tool_echo has "<|bos|>q:qqqqc:...". The trained
+tokens and their scores are tool_echo's (`turn_score`: the letter's share of the turn's
+tokens, from the text the agent was given and the reply's `usage.completion_tokens`).
 
-* A chat turn must end with its end-of-turn token for the conversation to go on: the endpoint
-  refuses to continue a reply cut by the token limit (there is no end of turn to continue
-  from). So the policy learns to end its turns too: a turn that did not (no tool call)
-  scores 0 and ends its episode (its later turns score 0 too); see `turn_score`.
-* The agent sees text, not token ids: a turn scores the letter's occurrences in what was
-  said (up to 3, the room a 4-token turn has before its `<|eos|>`) and 0.2 for ending with
-  something said.
-* The task's chat template renders exactly tool_echo's stream: a user or tool message as its
-  text and a colon, an assistant turn as what was sampled and `<|eos|>`. It writes no tool
-  specs into the prompt (a 361k-parameter random-weight model gains nothing from reading
-  JSON); the tool-call syntax is the reply itself (`SayParser`).
+It learns as tool_echo does: last-10 mean reward 0.964, 0.952, 0.926 on seeds 1-3 of the
+default run (benchmarks/results/openai_echo.md). Why the cut turns are continued: when the
+endpoint refused to continue a cut reply, the policy had to learn to end its turns
+(`<|eos|>` within 4 tokens) before any turn after the first counted, then learnt short
+replies, one letter to explore per turn where tool_echo has four: 0.47-0.54 at step 200 on
+three seeds, none solved.
 
-The trainer, its loss, the defaults (`demo_tool.DEFAULTS`) and the demo's loop are tool_echo's:
-a change to how tool_echo trains is a change to this task too. The runs so far learn to end
-their turns, then the letters slowly: not solved yet (benchmarks/results/openai_echo.md).
+The task's chat template renders exactly tool_echo's stream: a user or tool message as its
+text and a colon, an assistant turn as what was sampled and `<|eos|>`. It writes no tool specs
+into the prompt (a 361k-parameter random-weight model gains nothing from reading JSON); the
+tool-call syntax is the reply itself (`SayParser`). The trainer, its loss, the defaults
+(`demo_tool.DEFAULTS`) and the demo's loop are tool_echo's: a change to how tool_echo trains
+is a change to this task too.
 """
 
 from __future__ import annotations
@@ -45,17 +48,16 @@ from asyncroll.app import demo_tool
 from asyncroll.chat.parse import Reply, ToolCall
 from asyncroll.chat.template import ChatFormat
 from asyncroll.engines.base import SamplingConfig
-from asyncroll.episode import Episode
+from asyncroll.episode import Episode, split_turns
 from asyncroll.types import Prompt, RolloutGroup
 
 TURNS = demo_tool.TURNS
+EOS = 1
+"""The tiny tokenizer's `<|eos|>`: the template's end of turn."""
 CALL_TIMEOUT_S = 600.0
 """Every phase of a call, connecting included (the client's default gives a connection 5 s:
 on a loaded machine the endpoint, on the trainer's event loop, accepted later, and the
 group failed with `APITimeoutError`); the group's episode deadline bounds it anyway."""
-ENDED = 0.2
-"""Of a turn's score, what ending it (a `say` call) with something said earns, whatever was
-said; the rest is the text's share of the letter. See `turn_score`."""
 DEFAULTS: Final = demo_tool.DEFAULTS
 """tool_echo's defaults, whatever they are: the same training path."""
 
@@ -103,28 +105,18 @@ class SayParser:
         return Reply("", None, (call,), ids, "stop")
 
 
-def score(text: str, letter: str) -> float:
-    """The share of `text`'s characters that are `letter` (0 for no text)."""
-    return text.count(letter) / len(text) if text else 0.0
+def episode_tokens(max_new_tokens: int) -> int:
+    """tool_echo's budget and room for the end of turn the endpoint appends after each cut
+    turn but the last."""
+    return demo_tool.episode_tokens(max_new_tokens) + TURNS - 1
 
 
-def turn_score(text: str, letter: str, *, ended: bool, slots: int = 3) -> float:
-    """A turn's score: 0 unless it ended (a `say` call); then `ENDED` for saying something and
-    the rest for how many of the turn's `slots` (the letters a 4-token turn has room for
-    before its `<|eos|>`) hold the letter: "ccc<|eos|>" 1, "c<|eos|>" 0.47, "x<|eos|>" 0.2,
-    "<|eos|>" 0, "cccc" cut by the token limit 0.
-
-    Designs measured first (benchmarks/results/openai_echo.md): a cut turn scoring half its
-    text's share of the letter, with nothing for ending, let the policy grow certain of
-    four-letter turns before any sample ended one (0.06 at step 100, no episode past its first
-    turn); 0.2 for ending and the share of what was said made replies short ("x<|eos|>"),
-    with one letter to explore per turn (0.35-0.41 at steps 74-97, entropy ~0); counting
-    slots but scoring a cut turn's letters made "cccc" (0.8) beat ending ("cc<|eos|>" 0.73):
-    0.65-0.79 on the first turn, no episode past it."""
-    if not ended:
-        return 0.0
-    hits = min(text.count(letter), slots) / slots
-    return (1 - ENDED) * hits + ENDED * bool(text)
+def turn_score(text: str, letter: str, tokens: int) -> float:
+    """tool_echo's score of a turn: the share of its `tokens` (the sampled ids, `<|eos|>`
+    included when it ended the turn) that are the letter, from the text the agent was given
+    ("cccc" cut 1, "cc<|eos|>" 2/3, "<|eos|>" 0). The letters are one token each, so this is
+    `demo_tool.turn_rewards` of the same ids."""
+    return min(text.count(letter), tokens) / tokens if tokens > 0 else 0.0
 
 
 async def openai_echo_agent(client: Any, episode: Episode, model: str) -> float:
@@ -140,15 +132,17 @@ async def openai_echo_agent(client: Any, episode: Episode, model: str) -> float:
         response = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS)
         calls.append(time.perf_counter() - start)
         message = response.choices[0].message
-        if not message.tool_calls:  # cut by the token limit: the conversation cannot go on
-            scores[turn] = turn_score(message.content or "", letters[turn], ended=False)
-            break
         messages.append(message.model_dump(exclude_none=True))
-        (call,) = message.tool_calls
-        said = call.function.arguments  # the tool: score what was said, answer the next letter
-        scores[turn] = turn_score(_text(said), letters[turn], ended=True)
+        if message.tool_calls:  # the turn ended: the tool scores what was said
+            (call,) = message.tool_calls
+            said = _text(call.function.arguments)
+            answer = {"role": "tool", "tool_call_id": call.id}
+        else:  # cut by the token limit (finish_reason "length"): its text is what was said
+            said = message.content or ""
+            answer = {"role": "user"}
+        scores[turn] = turn_score(said, letters[turn], response.usage.completion_tokens)
         if turn + 1 < TURNS:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": letters[turn + 1]})
+            messages.append({**answer, "content": letters[turn + 1]})
     episode.extra["turn_scores"] = scores
     episode.extra["call_s"] = calls
     return float(np.mean(scores))
@@ -162,22 +156,14 @@ def _text(arguments: str) -> str:
 
 
 def turn_scores(group: RolloutGroup) -> npt.NDArray[np.float64]:
-    """[samples, TURNS]: each turn's score as the agent gave it (0 for a turn not reached)."""
+    """[samples, TURNS]: each turn's score as the agent gave it (0 for a turn not reached):
+    the trainer's per-turn rewards, as tool_echo's are."""
     return np.array([s.extra["turn_scores"] for s in group.samples], dtype=np.float64)
 
 
-def turn_rewards(group: RolloutGroup) -> npt.NDArray[np.float64]:
-    """[samples, TURNS]: the trainer's per-turn rewards, each turn's score less `ENDED`. The
-    same shift for every sample leaves GRPO's advantages as they are, and a turn's reward is
-    then <= 0 exactly when it said no letter, what the trainer's "failed problem" (every
-    sample <= 0: `asyncroll.train.failed_tokens`) means in tool_echo; unshifted, a group that
-    ends its turns with a wrong letter (0.2 each) would never count as failed."""
-    return turn_scores(group) - ENDED
-
-
 def step_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
-    """Per batch: each turn's mean score and the share of episodes that reached it (every
-    earlier turn ended with a tool call), and the mean proxy call time in ms."""
+    """Per batch: each turn's mean score, the share of episodes that reached it, the share of
+    turns that ended with `<|eos|>` (a `say` call) and the mean proxy call time in ms."""
     scores = np.stack([turn_scores(g) for g in groups])  # [groups, samples, turns]
     samples = [s for g in groups for s in g.samples]
     reached = np.zeros(TURNS)
@@ -185,6 +171,8 @@ def step_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
         reached[: len(s.extra["call_s"])] += 1
     out = {f"turn{k}": float(scores[:, :, k].mean()) for k in range(TURNS)}
     out |= {f"reached{k}": float(reached[k] / len(samples)) for k in range(TURNS)}
+    ends = [t[-1] == EOS for s in samples for policy, t in split_turns(s) if policy and len(t)]
+    out["ended"] = float(np.mean(ends)) if ends else 0.0
     calls = [t for s in samples for t in s.extra["call_s"]]
     out["call_ms"] = 1e3 * float(np.mean(calls))
     return out
@@ -203,6 +191,8 @@ class OpenAIEchoTask:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         tokenizer.chat_template = TEMPLATE
         self.fmt = ChatFormat(tokenizer, tools=TOOLS)
+        if self.fmt.stop_token_ids != (EOS,):
+            raise ValueError(f"the template ends a turn with {self.fmt.end_of_turn}, not <|eos|>")
         parser = SayParser(tokenizer)
         self.endpoint = AgentEndpoint(self.fmt, lambda tools: parser, sampling=sampling)
         bos = raw_tokenizer.token_to_id("<|bos|>")
@@ -215,7 +205,7 @@ class OpenAIEchoTask:
         self.max_new_tokens = sampling.max_new_tokens
         self._client: Any = None  # an openai.AsyncOpenAI while serving
         self.reward = agent_reward
-        self.turn_rewards = turn_rewards
+        self.turn_rewards = turn_scores
 
     def prompts(self) -> Iterator[Prompt]:
         """tool_echo's prompts (the first call's message renders to each one's tokens)."""
@@ -223,11 +213,11 @@ class OpenAIEchoTask:
 
     def episodes(self) -> dict[str, Any]:
         """The producer's episode arguments: the agent behind the endpoint, tool_echo's
-        turns and budget."""
+        turns, tool_echo's budget and room for the ends of turn (`episode_tokens`)."""
         return {
             "rollout_fn": self.endpoint.rollout(self._agent),
             "max_turns": TURNS,
-            "max_episode_tokens": demo_tool.episode_tokens(self.max_new_tokens),
+            "max_episode_tokens": episode_tokens(self.max_new_tokens),
         }
 
     @contextlib.asynccontextmanager

@@ -22,6 +22,10 @@ What is trained, and where it differs from the template (docs/chat-episodes.md h
 * `add(messages)` appends what the template writes after the reply's end-of-turn token for
   those messages (`ChatFormat.bridge`): separators the model never samples, the messages, the
   next assistant header. Untrained (`loss_mask` 0).
+* A reply cut by the length limit has no end-of-turn token: `add` refuses to continue it
+  unless `after_cut=True`, which appends the template's own end-of-turn token first (one id,
+  `ChatFormat.end_of_turn`), untrained like the bridge: the sampled ids stay as they are, and
+  the policy is not taught to end its turn where it was cut.
 * Where the policy ended its turn with another end-of-turn token than the one the template
   writes there (e.g. GLM's `<|user|>` before tool results), the sampled token stays and
   `differences` says so.
@@ -97,33 +101,59 @@ class ChatEpisode:
         self.messages.append(reply.message())
         return reply
 
-    def add(self, messages: Sequence[Message]) -> list[int]:
+    def add(self, messages: Sequence[Message], *, after_cut: bool = False) -> list[int]:
         """Append `messages` (tool results, a user message) after the last reply as the
         template renders them there; returns the ids appended (untrained). `ChatError` if
-        there is no reply to follow, the last one did not end at an end-of-turn token (cut by
-        the length limit: the stream has no end of turn to continue from), or the template
-        rejects the messages."""
+        there is no reply to follow or the template rejects the messages.
+
+        A last reply that did not end at an end-of-turn token (cut by the length limit, or
+        stopped by a stop token of the caller's) has no end of turn to continue from:
+        refused (`ChatError`) unless `after_cut`, which first appends the end-of-turn token
+        the template writes after an assistant turn there (`ChatFormat.after_reply`), as
+        context the policy did not sample (untrained), and says so in `differences`."""
+        ids, difference = self._context(messages, after_cut)
+        self.episode.append(ids)
+        if difference:
+            self.differences.append(difference)
+        self.messages.extend(dict(m) for m in messages)
+        self._needs_messages = False
+        return ids
+
+    def context_ids(self, messages: Sequence[Message], *, after_cut: bool = False) -> list[int]:
+        """The ids `add(messages, after_cut=after_cut)` would append (for a caller that
+        checks its budget first); nothing is appended. `ChatError` as `add` raises it."""
+        return self._context(messages, after_cut)[0]
+
+    def _context(self, messages: Sequence[Message], after_cut: bool) -> tuple[list[int], str]:
+        """The ids to append after the last reply, and what differs from the template
+        there ("" for nothing)."""
         last = self.last
         if last is None or not self._needs_messages:
             raise ChatError(
                 "add() before a reply: the prompt's messages are rendered into the prompt; "
                 "new messages follow a reply"
             )
-        if last.truncated or not last.ids or last.ids[-1] not in self.fmt.stop_token_ids:
+        ended = not last.truncated and bool(last.ids) and last.ids[-1] in self.fmt.stop_token_ids
+        if not ended and not after_cut:
             raise ChatError(
                 f"the last reply ended with finish reason {last.finish_reason!r}, not at an "
                 f"end-of-turn token {list(self.fmt.stop_token_ids)}: there is no end of turn "
-                "to continue from, so the episode must end here (raise max_new_tokens?)"
+                "to continue from, so the episode must end here (raise max_new_tokens, or "
+                "add(..., after_cut=True) to close the turn with the template's end of turn)"
             )
         end, text = self.fmt.after_reply(last.message(), messages)
         ids = self.fmt.encode(text)
-        sampled_end = str(self.fmt.tokenizer.decode([last.ids[-1]]))
-        if sampled_end != end:
-            self.differences.append(
-                f"after reply {self.episode.policy_turns}: the policy ended its turn with "
-                f"{sampled_end!r} (kept and trained), where the template writes {end!r}"
+        turn = self.episode.policy_turns
+        if not ended:
+            return [*self.fmt.encode(end), *ids], (
+                f"after reply {turn}: it did not end its turn (finish reason "
+                f"{last.finish_reason!r}); the template's {end!r} appended as context "
+                "(untrained)"
             )
-        self.episode.append(ids)
-        self.messages.extend(dict(m) for m in messages)
-        self._needs_messages = False
-        return ids
+        sampled_end = str(self.fmt.tokenizer.decode([last.ids[-1]]))
+        if sampled_end == end:
+            return ids, ""
+        return ids, (
+            f"after reply {turn}: the policy ended its turn with {sampled_end!r} (kept and "
+            f"trained), where the template writes {end!r}"
+        )

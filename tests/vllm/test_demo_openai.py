@@ -1,8 +1,9 @@
 """`asyncroll demo --task openai_echo` for real, short: tool_echo run by a plain openai-client
 agent through the agent endpoint, on the session's vLLM engine, trained by the demo's trainer.
 Every trained episode is exactly what the engine sampled (prefixes, ids, logprobs, versions),
-the loss mask is 1 on exactly the sampled ids and the rest is tool_echo's answers, what the
-agent scored is the text of those ids, and the reward rises from a random policy's."""
+the loss mask is 1 on exactly the sampled ids and the rest is tool_echo's answers (after the
+template's end of turn where a turn was cut), and what the agent scored is the text of those
+ids."""
 
 from __future__ import annotations
 
@@ -70,19 +71,20 @@ def check_episode(
         assert sample.versions[start:end].tolist() == out.versions.tolist()
         sampled[start:end] = True
     assert (mask == sampled).all()  # trained: exactly the engine's ids
-    # The rest is tool_echo's answers, in order; each turn but the last ended with <|eos|>.
+    # The rest is tool_echo's answers, in order, each after the template's <|eos|> where
+    # the policy turn before it did not end with one (cut by the token limit).
     turns = demo_tool.split_turns(sample)
-    answers = [t.tolist() for policy, t in turns if not policy]
-    assert answers == group.metadata["answers"][: len(answers)]
     policy = [t.tolist() for is_policy, t in turns if is_policy]
-    assert all(t[-1] == EOS for t in policy[:-1])
-    # What the agent scored is the text of the sampled ids.
+    answers = [t.tolist() for is_policy, t in turns if not is_policy]
+    want = group.metadata["answers"][: len(answers)]
+    assert answers == [[EOS] * (p[-1] != EOS) + a for p, a in zip(policy, want, strict=False)]
+    # What the agent scored is tool_echo's score of those ids, from their text.
     letters = group.metadata["letters"]
     for k, ids in enumerate(policy):
         ended = ids[-1] == EOS
         text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
-        want = demo_openai.turn_score(text, letters[k], ended=ended)
-        assert sample.extra["turn_scores"][k] == pytest.approx(want)
+        want_score = demo_openai.turn_score(text, letters[k], len(ids))
+        assert sample.extra["turn_scores"][k] == pytest.approx(want_score)
     assert sample.reward == pytest.approx(np.mean(sample.extra["turn_scores"]))
     starts = [0, *sample.turn_ends.tolist()][0::2]  # where each policy turn starts
     engine_s = [0.0] * len(policy)
