@@ -100,7 +100,7 @@ async def test_openai_echo_records_what_the_engine_sampled_and_trains_on_it(
     from transformers import AutoTokenizer
 
     config = demo_config(
-        task="openai_echo", seed=1, steps=12, batch_groups=8, lr=1e-2, out=str(tmp_path),
+        task="openai_echo", seed=1, steps=6, batch_groups=8, lr=1e-2, out=str(tmp_path),
         solved_reward=0.0, batch_timeout_s=60.0,
     )  # fmt: skip
     trained: list[list[RolloutGroup]] = []
