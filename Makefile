@@ -34,7 +34,7 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 test: lint docs
-	$(VENV)/bin/python -m pytest -q -n 4 --dist loadgroup --durations=30
+	$(VENV)/bin/python -m pytest -q -n 3 --dist loadgroup --durations=30
 
 clean:
 	rm -rf $(VENV) .venv-gpu .mypy_cache .ruff_cache .pytest_cache
