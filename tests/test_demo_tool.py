@@ -70,6 +70,23 @@ def test_a_blind_problem_gets_no_gradient_without_the_push_and_is_pushed_off_wit
     assert after == before
 
 
+def test_the_push_on_failed_problems_leaves_an_equal_partial_problem_alone() -> None:
+    """`push_on="failed"`: the push acts where every sample scored 0 (each sampled token is a
+    wrong answer), not where every sample scored the same partial reward: there the sampled
+    tokens hold right answers too, and pushing them down unlearns them (a run's plateau at
+    0.5, tool_echo_dynamics.md)."""
+    push = {"blind_push": 1.0, "blind_target": 10.0, "push_on": "failed"}
+    before, after = trained_once(0.0, **push)
+    assert after < before * 0.9
+    before, after = trained_once(0.5, **push)
+    assert after == before
+
+
+def test_push_on_is_refused_by_flag() -> None:
+    with pytest.raises(ValueError, match="--push-on must be one of blind, failed"):
+        DemoConfig(push_on="some")
+
+
 @pytest.mark.parametrize("name", ["blind_entropy", "blind_target", "blind_push"])
 @pytest.mark.parametrize("value", [-0.1, math.nan, math.inf])
 def test_blind_options_are_refused_by_flag(name: str, value: float) -> None:

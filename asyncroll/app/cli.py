@@ -167,6 +167,12 @@ def _parser() -> argparse.ArgumentParser:
         f"where GRPO has no signal ({_defaults('entropy_on', d.entropy_on)})",
     )
     demo.add_argument(
+        "--push-on",
+        default=argparse.SUPPRESS,  # demo_config fills in the task's
+        help="the problems --blind-push acts on: blind (every sample scored the same, below 1) "
+        f"or failed (every sample scored 0) ({_defaults('push_on', d.push_on)})",
+    )
+    demo.add_argument(
         "--correction",
         default=d.correction,
         help="off-policy correction of stale tokens: none, decoupled, tis, mask, seq-mask "

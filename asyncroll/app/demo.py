@@ -52,6 +52,7 @@ LETTERS = "abcdefgh"
 TASKS = ("echo", "tool_echo", "chat", "openai_echo")
 CREDITS = ("turn", "episode")
 ENTROPY_ON = ("all", "failed")  # --entropy-on: the tokens the entropy bonus is the mean over
+PUSH_ON = ("blind", "failed")  # --push-on: the problems whose sampled tokens --blind-push pushes
 FILTERS = ("nonzero_std", "none")  # --filter: an `asyncroll.filters` name, or keep every group
 SETTLED_STEPS, SETTLED_REWARD = 10, 0.9  # what `solved` asks of the last steps besides the 3
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -107,6 +108,9 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     # weight of `asyncroll.train.unlikelihood` on the tokens of the blind problems whose
     # context's entropy is below `blind_target`: their sampled answers made less likely; 0: none
     blind_push: float = 0.0
+    # the problems the push acts on: "blind" (every sample scored the same, below 1) or
+    # "failed" (every sample scored 0: each sampled token is a wrong answer)
+    push_on: str = "blind"
     # "nonzero_std": drop groups whose samples all scored the same (zero GRPO advantage);
     # "none": train on them too (their only gradient is then the entropy bonus's)
     filter: str = "nonzero_std"
@@ -143,6 +147,8 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"--task must be one of {', '.join(TASKS)}")
         if self.entropy_on not in ENTROPY_ON:
             raise ValueError(f"--entropy-on must be one of {', '.join(ENTROPY_ON)}")
+        if self.push_on not in PUSH_ON:
+            raise ValueError(f"--push-on must be one of {', '.join(PUSH_ON)}")
         if self.credit not in CREDITS:
             raise ValueError(f"--credit must be one of {', '.join(CREDITS)}")
         if self.filter not in FILTERS:
@@ -272,7 +278,7 @@ async def run_demo(
     lora = cfg.lora_config()
     trainer = Trainer(
         model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy, lora,
-        cfg.entropy_on, cfg.blind_entropy, cfg.blind_target, cfg.blind_push,
+        cfg.entropy_on, cfg.blind_entropy, cfg.blind_target, cfg.blind_push, cfg.push_on,
     )  # fmt: skip
     if engine is None:
         slots = _lora_engine_args(lora, cfg.max_staleness)

@@ -39,9 +39,10 @@ class Trainer:
     (`asyncroll.train.capped_entropy`): a problem stuck on one wrong answer gets the whole
     bonus and is spread over a few answers until a sample differs and GRPO sees it.
     `blind_push`: the weight of `asyncroll.train.unlikelihood` on the tokens of the blind
-    problems whose context's entropy is below `blind_target`: the sampled answers of a problem
-    GRPO is blind to are made less likely, with a gradient that does not vanish at certainty
-    as the entropy's does."""
+    problems (`push_on="blind"`) or of the failed ones only (`"failed"`) whose context's
+    entropy is below `blind_target`: the sampled answers of a problem GRPO is blind to are
+    made less likely, with a gradient that does not vanish at certainty as the entropy's
+    does."""
 
     def __init__(
         self,
@@ -57,6 +58,7 @@ class Trainer:
         blind_entropy: float = 0.0,
         blind_target: float = math.inf,
         blind_push: float = 0.0,
+        push_on: str = "blind",
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -81,6 +83,7 @@ class Trainer:
         self.blind_entropy = blind_entropy
         self.blind_target = blind_target
         self.blind_push = blind_push
+        self.push_on = push_on
         # the last step's mean entropy at the trained tokens, and at those of the failed and
         # the blind problems (nan: none)
         self.last_entropy = math.nan
@@ -121,7 +124,8 @@ class Trainer:
         if self.blind_entropy:
             loss = loss - self.blind_entropy * capped_entropy(per_token, blind, self.blind_target)
         if self.blind_push:
-            below = blind & (per_token.detach() < self.blind_target)
+            pushed = blind if self.push_on == "blind" else failed
+            below = pushed & (per_token.detach() < self.blind_target)
             total = batch.loss_mask.sum()
             loss = loss + self.blind_push * unlikelihood(logprobs, below, total)
         metrics = mismatch_metrics(proximal, batch, version=version, correction=self.correction)
