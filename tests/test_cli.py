@@ -40,7 +40,7 @@ def test_a_demo_flag_out_of_its_choices_is_refused_by_name(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     refused = [("--credit", "token"), ("--task", "maze"), ("--filter", "std")]
-    refused.append(("--entropy-on", "some"))
+    refused += [("--entropy-on", "some"), ("--push-on", "all")]
     for flag, value in refused:
         with pytest.raises(SystemExit) as exit_:
             cli.main(["demo", flag, value])
@@ -62,6 +62,8 @@ def test_tool_echo_takes_its_own_defaults_and_a_given_flag_wins() -> None:
     assert (tool.task, tool.max_new_tokens, tool.steps) == ("tool_echo", 4, 200)
     assert (tool.filter, tool.entropy, tool.entropy_on) == ("none", 0.03, "all")
     assert config("--task", "tool_echo", "--entropy-on", "failed").entropy_on == "failed"
+    assert (tool.blind_push, tool.push_on) == (1.0, "failed")
+    assert config("--task", "tool_echo", "--push-on", "blind").push_on == "blind"
     assert {k: getattr(tool, k) for k in demo_tool.DEFAULTS} == demo_tool.DEFAULTS
     assert config("--task", "tool_echo", "--max-new-tokens", "8").max_new_tokens == 8
     assert config("--max-new-tokens", "3").max_new_tokens == 3

@@ -54,28 +54,30 @@ def trained_once(reward: float, **options: Any) -> tuple[float, float]:
 
 def test_a_blind_problem_gets_no_gradient_without_the_push_and_is_pushed_off_with_it() -> None:
     """All 8 samples said the same wrong token: GRPO's advantages are 0, and a step leaves
-    the policy exactly as it was. With `blind_push` the step makes that token less likely,
-    for an all-0 problem and for an equal partial one; not for a solved one (all 1), nor
-    once the context's entropy is at the target (the tiny model starts near uniform, ~6.2
-    nats, above a target of 2)."""
+    the policy exactly as it was. With `blind_push` on every blind problem (`push_on="blind"`)
+    the step makes that token less likely, for an all-0 problem and for an equal partial one;
+    not for a solved one (all 1), nor once the context's entropy is at the target (the tiny
+    model starts near uniform, ~6.2 nats, above a target of 2)."""
+    push = {"blind_push": 1.0, "blind_target": 10.0, "push_on": "blind"}
     before, after = trained_once(0.0)
     assert after == before
-    before, after = trained_once(0.0, blind_push=1.0, blind_target=10.0)
+    before, after = trained_once(0.0, **push)
     assert after < before * 0.9
-    before, after = trained_once(0.5, blind_push=1.0, blind_target=10.0)
+    before, after = trained_once(0.5, **push)
     assert after < before * 0.9
-    before, after = trained_once(1.0, blind_push=1.0, blind_target=10.0)
+    before, after = trained_once(1.0, **push)
     assert after == before
-    before, after = trained_once(0.0, blind_push=1.0, blind_target=2.0)
+    before, after = trained_once(0.0, **{**push, "blind_target": 2.0})
     assert after == before
 
 
 def test_the_push_on_failed_problems_leaves_an_equal_partial_problem_alone() -> None:
-    """`push_on="failed"`: the push acts where every sample scored 0 (each sampled token is a
-    wrong answer), not where every sample scored the same partial reward: there the sampled
-    tokens hold right answers too, and pushing them down unlearns them (a run's plateau at
-    0.5, tool_echo_dynamics.md)."""
-    push = {"blind_push": 1.0, "blind_target": 10.0, "push_on": "failed"}
+    """`push_on="failed"` (the default): the push acts where every sample scored 0 (each
+    sampled token is a wrong answer), not where every sample scored the same partial reward:
+    there the sampled tokens hold right answers too, and pushing them down unlearns them (a
+    run's plateau at 0.5, tool_echo_dynamics.md)."""
+    assert DemoConfig().push_on == "failed"  # the default, the trainer's too
+    push = {"blind_push": 1.0, "blind_target": 10.0}
     before, after = trained_once(0.0, **push)
     assert after < before * 0.9
     before, after = trained_once(0.5, **push)
@@ -83,7 +85,7 @@ def test_the_push_on_failed_problems_leaves_an_equal_partial_problem_alone() -> 
 
 
 def test_push_on_is_refused_by_flag() -> None:
-    with pytest.raises(ValueError, match="--push-on must be one of blind, failed"):
+    with pytest.raises(ValueError, match="--push-on must be one of failed, blind"):
         DemoConfig(push_on="some")
 
 

@@ -52,7 +52,7 @@ LETTERS = "abcdefgh"
 TASKS = ("echo", "tool_echo", "chat", "openai_echo")
 CREDITS = ("turn", "episode")
 ENTROPY_ON = ("all", "failed")  # --entropy-on: the tokens the entropy bonus is the mean over
-PUSH_ON = ("blind", "failed")  # --push-on: the problems whose sampled tokens --blind-push pushes
+PUSH_ON = ("failed", "blind")  # --push-on: the problems whose sampled tokens --blind-push pushes
 FILTERS = ("nonzero_std", "none")  # --filter: an `asyncroll.filters` name, or keep every group
 SETTLED_STEPS, SETTLED_REWARD = 10, 0.9  # what `solved` asks of the last steps besides the 3
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -108,9 +108,10 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     # weight of `asyncroll.train.unlikelihood` on the tokens of the blind problems whose
     # context's entropy is below `blind_target`: their sampled answers made less likely; 0: none
     blind_push: float = 0.0
-    # the problems the push acts on: "blind" (every sample scored the same, below 1) or
-    # "failed" (every sample scored 0: each sampled token is a wrong answer)
-    push_on: str = "blind"
+    # the problems the push acts on: "failed" (every sample scored 0: each sampled token is a
+    # wrong answer) or "blind" (every sample scored the same, below 1: the partial ones' right
+    # tokens are pushed too, and a tool_echo run sat at 0.5 so; tool_echo_dynamics.md)
+    push_on: str = "failed"
     # "nonzero_std": drop groups whose samples all scored the same (zero GRPO advantage);
     # "none": train on them too (their only gradient is then the entropy bonus's)
     filter: str = "nonzero_std"

@@ -48,20 +48,19 @@ a group every sample got wrong has no variance, and DAPO's filter (`nonzero_std`
 it, so a stuck context would never reach the trainer (seed 1 stalled at 0.87 so). An entropy
 bonus of 0.03 on every trained token (0.02 and 0.05 did worse).
 
-The push (`blind_push=1.0` up to `blind_target=2.0` nats): a (group, turn) problem whose
-samples all scored the same below 1 (all missed, or all the same partial score) has no GRPO
-advantage; a letter the policy answers wrongly with certainty stayed so for 40-100 steps
-with the entropy bonus alone, which barely moves a certain context (the runs that ended at
-0.48-0.75). The push makes those problems' sampled tokens less likely (`asyncroll.train.
-unlikelihood`, gradient ~1 at certainty) until their context's entropy reaches 2 nats, so the
-next samples differ and GRPO sees them. A capped entropy bonus there instead (`blind_entropy`)
-left those contexts at 0.02-0.1 nats and stalled seed 2 at 0.66; the bonus on the failed
-problems alone (`entropy_on="failed"`) drove them to near-uniform over the vocabulary and
-stalled others; a target of 4 nats collapsed a run. With the push, 10 runs of 11 on seeds 1-3
-were solved (65-153 steps); one seed-1 run was not (0.66 at step 200): no letter lost, but the
-entropy at 2.3-3.2 nats for 120 steps, every letter half right and 6-27% of the problems at one
-partial score, where the push lowers the right tokens too (the next thing to measure: the push
-on all-0 problems only). benchmarks/results/tool_echo_dynamics.md has every run. `steps` is a
+The push (`blind_push=1.0` up to `blind_target=2.0` nats, on the failed problems: `DemoConfig.
+push_on`): a (group, turn) problem whose samples all scored 0 has no GRPO advantage; a letter
+the policy answers wrongly with certainty stayed so for 40-100 steps with the entropy bonus
+alone, which barely moves a certain context (the runs that ended at 0.48-0.75). The push makes
+those problems' sampled tokens less likely (`asyncroll.train.unlikelihood`, gradient ~1 at
+certainty) until their context's entropy reaches 2 nats, so the next samples differ and GRPO
+sees them. With it, 10 runs of 10 on seeds 1-3 were solved in 71-128 steps. Pushing every
+blind problem (`push_on="blind"`: all the same partial score too) also lowered the right tokens
+of half-right answers, and one run of 11 sat at 0.5 for 120 steps; a capped entropy bonus there
+instead (`blind_entropy`) left those contexts at 0.02-0.1 nats and stalled seed 2 at 0.66; the
+bonus on the failed problems alone (`entropy_on="failed"`) drove them to near-uniform over the
+vocabulary and stalled others; a target of 4 nats collapsed a run.
+benchmarks/results/tool_echo_dynamics.md has every run. `steps` is a
 ceiling with room for a slow run: the demo stops once solved (`DemoConfig.solved_reward`)."""
 
 

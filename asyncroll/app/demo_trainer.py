@@ -38,11 +38,12 @@ class Trainer:
     sample scored the same, below `BLIND_SOLVED`), capped per token at `blind_target` nats
     (`asyncroll.train.capped_entropy`): a problem stuck on one wrong answer gets the whole
     bonus and is spread over a few answers until a sample differs and GRPO sees it.
-    `blind_push`: the weight of `asyncroll.train.unlikelihood` on the tokens of the blind
-    problems (`push_on="blind"`) or of the failed ones only (`"failed"`) whose context's
-    entropy is below `blind_target`: the sampled answers of a problem GRPO is blind to are
-    made less likely, with a gradient that does not vanish at certainty as the entropy's
-    does."""
+    `blind_push`: the weight of `asyncroll.train.unlikelihood` on the tokens of the failed
+    problems (`push_on="failed"`: every sample scored 0) or of every blind one (`"blind"`)
+    whose context's entropy is below `blind_target`: the sampled answers of a problem GRPO is
+    blind to are made less likely, with a gradient that does not vanish at certainty as the
+    entropy's does. On a blind problem whose samples all scored the same partial reward the
+    sampled tokens hold right answers too, and the push lowers those as well."""
 
     def __init__(
         self,
@@ -58,7 +59,7 @@ class Trainer:
         blind_entropy: float = 0.0,
         blind_target: float = math.inf,
         blind_push: float = 0.0,
-        push_on: str = "blind",
+        push_on: str = "failed",
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
