@@ -699,6 +699,47 @@ async def test_a_reply_cut_by_the_episode_budget_ends_the_episode_with_a_clear_m
     assert sample.tokens.tolist() == cut and sample.extra["reward"] == 0.5
 
 
+async def test_a_later_call_renders_what_follows_the_reply_once() -> None:
+    """A later call renders the template after the last reply once (`ChatFormat.after_reply`:
+    the end of turn and the new messages' bridge), checks the episode's budget against those
+    ids, then appends them: the check does not render them a second time. After a cut reply
+    (the end of turn added) and after one that ended its turn alike."""
+    base, parser = tiny_format()
+    renders: list[int] = []
+
+    class Counting(ChatFormat):
+        def after_reply(self, reply: Any, new_messages: Sequence[Any]) -> tuple[str, str]:
+            renders[-1] += 1
+            return super().after_reply(reply, new_messages)
+
+    fmt = Counting(base.tokenizer)
+    first = [{"role": "user", "content": "add 1"}]
+    cut, ended = fmt.encode("5 6"), fmt.encode("7<|eos|>")
+    engine = ScriptEngine([(cut, "length"), (ended, "stop"), (ended, "stop")])
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        c = client(base_url)
+        messages: list[dict[str, Any]] = [dict(m) for m in first]
+        for turn in range(3):
+            renders.append(0)
+            r = await c.chat.completions.create(model=MODEL, messages=messages)
+            message = r.choices[0].message.model_dump(exclude_none=True)
+            messages += [message, {"role": "user", "content": f"turn {turn}"}]
+        return 1.0
+
+    drops: list[Any] = []
+    async with AgentEndpoint(fmt, parser, sampling=SAMPLING) as endpoint:
+        producer = Producer(
+            engine, [fmt.prompt_ids(first)], agent_reward, group_size=1, batch_size=1,
+            rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
+            max_episode_tokens=4096, sampling=SAMPLING,
+        )  # fmt: skip
+        async with producer:
+            batch = await producer.produce_batch(1, timeout=DEADLINE_S)
+    assert not drops and batch.groups[0].samples[0].extra["reward"] == 1.0
+    assert renders == [0, 1, 1]  # the first call's prompt is compared, not rendered after
+
+
 async def test_chat_episode_add_after_a_cut_reply_closes_the_turn_only_when_asked() -> None:
     """The chat layer under the endpoint: `add` after a cut reply is refused by default (the
     message names `after_cut`); with `after_cut=True` it appends the template's end of turn
@@ -736,3 +777,45 @@ async def test_chat_episode_add_after_a_cut_reply_closes_the_turn_only_when_aske
     assert sample.tokens.tolist() == [*cut, *got["ids"]]
     assert sample.loss_mask is not None
     assert sample.loss_mask.tolist() == [1] * len(cut) + [0] * len(got["ids"])
+
+
+async def test_chat_episode_continuation_appends_only_where_it_was_computed() -> None:
+    """`add` in two steps: `continuation` renders and appends nothing; `append` appends
+    exactly what `add` would; a continuation appended twice, or after the episode moved on
+    (another add and reply), is refused rather than spliced into the wrong place."""
+    from asyncroll.chat.episode import ChatEpisode
+    from asyncroll.chat.template import ChatError
+
+    fmt, parser = tiny_format()
+    first = [{"role": "user", "content": "add 1"}]
+    more = [{"role": "user", "content": "go on"}]
+    ended = fmt.encode("5 6<|eos|>")
+    engine = ScriptEngine([(ended, "stop"), (ended, "stop")])
+    got: dict[str, Any] = {}
+
+    async def rollout(episode: Episode) -> None:
+        chat = ChatEpisode(episode, fmt, parser(None), messages=first)
+        await chat.reply()
+        step = chat.continuation(more)
+        got["before"] = episode.tokens.tolist()
+        got["ids"] = chat.append(step)
+        with pytest.raises(ChatError, match="compute it again"):
+            chat.append(step)  # twice
+        await chat.reply()
+        with pytest.raises(ChatError, match="compute it again"):
+            chat.append(step)  # after the episode moved on
+        got["messages"] = chat.messages
+        episode.extra["reward"] = 0.0
+
+    producer = Producer(
+        engine, [fmt.prompt_ids(first)], agent_reward, group_size=1, batch_size=1,
+        rollout_fn=rollout, max_turns=4, max_episode_tokens=64, sampling=SAMPLING,
+    )  # fmt: skip
+    async with producer:
+        batch = await producer.produce_batch(1, timeout=DEADLINE_S)
+    assert got["before"] == ended  # continuation() appended nothing
+    bridge = fmt.bridge({"role": "assistant", "content": "5 6"}, more)
+    assert got["ids"] == bridge
+    assert [m["role"] for m in got["messages"]] == ["user", "assistant", "user", "assistant"]
+    (sample,) = batch.groups[0].samples
+    assert sample.tokens.tolist() == [*ended, *bridge, *ended]
