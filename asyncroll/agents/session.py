@@ -187,11 +187,11 @@ class AgentSession:
                     code="conversation_rewritten",
                 )
         try:  # after a cut reply, the template's end of turn first (`ChatEpisode.add`)
-            context = chat.context_ids(new, after_cut=True)
+            context = chat.continuation(new, after_cut=True)
         except ChatError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        self._check_budget(len(context) + 1)
-        chat.add(new, after_cut=True)
+        self._check_budget(len(context.ids) + 1)
+        chat.append(context)
         return await self._reply(call, known)
 
     async def _first(self, call: ChatCall, known: list[Known]) -> Answer:

@@ -11,7 +11,7 @@
   are parsed (`RenderersParser`) into content, reasoning and tool calls.
 """
 
-from asyncroll.chat.episode import ChatEpisode
+from asyncroll.chat.episode import ChatEpisode, Continuation
 from asyncroll.chat.parse import (
     RenderersParser,
     Reply,
@@ -48,6 +48,7 @@ __all__ = [
     "ChatError",
     "ChatFormat",
     "ChatTokenizer",
+    "Continuation",
     "DecodeTokenizer",
     "Decoder",
     "PromptBuilder",

@@ -49,7 +49,21 @@ from asyncroll.chat.template import ChatError, ChatFormat, Message, check_roles
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.episode import Episode
 
-__all__ = ["ChatEpisode"]
+__all__ = ["ChatEpisode", "Continuation"]
+
+
+class Continuation(msgspec.Struct, frozen=True):
+    """What `ChatEpisode.add` appends after a reply, computed and not yet appended
+    (`ChatEpisode.continuation`, then `ChatEpisode.append`)."""
+
+    ids: tuple[int, ...]
+    """The untrained ids: the template's end of turn after a cut reply, then the bridge."""
+    messages: tuple[dict[str, Any], ...]
+    """The messages they render, for `ChatEpisode.messages`."""
+    difference: str
+    """What differs from the template at the reply's end ("" for nothing)."""
+    at: int
+    """The episode's response length it was computed at: it continues only that stream."""
 
 
 class ChatEpisode:
@@ -110,23 +124,32 @@ class ChatEpisode:
         stopped by a stop token of the caller's) has no end of turn to continue from:
         refused (`ChatError`) unless `after_cut`, which first appends the end-of-turn token
         the template writes after an assistant turn there (`ChatFormat.after_reply`), as
-        context the policy did not sample (untrained), and says so in `differences`."""
-        ids, difference = self._context(messages, after_cut)
+        context the policy did not sample (untrained), and says so in `differences`.
+
+        `add` is `append(continuation(messages, after_cut=after_cut))`: a caller that checks
+        its budget against the ids first (the agent endpoint) calls the two itself, and the
+        template is rendered once."""
+        return self.append(self.continuation(messages, after_cut=after_cut))
+
+    def append(self, continuation: Continuation) -> list[int]:
+        """Append a `continuation` of this episode's last reply (`add`'s second half); the
+        ids appended. `ChatError` if the stream has moved since it was computed."""
+        if not self._needs_messages or len(self.episode.tokens) != continuation.at:
+            raise ChatError(
+                "the continuation was computed for another point of the episode (a reply or "
+                "an add() came since): compute it again with continuation()"
+            )
+        ids = list(continuation.ids)
         self.episode.append(ids)
-        if difference:
-            self.differences.append(difference)
-        self.messages.extend(dict(m) for m in messages)
+        if continuation.difference:
+            self.differences.append(continuation.difference)
+        self.messages.extend(dict(m) for m in continuation.messages)
         self._needs_messages = False
         return ids
 
-    def context_ids(self, messages: Sequence[Message], *, after_cut: bool = False) -> list[int]:
-        """The ids `add(messages, after_cut=after_cut)` would append (for a caller that
-        checks its budget first); nothing is appended. `ChatError` as `add` raises it."""
-        return self._context(messages, after_cut)[0]
-
-    def _context(self, messages: Sequence[Message], after_cut: bool) -> tuple[list[int], str]:
-        """The ids to append after the last reply, and what differs from the template
-        there ("" for nothing)."""
+    def continuation(self, messages: Sequence[Message], *, after_cut: bool = False) -> Continuation:
+        """What `add(messages, after_cut=after_cut)` would append (`add`'s first half: the
+        template rendered, nothing appended); `append` it. `ChatError` as `add` raises it."""
         last = self.last
         if last is None or not self._needs_messages:
             raise ChatError(
@@ -144,16 +167,22 @@ class ChatEpisode:
         end, text = self.fmt.after_reply(last.message(), messages)
         ids = self.fmt.encode(text)
         turn = self.episode.policy_turns
+        difference = ""
         if not ended:
-            return [*self.fmt.encode(end), *ids], (
+            ids = [*self.fmt.encode(end), *ids]
+            difference = (
                 f"after reply {turn}: it did not end its turn (finish reason "
                 f"{last.finish_reason!r}); the template's {end!r} appended as context "
                 "(untrained)"
             )
-        sampled_end = str(self.fmt.tokenizer.decode([last.ids[-1]]))
-        if sampled_end == end:
-            return ids, ""
-        return ids, (
-            f"after reply {turn}: the policy ended its turn with {sampled_end!r} (kept and "
-            f"trained), where the template writes {end!r}"
+        elif (sampled_end := str(self.fmt.tokenizer.decode([last.ids[-1]]))) != end:
+            difference = (
+                f"after reply {turn}: the policy ended its turn with {sampled_end!r} (kept and "
+                f"trained), where the template writes {end!r}"
+            )
+        return Continuation(
+            ids=tuple(ids),
+            messages=tuple(dict(m) for m in messages),
+            difference=difference,
+            at=len(self.episode.tokens),
         )
