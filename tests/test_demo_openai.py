@@ -114,15 +114,15 @@ def test_the_parser_and_the_score() -> None:
 
 
 def test_the_task_takes_tool_echos_defaults() -> None:
-    """`asyncroll demo --task openai_echo` trains as tool_echo does (its defaults, but the push
-    on blind problems, measured without it); a flag given wins."""
+    """`asyncroll demo --task openai_echo` trains as tool_echo does (its defaults); a flag
+    given wins."""
     from asyncroll.app import cli
 
     parser = cli._parser()
     config = cli._demo_config(parser.parse_args(["demo", "--task", "openai_echo"]))
     assert config == demo_config(task="openai_echo") and config.task == "openai_echo"
     for name, value in demo_tool.DEFAULTS.items():
-        assert getattr(config, name) == (0.0 if name == "blind_push" else value), name
+        assert getattr(config, name) == value, name
     flags = ["demo", "--task", "openai_echo", "--max-new-tokens", "6"]
     assert cli._demo_config(parser.parse_args(flags)).max_new_tokens == 6
     assert "openai_echo (tool_echo by an OpenAI-client agent" in " ".join(
