@@ -19,7 +19,14 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from asyncroll.engines import ReplicaError, VLLMServerEngine
+from asyncroll.engines import (
+    EngineDeadError,
+    GenerateRequest,
+    ReplicaError,
+    SampleRequest,
+    SamplingConfig,
+    VLLMServerEngine,
+)
 from asyncroll.engines.server.replicas import Replica, ReplicaState, pick
 from asyncroll.engines.server.request_path import MAX_RESENDS
 from tests.test_server_engine import (
@@ -71,6 +78,7 @@ class CuttingStub(ScriptedStub):
         self.how = "mid-stream"
         self.gate: asyncio.Event | None = None
         self.ids: list[str] = []
+        self.seeds: dict[str, int | None] = {}  # request id -> its sampling seed
         self.aborted: list[str] = []
 
     def app(self) -> web.Application:
@@ -82,10 +90,12 @@ class CuttingStub(ScriptedStub):
                 self.aborted += (await request.json())["request_ids"]
             if request.path != GENERATE:
                 return await handler(request)  # type: ignore[no-any-return]
-            rid = (await request.json())["request_id"]
+            body = await request.json()
+            rid = body["request_id"]
             if rid.startswith(LIVENESS):
                 return await handler(request)  # type: ignore[no-any-return]
             self.ids.append(rid)
+            self.seeds[rid] = body["sampling_params"].get("seed")
             self.progress.notify()
             if self.cuts > 0:
                 self.cuts -= 1
@@ -242,3 +252,43 @@ async def test_a_stream_cut_by_a_replica_that_then_fails_its_probe_goes_to_anoth
         assert gone.state is ReplicaState.DOWN
         assert "ClientPayloadError" in str(gone.error)
         _nothing_in_flight(engine)
+
+
+async def test_only_the_cut_request_of_a_group_is_sent_again_with_its_seed() -> None:
+    """A group of two requests (a fresh sample and a continued one): the one whose stream is
+    cut is sent again under an id of its own and the same sampling seed; the other runs
+    on undisturbed, sent once."""
+    group = GenerateRequest(
+        request_id="run-0-0",
+        prompt_tokens=np.array([0, 5], np.int32),
+        samples=(
+            SampleRequest(np.zeros(0, np.int32), 4),
+            SampleRequest(np.array([3], np.int32), 4),
+        ),
+        sampling=SamplingConfig(max_new_tokens=4, seed=7),
+    )
+    async with scripted(1, stub_type=CuttingStub) as (engine, (stub,)):
+        await engine.check_replicas()
+        outputs = await asyncio.wait_for(engine.generate(group), DEADLINE_S)
+        assert [o.tokens.tolist() for o in outputs] == [TOKENS, TOKENS]
+        assert [o.versions.tolist() for o in outputs] == [[0] * len(TOKENS)] * 2
+        cut, other, again = stub.ids
+        assert again == f"{cut}~1" and other != cut
+        assert stub.seeds[again] == stub.seeds[cut] is not None
+        _nothing_in_flight(engine)
+
+
+async def test_the_engine_closing_while_a_cut_request_waits_ends_it_dead() -> None:
+    async with scripted(1, stub_type=CuttingStub) as (engine, (stub,)):
+        stub.gate = asyncio.Event()
+        await engine.check_replicas()
+        call = asyncio.ensure_future(engine.generate(_request("run-0-0")))
+        await engine.wait_generated(2, DEADLINE_S)
+        await asyncio.wait_for(engine.pause_generation(), DEADLINE_S)
+        stub.gate.set()
+        await engine.wait_held(1, DEADLINE_S)
+        await asyncio.wait_for(engine.close(), DEADLINE_S)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(call, DEADLINE_S)
+        _nothing_in_flight(engine)
+        assert len(stub.ids) == 1
