@@ -55,12 +55,12 @@ from asyncroll.engines.server.replicas import (
 from asyncroll.engines.vllm import groups as vllm_groups
 
 _HOMES = frozenset({ReplicaState.UP, ReplicaState.UNSYNCED})  # where a session may live
+_SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
 
 MAX_RESENDS = 2
 """How often one request whose stream was lost is sent again before its group fails: a
 replica that passes its liveness check but cuts every stream (a broken proxy) is not tried
 for ever within `request_timeout_s`."""
-_SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
 
 
 class RequestPath:
@@ -323,8 +323,8 @@ class RequestPath:
                 if part.resends > MAX_RESENDS:
                     raise ReplicaError(
                         exc.url,
-                        f"generate stream lost {part.resends} times in a row, each time after"
-                        f" its liveness generate answered; the last: {exc.cause}",
+                        f"generate stream lost {part.resends} times in a row (sent again"
+                        f" while its liveness generate answered); the last: {exc.cause}",
                     ) from None
 
     def _lost(
