@@ -334,12 +334,14 @@ async def test_sticky_sessions_a_killed_replica_and_its_return(
                     producer.check_ledger()
                     consumed += batch.groups
         ledger = producer.check_ledger()
-        failed = [d for d in drops if d.outcome is PutOutcome.DROPPED_FAILED]
-        assert failed, "the killed replica's groups should have failed"
-        assert all(second.url in (d.error or "") for d in failed), [d.error for d in failed]
-        assert len(consumed) + len(failed) == 24 == ledger.started_groups
-        assert ledger.in_flight_groups == 0 and len(consumed) >= 24 - 8
+        # Its streams were lost and its liveness probe failed: each of its groups, nothing of
+        # it left running there, was routed to the replica that serves (none failed).
+        failed = [d.error for d in drops if d.outcome is PutOutcome.DROPPED_FAILED]
+        assert not failed, failed
+        assert len(consumed) == 24 == ledger.started_groups
+        assert ledger.in_flight_groups == 0
         assert killed.state is ReplicaState.DOWN and engine.replicas[0].state is ReplicaState.UP
+        assert "generate stream lost" in str(killed.error), killed.error
 
         # Back on its port, it rejoins once probed, labelled with the engine's version.
         await engine.update_weights(None, version=2)  # only the first replica hears it

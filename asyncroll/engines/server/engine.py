@@ -22,10 +22,12 @@ what the code keeps, and why:
   `replica_load`), **over NCCL** (`weight_transfer`) or **as a LoRA adapter** (`lora`): the
   update path, `updates`. An update commits only once every replica loaded it; a version's
   weights are immutable (`weights.Checkpoint`).
-* **One replica cannot take the others down.** Any error from talking to a replica is that
+* **One replica cannot take the others down.** Any error in what a replica sends is that
   replica's failure and fails only the requests it had; its owner (`supervisor`) alone
-  probes, re-syncs and readmits it. No replica up is a state, not death: a request waits for
-  one within its own deadline (`NoReplicaError`); `EngineDeadError` only once closed.
+  probes, re-syncs and readmits it. A stream whose connection is lost is one request's
+  failure: sent again once the replica's liveness check passed (`request_path`). No replica
+  up is a state, not death: a request waits for one within its own deadline
+  (`NoReplicaError`); `EngineDeadError` only once closed.
 * **Deadlines that compose.** Every wait a caller makes is bounded by its own deadline and
   ends on its abort; a pause or resume takes at most `pause_bound_s`, to keep under the
   producer's `abort_timeout_s`. Control calls have connections of their own (`client`).

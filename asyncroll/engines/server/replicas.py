@@ -45,6 +45,19 @@ class ReplicaError(RuntimeError):
         self.url = url
 
 
+class StreamLost(ReplicaError):
+    """A generate stream's connection ended before its `[DONE]`: closed before the reply or
+    mid-body, reset, refused, or a clean end too soon. That is the failure of one request,
+    not by itself its replica's: a server that died and one that dropped a connection (a
+    proxy, a keep-alive race, a loaded machine) look the same here, so the replica's
+    liveness generate decides (`Supervisor.failed`), and the request is sent again if it
+    passes (`request_path`). `cause`: what aiohttp (or the stream) said."""
+
+    def __init__(self, url: str, cause: str) -> None:
+        super().__init__(url, f"generate stream lost ({cause})")
+        self.cause = cause
+
+
 class ReplicaHTTPError(ReplicaError):
     """A replica answered a control call with an HTTP error status: `status` and the head of
     its body (`text`) let a caller tell a refusal of what it sent (an adapter vLLM cannot
@@ -167,6 +180,16 @@ def replica_failure(replica: Replica, what: str, exc: Exception) -> ReplicaError
     if isinstance(exc, ReplicaError):
         return exc
     return ReplicaError(replica.url, f"{what}: {type(exc).__name__}: {exc}")
+
+
+def stream_failure(replica: Replica, exc: Exception) -> ReplicaError:
+    """`exc`, raised by a generate stream to `replica`, classified by where it came from:
+    from the connection (aiohttp's connection and payload errors, whatever their subclass) it
+    is `StreamLost`, a failure of that request; from what the replica sent, the replica's
+    failure (`replica_failure`)."""
+    if isinstance(exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError):
+        return StreamLost(replica.url, f"{type(exc).__name__}: {exc}")
+    return replica_failure(replica, "generate", exc)
 
 
 async def read_at_most(reply: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -325,8 +348,8 @@ async def events(
     reply: aiohttp.ClientResponse, url: str, max_tokens: int
 ) -> AsyncIterator[StreamEvent]:
     """The events of a generate stream of at most `max_tokens` tokens until `[DONE]`. An error
-    event (the engine core died mid-request, vLLM's own errors) raises `ReplicaError`; so do a
-    malformed event and a stream that ends without `[DONE]` (the API server died). One event
+    event (the engine core died mid-request, vLLM's own errors) raises `ReplicaError`; so does a
+    malformed event; a stream that ends without `[DONE]` raises `StreamLost`. One event
     can carry every token of the request (aiohttp's default line limit, 512 KiB, is ~4,000
     tokens), so lines may be as long as `max_tokens` tokens can make them."""
     limit = EVENT_OVERHEAD_BYTES + EVENT_BYTES_PER_TOKEN * max_tokens
@@ -344,7 +367,7 @@ async def events(
         if event.error is not None:
             raise ReplicaError(url, f"generate stream error: {event.error.get('message')}")
         yield event
-    raise ReplicaError(url, "generate stream ended without [DONE] (the server went away)")
+    raise StreamLost(url, "it ended without [DONE]")
 
 
 async def _line(reply: aiohttp.ClientResponse, url: str, limit: int) -> bytes:

@@ -13,6 +13,12 @@ Every wait a request makes is its caller's (`RequestPath._wait`): bounded by
 close, never a wait on a supervisor's task. A request not yet sent when its replica leaves
 the rotation is routed again; with no replica up it waits for one until its deadline
 (`NoReplicaError`, naming each replica: no dead engine).
+
+Errors are classified by where they came from (`replicas.stream_failure`). A stream whose
+connection is lost (`StreamLost`: disconnected, reset, truncated) is one request's failure: it
+is sent again from scratch once its replica's liveness generate kept the replica in the
+rotation, as if never sent (`RequestPath._lost`); anything wrong in what a replica sent is
+that replica's failure, which fails the group.
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ from asyncroll.engines.vllm import groups as vllm_groups
 
 _HOMES = frozenset({ReplicaState.UP, ReplicaState.UNSYNCED})  # where a session may live
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
+
+MAX_RESENDS = 2
+"""How often one request whose stream was lost is sent again before its group fails: a
+replica that passes its liveness check but cuts every stream (a broken proxy) is not tried
+for ever within `request_timeout_s`."""
 
 
 class RequestPath:
@@ -298,6 +309,52 @@ class RequestPath:
     async def _stream(
         self, live: ss.Live, part: ss.Part, samples: list[ss.Sample], sampling: SamplingConfig
     ) -> None:
+        """Stream one part to its group's replica (`_send`). One whose stream is lost
+        (`StreamLost`) is sent again, from scratch, once the replica's liveness check kept
+        it in the rotation (`_lost`; its group is routed again when the replica left and
+        nothing else of the group was sent), at most `MAX_RESENDS` times: then the replica
+        fails it."""
+        while True:
+            try:
+                await self._send(live, part, samples, sampling)
+                return
+            except rp.StreamLost as exc:
+                self._lost(live, part, samples, exc)
+                if part.resends > MAX_RESENDS:
+                    raise ReplicaError(
+                        exc.url,
+                        f"generate stream lost {part.resends} times in a row (sent again"
+                        f" while its liveness generate answered); the last: {exc.cause}",
+                    ) from None
+
+    def _lost(
+        self, live: ss.Live, part: ss.Part, samples: list[ss.Sample], exc: rp.StreamLost
+    ) -> None:
+        """`part`'s stream was lost: the part is as if never sent. Its samples are emptied
+        (vLLM sends a sample's version spans with its end, so the tokens streamed so far
+        carry none), its adapter released (it binds the policy of its next send), the
+        request aborted on the replica (vLLM notices a closed connection only when it next
+        writes to it; not awaited: the abort's own failure is the replica's), and the
+        replica checked (`ReplicaControl.failed`), which `_send` waits for."""
+        replica = live.replica
+        assert replica is not None  # it was sent there
+        for i in part.indices:
+            samples[i].clear()
+        if part.adapter is not None:
+            self._lora.release(part.adapter)
+            part.adapter = None
+        part.started = False
+        self._tasks.spawn(self._abort_left(replica, [part.server_id]), "abort")
+        part.resends += 1
+        self._control.failed(replica, exc)
+        self._progress.notify()
+
+    async def _send(
+        self, live: ss.Live, part: ss.Part, samples: list[ss.Sample], sampling: SamplingConfig
+    ) -> None:
+        """One send of `part`, once admission is open and its replica's liveness is not in
+        question; its samples filled from the stream. Any error from talking to the replica
+        is classified by its origin (`replicas.stream_failure`)."""
         replica = live.replica
         assert replica is not None  # routed (`_ready`)
         supervisor = self._supervisors[replica]
@@ -375,9 +432,9 @@ class RequestPath:
                     samples[i].finish = "abort"
         except (rp.Rejected, EngineDeadError):
             raise
-        except Exception as exc:  # anything else from talking to the replica is its failure
+        except Exception as exc:  # the connection's (`StreamLost`), or else the replica's
             self._check_open()  # `close()` closed the session under this stream
-            raise rp.replica_failure(replica, "generate", exc) from None
+            raise rp.stream_failure(replica, exc) from None
         finally:
             self._closing.discard(asyncio.current_task())
             self.open_streams -= 1

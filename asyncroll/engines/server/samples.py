@@ -58,19 +58,32 @@ class Sample:
         self.spans: list[rp.Span] | None = None
         self.label: int | None = None  # sent with an adapter: every token's version
 
+    def clear(self) -> None:
+        """Back to no token: its request's stream was lost, and it is sent again."""
+        self.tokens = array.array("i")
+        self.logprobs = array.array("f")
+        self.finish = self.spans = self.label = None
+
 
 class Part:
     """One HTTP request of a group: `n` samples continuing the same prompt + prefix."""
 
-    __slots__ = ("adapter", "indices", "max_tokens", "prompt", "server_id", "started")
+    __slots__ = ("adapter", "indices", "max_tokens", "name", "prompt", "resends", "started")
 
-    def __init__(self, server_id: str, prompt: list[int], max_tokens: int, indices: list[int]):
-        self.server_id = server_id  # the request_id sent; vLLM prefixes it ("generate-tokens-")
+    def __init__(self, name: str, prompt: list[int], max_tokens: int, indices: list[int]):
+        self.name = name  # its id in the group ("<request id>/<sample>"); seeds its sampling
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.indices = indices  # positions in the group's request.samples
         self.started = False  # sent to the replica (so an abort has to reach it there)
         self.adapter: ServedAdapter | None = None  # the LoRA adapter it was sent with
+        self.resends = 0  # times sent again after its stream was lost (`request_path`)
+
+    @property
+    def server_id(self) -> str:
+        """The request_id sent (vLLM prefixes it, "generate-tokens-"): one of each send, as
+        a lost stream's request may still run on its replica when it is sent again."""
+        return self.name if self.resends == 0 else f"{self.name}~{self.resends}"
 
 
 class Live:
@@ -105,7 +118,7 @@ def sampling_params(
     if sampling.top_k is not None:
         params["top_k"] = sampling.top_k
     if sampling.seed is not None:
-        params["seed"] = vllm_groups.part_seed(sampling.seed, part.server_id)
+        params["seed"] = vllm_groups.part_seed(sampling.seed, part.name)
     return params
 
 
