@@ -54,7 +54,7 @@ the policy answers wrongly with certainty stayed so for 40-100 steps with the en
 alone, which barely moves a certain context (the runs that ended at 0.48-0.75). The push makes
 those problems' sampled tokens less likely (`asyncroll.train.unlikelihood`, gradient ~1 at
 certainty) until their context's entropy reaches 2 nats, so the next samples differ and GRPO
-sees them. With it, 10 runs of 10 on seeds 1-3 were solved in 71-128 steps. Pushing every
+sees them. With it, 14 runs of 14 on seeds 1-3 were solved in 63-148 steps. Pushing every
 blind problem (`push_on="blind"`: all the same partial score too) also lowered the right tokens
 of half-right answers, and one run of 11 sat at 0.5 for 120 steps; a capped entropy bonus there
 instead (`blind_entropy`) left those contexts at 0.02-0.1 nats and stalled seed 2 at 0.66; the
