@@ -210,18 +210,25 @@ async def test_a_stream_cut_during_a_keep_mode_pause_is_sent_again_after_the_res
         _nothing_in_flight(engine)
 
 
+async def _cut_while_paused(engine: VLLMServerEngine, stub: CuttingStub) -> asyncio.Future[Any]:
+    """A request of group "run-0-0" whose stream is cut while the engine is paused: returned
+    once the cut request is held, waiting to be sent again."""
+    stub.gate = asyncio.Event()
+    await engine.check_replicas()
+    call = asyncio.ensure_future(engine.generate(_request("run-0-0")))
+    await engine.wait_generated(2, DEADLINE_S)
+    await asyncio.wait_for(engine.pause_generation(), DEADLINE_S)
+    stub.gate.set()
+    await engine.wait_held(1, DEADLINE_S)
+    return call
+
+
 async def test_a_stream_cut_during_a_pause_and_then_aborted_returns_none_of_the_cut() -> None:
     """An abort-mode pause aborts the group while its cut request waits to be sent again:
     it returns an empty sample, finish "abort" (the cut tokens' versions were never sent, so
     they are not returned), and nothing is sent again."""
     async with scripted(1, stub_type=CuttingStub) as (engine, (stub,)):
-        stub.gate = asyncio.Event()
-        await engine.check_replicas()
-        call = asyncio.ensure_future(engine.generate(_request("run-0-0")))
-        await engine.wait_generated(2, DEADLINE_S)
-        await asyncio.wait_for(engine.pause_generation(), DEADLINE_S)
-        stub.gate.set()
-        await engine.wait_held(1, DEADLINE_S)
+        call = await _cut_while_paused(engine, stub)
         await asyncio.wait_for(engine.abort("run-0-0"), DEADLINE_S)
         (sample,) = await asyncio.wait_for(call, DEADLINE_S)
         assert (sample.finish_reason, len(sample.tokens), len(sample.versions)) == ("abort", 0, 0)
@@ -280,13 +287,7 @@ async def test_only_the_cut_request_of_a_group_is_sent_again_with_its_seed() -> 
 
 async def test_the_engine_closing_while_a_cut_request_waits_ends_it_dead() -> None:
     async with scripted(1, stub_type=CuttingStub) as (engine, (stub,)):
-        stub.gate = asyncio.Event()
-        await engine.check_replicas()
-        call = asyncio.ensure_future(engine.generate(_request("run-0-0")))
-        await engine.wait_generated(2, DEADLINE_S)
-        await asyncio.wait_for(engine.pause_generation(), DEADLINE_S)
-        stub.gate.set()
-        await engine.wait_held(1, DEADLINE_S)
+        call = await _cut_while_paused(engine, stub)
         await asyncio.wait_for(engine.close(), DEADLINE_S)
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(call, DEADLINE_S)
