@@ -17,11 +17,13 @@ from tests.vllm.server import (  # noqa: F401
 )
 
 # Under `pytest -n` (pytest-xdist with `--dist loadgroup`: the Makefile's test command) each
-# worker starts the session engines its own tests ask for. Lanes keep the modules that share
+# worker starts the session engines its own tests ask for. Lanes keep the tests that share
 # session engines on one worker each, so each engine starts once a run: the in-process engines
 # (plain and LoRA, and the LoRA parity references) in one lane, the session's `vllm serve` in
 # another, the Qwen3 model's in a third; the modules that start engines of their own, the
-# benchmark smoke runs and the rest of the suite fill in beside them.
+# benchmark smoke runs and the rest of the suite fill in beside them. A module whose tests use
+# both the server and the plain in-process engine is split between their lanes (its costly
+# module fixtures are made once a run: `tests/made_once.py`).
 LORA_FIXTURES = frozenset({"vllm_lora_engine", "lora_engine", "lora_cases"})
 IN_PROCESS_FIXTURES = frozenset({"vllm_engine", "engine", "engine_to_kill"})
 SERVER_FIXTURES = frozenset({"vllm_server", "server_engine", "server_weights_dir"})
@@ -44,11 +46,24 @@ def lane(fixtures: set[str], params: set[str]) -> str | None:
     return None
 
 
+def engine_uses(item: pytest.Item) -> tuple[set[str], set[str]]:
+    """The fixtures and the parameter values of `item` that may name a session engine. A
+    module's own fixture of the same name (an `engine` on another model) shadows the
+    session's: it does not tie the test to a lane."""
+    own = vars(getattr(item, "module", None) or object)
+    fixtures = {n for n in getattr(item, "fixturenames", ()) if n not in own}
+    callspec = getattr(item, "callspec", None)
+    params = set(map(str, callspec.params.values())) if callspec is not None else set()
+    return fixtures, params
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks into its work units
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Put each module that uses a session engine in its lane, and keep every other module
-    under tests/vllm (and the benchmark smoke runs) together, so that a module's own engines
-    and subprocesses start once; the rest is spread test by test."""
+    """Put each module that uses a session engine in its lane, except its tests that use only
+    the plain in-process engine where the module's lane is the server's: they go to the
+    in-process lane, so that the plain engine starts once (not once for the server's lane).
+    Keep every other module under tests/vllm (and the benchmark smoke runs) together, so that
+    a module's own engines and subprocesses start once; the rest is spread test by test."""
     modules: dict[Path, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.path, []).append(item)
@@ -56,24 +71,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for path, module_items in modules.items():
         if any(item.get_closest_marker("xdist_group") for item in module_items):
             continue  # the module chose its group itself
-        fixtures: set[str] = set()
-        params: set[str] = set()
-        for item in module_items:
-            # A module's own fixture of the same name (an `engine` on another model) shadows
-            # the session's: it does not tie the module to a lane.
-            own = vars(getattr(item, "module", None) or object)
-            fixtures.update(n for n in getattr(item, "fixturenames", ()) if n not in own)
-            callspec = getattr(item, "callspec", None)
-            if callspec is not None:
-                params.update(map(str, callspec.params.values()))
-        group = lane(fixtures, params)
+        uses = [engine_uses(item) for item in module_items]
+        group = lane(set().union(*(f for f, _ in uses)), set().union(*(p for _, p in uses)))
         if group is None and (
             path.is_relative_to(here / "vllm") or path.name == "test_benchmarks.py"
         ):
             group = path.stem
-        if group is not None:
-            for item in module_items:
-                item.add_marker(pytest.mark.xdist_group(group))
+        if group is None:
+            continue
+        for item, (fixtures, params) in zip(module_items, uses, strict=True):
+            own = lane(fixtures, params) if group == "serve" else None
+            item.add_marker(pytest.mark.xdist_group(own if own == "in-process" else group))
 
 
 VLLM_MAX_MODEL_LEN = 256

@@ -10,12 +10,15 @@ misses any of them (the tied head's repacked copy was one) serves other tokens.
 The reference is a fresh in-process `VLLMEngine` for both engine kinds: the server runs the
 same vLLM code, and its requests carry the same per-request seeds (the sampled case uses a
 continued sample, whose request id is the same in both engines). References are computed one
-engine at a time, before the engines under test start.
+engine at a time, before the engines under test start, once a run: the in-process tests run on
+the in-process engine's xdist worker, the server tests on the server's, and whichever comes
+first writes the perturbed models and their references for both (`made_once`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import pickle
 import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,6 +34,7 @@ from asyncroll.engines import SampleOutput, VLLMEngine
 from asyncroll.engines.base import Engine
 from asyncroll.engines.server.launch import ServerProcess
 from asyncroll.engines.vllm.weights_file import write_safetensors
+from tests.made_once import made_once
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.helpers import ids, request
 from tests.vllm.server import server_engine_on
@@ -39,7 +43,7 @@ VERSION = 3
 STEPS = 16
 PROMPTS = [ids(0, 5, 6, 7), ids(0, 100, 200), ids(0, 1, 2, 3, 4, 5, 6, 7, 8), ids(0, 42)]
 SAMPLED_PROMPT, SAMPLED_PREFIX = ids(0, 17, 18, 19), ids(33, 34)
-UNTIED = {"tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True}
+UNTIED: dict[str, Any] = {"tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True}
 
 
 @dataclass(frozen=True)
@@ -83,26 +87,37 @@ def assert_parity(served: list[SampleOutput], reference: list[SampleOutput]) -> 
         assert out.versions.tolist() == [VERSION] * STEPS, f"request {i}: labels"
 
 
-async def make_case(model: Path, folder: Path) -> Case:
+REFERENCE = "reference.pickle"
+
+
+async def make_case(model: Path, folder: Path) -> None:
     """Write the perturbed weights next to a copy of `model`'s config and tokenizer, and
     record what a fresh engine on them serves."""
-    weights = perturbed(model)
     shutil.copytree(model, folder)
-    write_safetensors(weights, folder / "model.safetensors")
+    write_safetensors(perturbed(model), folder / "model.safetensors")
     async with VLLMEngine(folder, max_model_len=MAX_MODEL_LEN, seed=0) as fresh:
         await fresh.update_weights(None, version=VERSION)  # labels only: nothing is loaded
         reference = await serve(fresh, "parity")
-    return Case(model, weights, reference)
+    (folder / REFERENCE).write_bytes(pickle.dumps(reference))
+
+
+def load_case(model: Path, folder: Path) -> Case:
+    """A case `make_case` wrote: the weights the fresh engine loaded, and what it served."""
+    reference = pickle.loads((folder / REFERENCE).read_bytes())  # this run's own file
+    return Case(model, original_weights(folder), reference)
 
 
 @pytest_asyncio.fixture(scope="module")
 async def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     """The tied model (the session engines') and an untied one with biases."""
-    root = tmp_path_factory.mktemp("parity")
-    made = {}
-    for name, overrides in (("tied", {}), ("untied", UNTIED)):
-        made[name] = await make_case(build_tiny_model(**overrides), root / name)
-    return made
+    models = {"tied": build_tiny_model(), "untied": build_tiny_model(**UNTIED)}
+
+    async def make(root: Path) -> None:
+        for name, model in models.items():
+            await make_case(model, root / name)
+
+    root = await made_once(tmp_path_factory, "weight-parity", make)
+    return {name: load_case(model, root / name) for name, model in models.items()}
 
 
 def test_every_tensor_is_perturbed(cases: dict[str, Case]) -> None:
