@@ -87,3 +87,13 @@ async def server_engine(
         yield engine
     finally:
         await asyncio.wait_for(engine.close(), SERVER_DEADLINE_S)
+
+
+async def restore_session_server(server: ServerProcess, weights_dir: Path, model: Path) -> None:
+    """Give the session's server its original weights and label 0 back, through a client of
+    its own: for a test whose own engine moved them (the session's `server_engine` expects
+    version 0, and reads the label vLLM sends with each sample, not its own)."""
+    from tests.vllm.conftest import original_weights
+
+    async with server_engine_on(server.url, weights_dir) as restore:
+        await restore.update_weights(original_weights(model), version=0)

@@ -34,7 +34,7 @@ from asyncroll.engines.server.launch import ServerProcess
 from asyncroll.engines.server.replicas import ReplicaState
 from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
 from tests.vllm.helpers import ids, request
-from tests.vllm.server import SERVER_MAX_MODEL_LEN, server_engine_on
+from tests.vllm.server import SERVER_MAX_MODEL_LEN, restore_session_server, server_engine_on
 
 # The module's own server and, in the replica test, the session's: on the session server's
 # worker under `pytest -n 2 --dist loadgroup`
@@ -361,3 +361,5 @@ async def test_sticky_sessions_a_killed_replica_and_its_return(
     finally:
         await engine.close()
         await asyncio.to_thread(second.stop)
+        # the session's server was this engine's first replica, relabelled 2 above
+        await restore_session_server(vllm_server, server_weights_dir, server_model)

@@ -16,9 +16,9 @@ from asyncroll.engines import VLLMEngine, VLLMServerEngine
 from asyncroll.engines.server.launch import ServerProcess
 from asyncroll.engines.vllm import weight_check
 from asyncroll.engines.vllm.weights_file import write_safetensors
-from tests.vllm.conftest import DEADLINE_S, original_weights
+from tests.vllm.conftest import DEADLINE_S
 from tests.vllm.helpers import ids, request
-from tests.vllm.server import server_engine_on
+from tests.vllm.server import restore_session_server, server_engine_on
 from tests.vllm.test_weight_parity import perturbed
 
 LEFT_OUT = "model.layers.0.self_attn.k_proj.weight"  # packed into qkv_proj with q and v
@@ -46,8 +46,7 @@ async def verified(
     weights and label 0 back afterwards (the session's engine expects them)."""
     async with server_engine_on(vllm_server.url, server_weights_dir, verify_weights=True) as engine:
         yield engine
-    async with server_engine_on(vllm_server.url, server_weights_dir) as restore:
-        await restore.update_weights(original_weights(server_model), version=0)
+    await restore_session_server(vllm_server, server_weights_dir, server_model)
 
 
 async def test_server_verified_update_and_a_replica_that_misses_a_tensor(
