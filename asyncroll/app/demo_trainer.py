@@ -117,7 +117,7 @@ class Trainer:
         per_token = token_entropy(logits, s.temperature)
         failed = failed_tokens(batch, groups, self.turn_rewards)
         entropy, failed_entropy = (
-            (per_token * m).sum() / m.sum().clamp(min=1) for m in (batch.loss_mask, failed)
+            capped_entropy(per_token, m, math.inf) for m in (batch.loss_mask, failed)
         )
         if self.entropy:
             loss = loss - self.entropy * (entropy if self.entropy_on == "all" else failed_entropy)
