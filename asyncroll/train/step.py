@@ -106,11 +106,12 @@ def train_step(
 
     Stats, each the whole batch's (summed exactly over micro-batches, all-reduced over ranks
     when `world_size` > 1 and torch.distributed is initialized; ranks simulated in one process
-    get their own shares, which add up to the whole batch's): `train/loss`, `train/clip_fraction` (and `_high`, `_low`),
-    `train/ratio_mean`, `train/kl` (with a reference), `train/tokens`, `train/samples`; as
-    they are: `train/grad_norm` (with clipping, before it), `train/micro_batches` (per rank)
-    and the split's `train/imbalance`, `train/padding_share`, `train/padding_micro_batches`,
-    `train/oversized_rows`.
+    get their own shares, which add up to the whole batch's): `train/loss`,
+    `train/clip_fraction` (and `_high`, `_low`), `train/ratio_mean`, `train/kl` (with a
+    reference), `train/tokens`, `train/samples`. As they are: `train/grad_norm` (with
+    clipping, before it), `train/micro_batches` (per rank), and the split's
+    `train/imbalance`, `train/padding_share`, `train/padding_micro_batches` and
+    `train/oversized_rows` (see `split_batch`).
     """
     config = loss or LossConfig()
     world = world_size if world_size is not None else _world_size()
