@@ -649,9 +649,13 @@ def test_gradients_sync_on_the_last_micro_batch_only(kind: type[Recording]) -> N
     batch = to_batch([group(g, 2, [3, 3], seed=g) for g in range(2)])
     shard = split_batch(batch, 1, max_tokens=5)[0]
     model = kind()
-    train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), shard, forward=forward_of(model))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    train_step(model, optimizer, shard, forward=forward_of(model))
     assert model.seen == [False] * (len(shard.micro_batches) - 1) + [True]
     assert model.sync  # left on for whatever runs next
+    model.seen.clear()  # FSDP2's sharded accumulation: a reduce-scatter every micro-batch
+    train_step(model, optimizer, shard, forward=forward_of(model), gradient_sync="every")
+    assert model.seen == [True] * len(shard.micro_batches)
 
 
 def test_train_step_refuses_a_mismatched_world_or_a_missing_reference() -> None:
@@ -664,5 +668,7 @@ def test_train_step_refuses_a_mismatched_world_or_a_missing_reference() -> None:
     one = split_batch(batch, 1, max_tokens=64)[0]
     with pytest.raises(ValueError, match="needs a reference"):
         train_step(model, optimizer, one, LossConfig(kl_coef=0.1), forward=forward_of(model))
+    with pytest.raises(ValueError, match="use 'last' or 'every'"):
+        train_step(model, optimizer, one, forward=forward_of(model), gradient_sync="first")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_grad_norm=0"):
         train_step(model, optimizer, one, forward=forward_of(model), max_grad_norm=0)

@@ -29,7 +29,7 @@ from asyncroll.train.loss import (
     token_logprobs,
 )
 from asyncroll.train.micro import COSTS, CostModel, MicroBatch, Shard, row_costs, split_batch
-from asyncroll.train.step import Forward, LossConfig, train_step
+from asyncroll.train.step import Forward, GradientSync, LossConfig, train_step
 from asyncroll.train.turns import (
     TurnRewards,
     blind_problems,
@@ -54,6 +54,7 @@ __all__ = [
     "Correction",
     "CostModel",
     "Forward",
+    "GradientSync",
     "KlEstimator",
     "LoraLinear",
     "LossConfig",

@@ -149,7 +149,7 @@ def split_batch(
             micro_batches=tuple(micro),
             norm=norm,
             cost=loads[rank],
-            metrics=metrics,
+            metrics=dict(metrics),
         )
         for rank, micro in enumerate(shards)
     ]

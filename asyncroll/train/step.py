@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import torch
@@ -30,6 +30,8 @@ from asyncroll.train.micro import Shard
 if TYPE_CHECKING:
     from asyncroll.engines.base import SamplingConfig
 
+GradientSync = Literal["last", "every"]
+"""When `train_step` lets gradients sync over ranks: on the last micro-batch, or on each."""
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """`forward(input_ids, attention_mask) -> logits` ([B, L] int64 and bool in, [B, L, V] out)."""
 
@@ -84,6 +86,7 @@ def train_step(
     reference: torch.nn.Module | Forward | None = None,
     max_grad_norm: float | None = None,
     world_size: int | None = None,
+    gradient_sync: GradientSync = "last",
 ) -> dict[str, float]:
     """One optimizer step of `model` on this process's `shard`; returns `train/...` stats.
 
@@ -100,9 +103,13 @@ def train_step(
     SUM of the ranks' (each rank's loss is its share of the whole batch's). So each rank
     backpropagates its loss times `world_size` (None: torch.distributed's world size when it
     is initialized, else 1); the average is then the whole batch's gradient, as one process
-    would compute it. A model that offers it skips the gradient sync on all but the last
-    micro-batch (FSDP2's `set_requires_gradient_sync`, DDP's `no_sync`); every rank has the
-    same number of micro-batches (`split_batch` sees to it), so the collectives match.
+    would compute it. With `gradient_sync="last"` a model that offers it skips the gradient
+    sync on all but the last micro-batch (FSDP2's `set_requires_gradient_sync`, DDP's
+    `no_sync`): DDP saves an all-reduce per micro-batch at no memory cost, FSDP2 saves a
+    reduce-scatter per micro-batch but holds *unsharded* gradients in between (a full
+    gradient per rank); `"every"` syncs every micro-batch (FSDP2's own default: sharded
+    gradients, the least memory). Every rank has the same number of micro-batches
+    (`split_batch` sees to it), so the collectives match.
 
     Stats, each the whole batch's (summed exactly over micro-batches, all-reduced over ranks
     when `world_size` > 1 and torch.distributed is initialized; ranks simulated in one process
@@ -124,6 +131,8 @@ def train_step(
         )
     if config.kl_coef > 0 and reference is None:
         raise ValueError(f"kl_coef={config.kl_coef} needs a reference (model or forward)")
+    if gradient_sync not in ("last", "every"):
+        raise ValueError(f"gradient_sync={gradient_sync!r}: use 'last' or 'every'")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm}: must be > 0 (None: no clipping)")
     policy = forward or _logits_of(model)
@@ -138,7 +147,7 @@ def train_step(
         if ref is not None:  # first: its logits are gone before the policy's activations
             with torch.no_grad():
                 ref_logprobs = _logprobs(ref, batch.input_ids, batch.attention_mask, config)
-        with _gradient_sync(model, i == last):
+        with _gradient_sync(model, gradient_sync == "every" or i == last):
             logprobs = _logprobs(policy, batch.input_ids, batch.attention_mask, config)
             value, stats = loss_terms(
                 logprobs,
