@@ -66,7 +66,9 @@ async def test_the_readme_training_loop_runs(
 
     assert len(logged) == 2
     assert logged[-1]["rollout/batch_groups"] == 32
-    assert {"loss", "clip_fraction", "offpolicy/kl", "rollout/version"} <= set(logged[-1])
+    assert {"train/loss", "train/clip_fraction", "train/tokens", "rollout/version"} <= set(
+        logged[-1]
+    )
     assert engine.version == version + 2
     assert (tmp_path / "ckpt" / "trainer.pt").exists()
     assert (tmp_path / "ckpt" / "producer").exists()
