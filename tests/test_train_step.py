@@ -13,7 +13,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -40,6 +45,7 @@ from asyncroll.train import (
 from asyncroll.types import RolloutGroup, RolloutState, Status
 
 VOCAB = 23
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -60,8 +66,9 @@ class Tiny(torch.nn.Module):
         generator = torch.Generator().manual_seed(seed)
         self.embed = torch.nn.Parameter(torch.randn(VOCAB, 6, generator=generator).double())
         self.head = torch.nn.Linear(6, VOCAB).double()
-        with torch.no_grad():
+        with torch.no_grad():  # every weight from `seed`: the same model in every process
             self.head.weight.copy_(torch.randn(VOCAB, 6, generator=generator))
+            self.head.bias.copy_(torch.randn(VOCAB, generator=generator))
         self.calls = 0
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -672,3 +679,37 @@ def test_train_step_refuses_a_mismatched_world_or_a_missing_reference() -> None:
         train_step(model, optimizer, one, forward=forward_of(model), gradient_sync="first")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_grad_norm=0"):
         train_step(model, optimizer, one, forward=forward_of(model), max_grad_norm=0)
+
+
+def test_train_step_on_two_gloo_ranks_under_ddp_and_fsdp2_is_the_one_process_step() -> None:
+    """Real torch.distributed (two processes, gloo): DDP and FSDP2 (syncing on the last
+    micro-batch and on each) average the ranks' gradients; with each rank's loss times the
+    world size, the weights after the step are those of the one-process full-batch step, with
+    the clip-higher, the KL and a correction (tests/ranks_train_step.py; `--all` aggregations
+    passed too). Two processes that import torch: ~10 s alone, 23 s under a load of 10. Without
+    the world-size factor the weights moved by half the step, and the check failed."""
+    with socket.socket() as s:  # a free port for the group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.ranks_train_step"],
+            env=env | {"RANK": str(rank)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=180)[0] for p in ranks]
+    finally:
+        for p in ranks:  # a rank left behind by the other's failure
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, output) in enumerate(zip(ranks, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{output[-3000:]}"
