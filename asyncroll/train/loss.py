@@ -464,7 +464,7 @@ Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-n
   sample weighs the same: GRPO's original 1/|o_i|);
 - "seq-mean-token-sum-norm": sum over all trained tokens / (samples x `norm_length`), a
   constant per sample such as max_new_tokens (Dr. GRPO: no length bias, and a token's weight
-  does not change with what else is in the batch).
+  does not change with the other samples' lengths).
 """
 AGGREGATIONS: tuple[Aggregation, ...] = (
     "token-mean",
