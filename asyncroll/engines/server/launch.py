@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from asyncroll.engines.launcher_env import without_launcher_variables
+
 if TYPE_CHECKING:
     from asyncroll.lora import LoraSlots
 
@@ -157,7 +159,7 @@ class ServerProcess:
         args = serve_args(model, port, **serve_kwargs)  # type: ignore[arg-type]
         fd, log_name = tempfile.mkstemp(prefix=f"vllm-serve-{port}-", suffix=".log")
         lora_env = LORA_ENV if serve_kwargs.get("lora") is not None else {}
-        child_env = {**os.environ, **RL_ENV, **lora_env, **(env or {})}
+        child_env = {**without_launcher_variables(os.environ), **RL_ENV, **lora_env, **(env or {})}
         root = str(Path(__file__).resolve().parents[3])  # a source checkout imports this shim
         child_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (root, child_env.get("PYTHONPATH", "")) if p
