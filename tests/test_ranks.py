@@ -83,7 +83,13 @@ class Job:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
     root = tmp_path_factory.mktemp("ranks")
-    started = {"train": Job("train", root / "train", 3, {"RANKS_TIMEOUT_S": "120"})}
+    started = {
+        "train": Job("train", root / "train", 3, {"RANKS_TIMEOUT_S": "120"}),
+        "checkpoint": Job(
+            "checkpoint", root / "checkpoint", 2,
+            {"CKPT": str(root / "ckpt"), "CKPT_MODE": "save", "RANKS_TIMEOUT_S": "60"},
+        ),
+    }  # fmt: skip
     for fault, (victim, _, _) in FAULTS.items():
         timeout = HUNG_TIMEOUT_S if fault == "skip_gather" else FAULT_TIMEOUT_S
         env = {"FAULT": fault, "FAULT_RANK": str(victim), "RANKS_TIMEOUT_S": str(timeout)}
@@ -178,6 +184,36 @@ def test_sigterm_to_the_launcher_ends_every_rank_named(tmp_path: Path) -> None:
         assert "SIGTERM" in report["error"], report["error"]
         assert report["step1"] == "ok"
     assert job.leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def resumed(jobs: dict[str, Job], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
+    """The checkpoint written by 2 ranks after 2 steps, resumed by 2 and by 3 ranks."""
+    save = jobs["checkpoint"]
+    assert save.wait() == 0, save.log.read_text()[-3000:]
+    root = tmp_path_factory.mktemp("resumed")
+    env = {"CKPT": str(save.out.parent / "ckpt"), "CKPT_MODE": "resume", "RANKS_TIMEOUT_S": "60"}
+    started = {n: Job("checkpoint", root / f"n{n}", n, env) for n in (2, 3)}
+    for job in started.values():
+        job.wait()
+    return {"save": save, **{f"n{n}": job for n, job in started.items()}}
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_resumed_run_trains_every_prompt_once_with_any_number_of_ranks(
+    resumed: dict[str, Job], ranks: int
+) -> None:
+    """Saved by 2 ranks at version 2 (the trainer's shards and the producer at the same
+    version), resumed by `ranks`: the weights are the saved ones, resharded; the versions
+    go on; every prompt of the data is trained once over the two runs."""
+    save, job = resumed["save"].rank(0), resumed[f"n{ranks}"]
+    assert job.process.returncode == 0, job.log.read_text()[-3000:]
+    again = job.rank(0)
+    assert save is not None and again is not None
+    assert save["meta"] == again["meta"] == [2, 2, 2]
+    assert again["loaded_weights"] == save["saved_weights"]
+    assert sorted(save["prompts"] + again["prompts"]) == sorted(f"default/{i}" for i in range(24))
+    assert again["version"] == 2 + len(again["prompts"]) // 3
 
 
 def test_vllm_never_sees_the_launchers_variables() -> None:

@@ -117,6 +117,7 @@ class Ranks:
         self._previous_handler: Any = signal.SIG_DFL
         self._steps = 0
         self.last_gather: GatherStats | None = None  # the last update's, for its metrics
+        self.last_version = 0  # the producer's version after the last update (every rank)
         self.rank = -1
         self.world_size = 0
 
@@ -301,7 +302,7 @@ class Ranks:
             version = await self._alone("update_weights", lambda: producer.update_weights(weights))
         else:
             _, version = await self._follow("update_weights")
-        self.last_gather = full.stats
+        self.last_gather, self.last_version = full.stats, version
         return version
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -296,7 +297,113 @@ class _nothing:
         return None
 
 
-SCENARIOS = {"train": scenario_train, "fault": scenario_fault}
+async def scenario_vllm_parity(ranks: Ranks, out: dict[str, Any]) -> None:
+    """Rank 0 serves the tiny model's ORIGINAL weights with a real VLLMEngine; every rank
+    loads the perturbed model of tests/vllm/test_weight_parity.py (every tensor moved) and
+    shards it with FSDP2, then with DDP; after each sharded update the engine serves what a
+    fresh engine on the perturbed weights served (that module's reference). vLLM's processes
+    see none of torchrun's variables and none of its ports."""
+    import pickle
+
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import LlamaForCausalLM
+
+    case = Path(os.environ["PARITY_CASE"])
+    models = {
+        "fsdp2": lambda: shard_fsdp(LlamaForCausalLM.from_pretrained(case, dtype=torch.float32)),
+        "ddp": lambda: DistributedDataParallel(
+            LlamaForCausalLM.from_pretrained(case, dtype=torch.float32)
+        ),
+    }
+    if not ranks.rollout:
+        for name, make in models.items():
+            out[name] = await ranks.update_weights(make(), None, bucket_bytes=256 << 10)
+        return
+    from asyncroll.engines import VLLMEngine
+    from asyncroll.engines.launcher_env import launcher_variables
+    from tests.conftest import VLLM_MAX_MODEL_LEN as MAX_LEN
+    from tests.vllm.test_weight_parity import serve
+
+    reference = pickle.loads((case / "reference.pickle").read_bytes())
+    async with VLLMEngine(os.environ["ORIGINAL_MODEL"], max_model_len=MAX_LEN, seed=0) as engine:
+        prod = Producer(engine, [[0, 5, 6]], lambda g: [0.0] * g.num_samples, group_size=2)
+        async with prod:
+            for name, make in models.items():
+                version = await ranks.update_weights(make(), prod, bucket_bytes=256 << 10)
+                served = await serve(engine, "parity")
+                out[name] = version
+                out[f"{name}_tokens"] = [o.tokens.tolist() for o in served] == [
+                    r.tokens.tolist() for r in reference
+                ]
+                out[f"{name}_logprob_gap"] = max(
+                    float(abs(o.logprobs - r.logprobs).max())
+                    for o, r in zip(served, reference, strict=True)
+                )
+                out[f"{name}_labels"] = all((o.versions == version).all() for o in served)
+            port = os.environ["MASTER_PORT"]
+            children = psutil.Process().children(recursive=True)
+            out["vllm_processes"] = len(children)
+            out["vllm_launcher_variables"] = {  # name: [the trainer's value, vLLM's values]
+                name: [os.environ.get(name), sorted({c.environ()[name] for c in children
+                                                     if name in c.environ()})]
+                for name in {v for c in children for v in launcher_variables(c.environ())}
+            }  # fmt: skip
+            out["vllm_ports"] = sorted(
+                {c.laddr.port for p in children for c in p.net_connections() if c.laddr}
+            )
+            out["master_port"] = int(port)
+
+
+async def scenario_checkpoint(ranks: Ranks, out: dict[str, Any]) -> None:
+    """CKPT_MODE=save: two steps, a checkpoint, then exit (as a killed run would); resume:
+    load it (with any number of ranks) and train to the end of the prompts. Rank 0 records
+    the prompts it trained and the weights it holds."""
+    from asyncroll.distributed import checkpoint
+
+    folder = Path(os.environ["CKPT"])
+    model = shard_fsdp(TinyLM())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    prod = producer(prompts=24, batch_size=3) if ranks.rollout else None
+    seen: list[str] = []
+    if os.environ["CKPT_MODE"] == "resume":
+        meta = await checkpoint.load(ranks, folder, model=model, optimizer=optimizer, producer=prod)
+        out["meta"] = [meta.version, meta.step, meta.world_size]
+        out["loaded_weights"] = _digest(gathered_state(model, keep=ranks.rollout))
+    async with prod if prod is not None else _nothing():
+        for _ in range(2 if os.environ["CKPT_MODE"] == "save" else 100):
+            got = await ranks.batch(prod, split_for(ranks))
+            if got is None:
+                break
+            shard, result = got
+            if result is not None:
+                seen += [g.prompt_id for g in result.groups]
+            await ranks.run(train_step, model, optimizer, shard, LossConfig())
+            await ranks.update_weights(model, prod)
+            out["version"] = ranks.last_version
+        if os.environ["CKPT_MODE"] == "save":
+            meta = await checkpoint.save(
+                ranks, folder, model=model, optimizer=optimizer, producer=prod, step=2
+            )
+            out["meta"] = [meta.version, meta.step, meta.world_size]
+            out["saved_weights"] = _digest(gathered_state(model, keep=ranks.rollout))
+    out["prompts"] = seen
+
+
+def _digest(state: dict[str, torch.Tensor]) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        digest.update(name.encode() + state[name].numpy().tobytes())
+    return digest.hexdigest()
+
+
+SCENARIOS = {
+    "train": scenario_train,
+    "checkpoint": scenario_checkpoint,
+    "fault": scenario_fault,
+    "vllm_parity": scenario_vllm_parity,
+}
 
 
 async def main(name: str, out_dir: Path) -> None:
