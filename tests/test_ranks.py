@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
-from asyncroll.engines.launcher_env import launcher_variables, without_launcher_variables
+from asyncroll.launcher_env import launcher_variables, without_launcher_variables
 
 pytestmark = pytest.mark.xdist_group("ranks")
 

@@ -222,11 +222,16 @@ class Ranks:
     # -- the steps of the loop ----------------------------------------------------------------
 
     async def batch(
-        self, producer: Producer | None, split: Callable[[Any], list[Shard]]
+        self,
+        producer: Producer | None,
+        split: Callable[[Any], list[Shard]],
+        *,
+        timeout: float | None = None,
     ) -> tuple[Shard, Any] | None:
         """This rank's share of the next batch, and on rank 0 the batch itself
         (`ProduceBatchResult`, None elsewhere); None on every rank once the producer has no
-        prompts left (`ProducerExhausted`).
+        prompts left (`ProducerExhausted`). `timeout`: `produce_batch`'s, whose
+        `TimeoutError` ends every rank as any failure of rank 0 does.
 
         Rank 0 awaits `producer.produce_batch()`, gives the result to `split` (one share per
         rank, e.g. `split_batch(to_batch(result.groups), ranks.world_size, ...)`) and sends
@@ -241,7 +246,7 @@ class Ranks:
 
             async def produce() -> Any:
                 try:
-                    return await producer.produce_batch()
+                    return await producer.produce_batch(timeout=timeout)
                 except ProducerExhausted:
                     return None  # the end of the data, not a failure: STOP on every rank
 
@@ -304,6 +309,17 @@ class Ranks:
             _, version = await self._follow("update_weights")
         self.last_gather, self.last_version = full.stats, version
         return version
+
+    async def decide(self, value: bool | None) -> bool:
+        """Rank 0's `value` on every rank (the others give None): a decision that must be
+        the same everywhere, such as ending the loop early once the task is solved."""
+        if self.rank == 0:
+            if value is None:
+                raise ValueError("rank 0 decides: give it True or False")
+            await self._send_header(_Kind.DONE, "decide", int(value))
+            return value
+        _, sent = await self._follow("decide")
+        return bool(sent)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` off the event loop, for the trainer's step on every rank

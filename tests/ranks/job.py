@@ -320,7 +320,7 @@ async def scenario_vllm_parity(ranks: Ranks, out: dict[str, Any]) -> None:
             out[name] = await ranks.update_weights(make(), None, bucket_bytes=256 << 10)
         return
     from asyncroll.engines import VLLMEngine
-    from asyncroll.engines.launcher_env import launcher_variables
+    from asyncroll.launcher_env import launcher_variables
     from tests.conftest import VLLM_MAX_MODEL_LEN as MAX_LEN
     from tests.vllm.test_weight_parity import serve
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncroll.engines.launcher_env import without_launcher_variables
+from asyncroll.launcher_env import without_launcher_variables
 
 if TYPE_CHECKING:
     from asyncroll.lora import LoraSlots

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from asyncroll.engines.launcher_env import launcher_variables
+from asyncroll.launcher_env import launcher_variables
 from asyncroll.lora import LoraSlots
 
 EXTENSION = "asyncroll.engines.vllm.in_worker.WeightLoaderExtension"
