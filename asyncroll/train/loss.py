@@ -654,7 +654,7 @@ def loss_terms(
     if ref_logprobs is not None:
         kl = _kl(logprobs, ref_logprobs.detach(), mask, kl_estimator)
     norm = norm or LossNorm.of(batch)
-    n = torch.tensor(norm.tokens, device=mask.device).clamp(min=1)
+    n = max(norm.tokens, 1)  # a Python number: a device tensor would sync per micro-batch
     per_token = -surrogate  # negation is exact: the default loss keeps its bits
     if kl is not None and kl_coef:
         per_token = per_token + kl_coef * kl
@@ -689,13 +689,13 @@ def _kl(
 def _aggregate(
     terms: torch.Tensor,
     mask: torch.Tensor,
-    tokens: torch.Tensor,
+    tokens: int,
     aggregation: Aggregation,
     norm: LossNorm,
     norm_length: int | None,
 ) -> torch.Tensor:
     """The loss of per-token `terms` ([B, L], 0 off the mask) under `aggregation`, divided by
-    the whole batch's `norm` (`tokens`: its token count, at least 1, as a tensor); a sample's
+    the whole batch's `norm` (`tokens`: its token count, at least 1); a sample's
     own token count is its own, since a split never cuts a row."""
     if aggregation == "token-mean":
         return terms.sum() / tokens
