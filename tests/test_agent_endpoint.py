@@ -24,7 +24,7 @@ from asyncroll.episode import RolloutFn
 from asyncroll.outcomes import FailureReason
 from asyncroll.types import RolloutGroup
 from tests.chat.templates import qwen3_tokenizer
-from tests.test_chat_episodes import ScriptEngine
+from tests.test_chat_episodes import END_IN_ARGUMENTS, ScriptEngine, end_in_call_ids
 
 openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")
@@ -205,6 +205,43 @@ async def test_a_tool_calling_openai_agent_records_exactly_the_tokens_the_engine
     assert mask.tolist() == [1] * len(call) + [0] * len(bridge) + [1] * len(ids(fmt, ANSWER))
     im_end = fmt.stop_token_ids[0]
     assert im_end in first.sampling.stop_token_ids
+
+
+@pytest.mark.parametrize("spelling", END_IN_ARGUMENTS)
+async def test_end_of_turn_text_in_a_tool_call_s_arguments_adds_only_the_template_s_ids(
+    fmt: ChatFormat, parser: Parser, spelling: str
+) -> None:
+    """The reply's tool call holds `<|im_end|>` as ordinary tokens (or as its JSON escape):
+    the agent gets the call with that text, and the next call appends what the real Qwen3
+    template writes after the reply's `<|im_end|>` token, its own ids and nothing else."""
+    call = end_in_call_ids(fmt, spelling)
+    im_end = call[-1]
+    engine = ScriptEngine([(call, "stop"), (ids(fmt, ANSWER), "stop")])
+    sent: list[dict[str, Any]] = []
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        c = client(base_url)
+        r = await c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        message = r.choices[0].message.model_dump(exclude_none=True)
+        (tc,) = message["tool_calls"]
+        assert json.loads(tc["function"]["arguments"])["s"].count("<|im_end|>") == 1
+        tool = {"role": "tool", "tool_call_id": tc["id"], "content": "2"}
+        sent.extend([*FIRST, message, tool])
+        await c.chat.completions.create(model=MODEL, messages=sent, tools=TOOLS)
+        return 1.0
+
+    drops, (group,) = await run_episode(engine, fmt, parser, FIRST, agent)
+    assert not drops
+    full = fmt.tokenizer.apply_chat_template(
+        sent, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    (sample,) = group.samples
+    bridge = sample.tokens.tolist()[len(call) : -len(ids(fmt, ANSWER))]
+    assert sample.tokens.tolist() == call + bridge + ids(fmt, ANSWER)
+    assert bridge == list(full[-len(bridge) :]) and full[-len(bridge) - 1] == im_end
+    plain = fmt.bridge({"role": "assistant", "content": ""}, [{"role": "tool", "content": "2"}])
+    assert bridge == plain  # what it writes after any tool call
+    assert engine.requests[1].samples[0].prefix.tolist() == call + bridge
 
 
 async def test_streaming_and_not_give_the_same_episode(fmt: ChatFormat, parser: Parser) -> None:

@@ -16,11 +16,12 @@ are rendered.
 
 How the new messages' tokens are found (`ChatFormat.bridge`): render a stand-in context that
 ends with the assistant's reply (its content replaced by a sentinel, its reasoning left out:
-nothing after the reply's end may depend on them) and the new messages, with the generation
-prompt. Everything after the reply's end-of-turn string is the bridge: the separators the
-model never samples (Qwen's "\\n" after `<|im_end|>`), the new messages, the next assistant
-header. Its text starts right after a special token, so encoding it alone gives the ids a full
-render would give there.
+nothing after the reply's end may depend on them; its tool calls kept, with any end-of-turn
+string taken out of their text, so that a call whose arguments hold "<|im_end|>" is not taken
+for the reply's end) and the new messages, with the generation prompt. Everything after the
+reply's end-of-turn string is the bridge: the separators the model never samples (Qwen's "\\n"
+after `<|im_end|>`), the new messages, the next assistant header. Its text starts right after
+a special token, so encoding it alone gives the ids a full render would give there.
 """
 
 from __future__ import annotations
@@ -133,7 +134,17 @@ class ChatFormat:
                     "an assistant message among the new messages: the policy's turns are "
                     "sampled (reply()), never rendered into the stream"
                 )
-        stand_in = {k: v for k, v in reply.items() if k not in ("reasoning_content", "reasoning")}
+        # The reply's other fields (its tool calls) stay, since a template may render what
+        # follows from them (a tool result's header from its call's name), but with the
+        # end-of-turn strings taken out of their text: a call whose arguments hold
+        # "<|im_end|>" (sampled as ordinary tokens, or as a JSON escape that tojson undoes)
+        # would otherwise be taken for the reply's end, and its tail become the bridge.
+        scrub = (*self.end_of_turn, _SENTINEL)
+        stand_in = {
+            k: _without(v, scrub)
+            for k, v in reply.items()
+            if k not in ("reasoning_content", "reasoning")
+        }
         stand_in["role"] = "assistant"
         stand_in["content"] = _SENTINEL
         base: list[Message] = [{"role": "user", "content": "."}]
@@ -225,6 +236,22 @@ def render_prompt_ids(
     if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
         raise ChatError(f"the tokenizer gave no token ids (got {arr.shape} {arr.dtype})")
     return [int(i) for i in arr.tolist()]
+
+
+def _without(value: Any, texts: Sequence[str]) -> Any:
+    """`value` (a message field: text, or JSON-like lists and mappings of it) with every
+    occurrence of `texts` removed from its strings, keys included (until none is left: taking
+    one out must not join the pieces of another)."""
+    if isinstance(value, str):
+        while any(t in value for t in texts):
+            for t in texts:
+                value = value.replace(t, "")
+        return value
+    if isinstance(value, Mapping):
+        return {_without(k, texts): _without(v, texts) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_without(v, texts) for v in value]
+    return value
 
 
 def _added(tokenizer: Any) -> list[str]:
