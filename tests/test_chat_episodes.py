@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -26,6 +27,7 @@ DEADLINE_S = 30.0
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "add",
           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]  # fmt: skip
 FIRST = [{"role": "user", "content": "add 1"}]
+SAMPLING = SamplingConfig(max_new_tokens=64)
 
 
 class ScriptEngine:
@@ -95,15 +97,16 @@ async def zero(group: RolloutGroup) -> list[float]:
 
 
 async def run_one(
-    fmt: ChatFormat, script: Sequence[tuple[list[int], str]], agent: Callable[..., Any]
-) -> tuple[list[Any], list[RolloutGroup], ScriptEngine]:
-    """One group of one episode; its drop records (a FAILED group) or its group."""
+    fmt: ChatFormat, script: Sequence[tuple[list[int], str]], agent: Callable[..., Any],
+    *, sampling: SamplingConfig = SAMPLING,
+) -> tuple[list[Any], list[RolloutGroup], ScriptEngine]:  # fmt: skip
+    """One group of one episode (the producer sampling with `sampling`); its drop records
+    (a FAILED group) or its group."""
     engine = ScriptEngine(script)
     drops: list[Any] = []
     producer = Producer(
         engine, [fmt.prompt_ids(FIRST)], zero, group_size=1, batch_size=1, rollout_fn=agent,
-        on_drop=drops.append, max_turns=4, max_episode_tokens=4096,
-        sampling=SamplingConfig(max_new_tokens=64),
+        on_drop=drops.append, max_turns=4, max_episode_tokens=4096, sampling=sampling,
     )  # fmt: skip
     groups: list[RolloutGroup] = []
     async with producer:
@@ -369,6 +372,29 @@ async def test_end_of_turn_text_inside_a_tool_call_is_not_the_reply_s_end(
     if spelling == "literal":  # the sampled text is the template's: the whole render is the stream
         rendered = fmt.render_text([*FIRST, got["message"], tool], generation_prompt=True)
         assert rendered == tok.decode(fmt.prompt_ids(FIRST) + call + bridge)
+
+
+async def test_without_sampling_a_chat_episode_samples_with_the_producer_s(
+    fmt: ChatFormat, parser: RenderersParser
+) -> None:
+    """As `Episode.generate` does: the behaviour logprobs must be those of the policy the
+    trainer recomputes, so a `ChatEpisode` given no `sampling=` takes the producer's (its
+    temperature, top-p/k, seed, budget and stop tokens), the end-of-turn id added."""
+    producer_s = SamplingConfig(
+        max_new_tokens=48, temperature=0.6, top_p=0.95, top_k=20, seed=7, stop_token_ids=(13,)
+    )
+
+    async def agent(episode: Episode) -> None:
+        chat = ChatEpisode(episode, fmt, parser, messages=FIRST)
+        await chat.reply()
+
+    drops, _, engine = await run_one(
+        fmt, [(ids_of(fmt, "ok<|im_end|>"), "stop")], agent, sampling=producer_s
+    )
+    assert not drops, drops
+    (request,) = engine.requests
+    assert request.sampling == msgspec.structs.replace(producer_s, stop_token_ids=(13, 151645))
+    assert request.samples[0].max_new_tokens == 48
 
 
 def test_template_kwargs_reach_the_bridge_s_generation_prompt() -> None:

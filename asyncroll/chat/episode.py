@@ -69,8 +69,10 @@ class Continuation(msgspec.Struct, frozen=True):
 class ChatEpisode:
     """A chat view of one `Episode`. `messages` are the prompt's messages (kept in
     `self.messages` with each reply and added message, for the rollout function and its
-    reward); `sampling` is what each reply samples with (pass the producer's), the format's
-    end-of-turn ids added to its stop tokens."""
+    reward); `sampling` is what each reply samples with, the format's end-of-turn ids added
+    to its stop tokens: by default the producer's, as `Episode.generate` samples (other
+    temperature or top-p/k than the producer's make the behaviour logprobs describe another
+    policy than the one the trainer recomputes)."""
 
     def __init__(
         self,
@@ -86,7 +88,7 @@ class ChatEpisode:
         self.fmt = fmt
         self.parser = parser
         self.messages: list[dict[str, Any]] = [dict(m) for m in messages]
-        base = sampling or SamplingConfig()
+        base = episode.sampling if sampling is None else sampling
         stops = tuple(dict.fromkeys((*base.stop_token_ids, *fmt.stop_token_ids)))
         self.sampling = msgspec.structs.replace(base, stop_token_ids=stops)
         self.last: Reply | None = None
