@@ -337,6 +337,55 @@ async def test_bad_calls_get_openai_errors_and_the_episode_goes_on(
         assert text in body["error"]["message"], (name, body)
 
 
+MALFORMED_TOOL_CALLS = {
+    "a string": "add(1)",
+    "a number": 5,
+    "an entry that is a string": ["add"],
+    "function a string": [{"id": "c", "type": "function", "function": "add"}],
+    "no name": [{"id": "c", "type": "function", "function": {"arguments": "{}"}}],
+    "arguments a number": [{"id": "c", "type": "function", "function": {"name": "add",
+                            "arguments": 1}}],
+}  # fmt: skip
+
+
+async def test_malformed_tool_calls_in_a_request_are_400_and_the_episode_goes_on(
+    fmt: ChatFormat, parser: Parser
+) -> None:
+    """In the first call's messages (a few-shot assistant message) and in a later call's
+    history: each is refused with OpenAI's error shape naming the field; the episode's next
+    good call is its next turn, and the group lands."""
+    engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")])
+    errors: dict[str, tuple[int, Any]] = {}
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        url = base_url + "/chat/completions"
+        good = {"model": MODEL, "tools": TOOLS}
+        for name, bad in MALFORMED_TOOL_CALLS.items():
+            shot = {"role": "assistant", "content": "", "tool_calls": bad}
+            errors[f"first, {name}"] = await raw(url, {**good, "messages": [*FIRST, shot, *FIRST]})
+        c = client(base_url)
+        r = await c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        message = r.choices[0].message.model_dump(exclude_none=True)
+        tool = {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "2"}
+        for name, bad in MALFORMED_TOOL_CALLS.items():
+            broken = {**message, "tool_calls": bad}
+            errors[f"later, {name}"] = await raw(url, {**good, "messages": [*FIRST, broken, tool]})
+        r2 = await c.chat.completions.create(
+            model=MODEL, messages=[*FIRST, message, tool], tools=TOOLS
+        )
+        return 1.0 if "2" in (r2.choices[0].message.content or "") else 0.0
+
+    drops, (group,) = await run_episode(engine, fmt, parser, FIRST, agent)
+    assert not drops and group.samples[0].extra["reward"] == 1.0
+    assert len(engine.requests) == 2
+    assert len(errors) == 2 * len(MALFORMED_TOOL_CALLS)
+    for name, (status, body) in errors.items():
+        assert status == 400, (name, body)
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert body["error"]["type"] == "invalid_request_error", (name, body)
+        assert body["error"]["param"].startswith("messages[1].tool_calls"), (name, body)
+
+
 async def test_a_finished_or_unknown_episode_is_404_and_concurrent_calls_are_409(
     fmt: ChatFormat, parser: Parser
 ) -> None:

@@ -242,8 +242,41 @@ def _messages(messages: Any) -> tuple[dict[str, Any], ...]:
             raise ApiError(400, f"messages[{i}] has no role", param=f"messages[{i}]")
         m = dict(m)
         m["content"] = _text(m.get("content"), i)
+        if m.get("tool_calls") is not None:
+            _check_tool_calls(m["tool_calls"], i)
         out.append(m)
     return tuple(out)
+
+
+def _check_tool_calls(calls: Any, i: int) -> None:
+    """A message's `tool_calls` as OpenAI defines them: a list of {"id": text, "type":
+    "function", "function": {"name": text, "arguments": JSON text}} (arguments as an object
+    taken too). Anything else is refused here, before it is compared or rendered."""
+    field = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{field}={calls!r}: give a list of tool calls", param=field)
+    for j, call in enumerate(calls):
+        at = f"{field}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise ApiError(
+                400,
+                f"{at}={call!r}: give {{'id': ..., 'type': 'function', 'function': "
+                "{'name': ..., 'arguments': ...}}",
+                param=at,
+            )
+        if not isinstance(call.get("id", ""), str) or call.get("type", "function") != "function":
+            raise ApiError(400, f"{at}: 'id' must be text and 'type' must be 'function'", param=at)
+        if not isinstance(fn.get("name"), str):
+            raise ApiError(
+                400, f"{at}.function.name={fn.get('name')!r}: give the tool's name", param=at
+            )
+        if not isinstance(fn.get("arguments"), str | dict):
+            raise ApiError(
+                400,
+                f"{at}.function.arguments={fn.get('arguments')!r}: give the arguments as JSON text",
+                param=at,
+            )
 
 
 def _text(content: Any, i: int) -> str:
