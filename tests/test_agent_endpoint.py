@@ -431,6 +431,127 @@ async def test_a_finished_or_unknown_episode_is_404_and_concurrent_calls_are_409
         assert (await raw(guess, None, method="GET"))[0] == 404
 
 
+async def raw_any(
+    url: str, body: bytes | None = None, *, method: str = "POST"
+) -> tuple[int, str, Any]:
+    """(status, content type, body as JSON or text), whatever the server answered."""
+    async with aiohttp.ClientSession() as s, s.request(method, url, data=body) as r:
+        text = await r.text()
+        try:
+            return r.status, r.content_type, json.loads(text)
+        except ValueError:
+            return r.status, r.content_type, text
+
+
+async def test_errors_aiohttp_would_answer_itself_have_openai_s_shape(
+    fmt: ChatFormat, parser: Parser
+) -> None:
+    """An unknown path (the episode token left out of the base URL), a wrong method, a body
+    over `max_body_bytes`: each an OpenAI-shaped JSON error, the unknown URL as
+    `episode_not_found`; the episode then goes on."""
+    engine = ScriptEngine([(ids(fmt, ANSWER), "stop")])
+    got: dict[str, tuple[int, str, Any]] = {}
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        root = base_url.rsplit("/", 2)[0]
+        good = json.dumps({"model": MODEL, "messages": FIRST, "tools": TOOLS}).encode()
+        got["no token"] = await raw_any(root + "/v1/chat/completions", good)
+        got["no token, models"] = await raw_any(root + "/v1/models", method="GET")
+        got["method"] = await raw_any(base_url + "/chat/completions", method="GET")
+        got["unknown path"] = await raw_any(base_url + "/embeddings", good)
+        got["too large"] = await raw_any(base_url + "/chat/completions", good + b" " * 4096)
+        c = client(base_url)
+        r = await c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        return 1.0 if r.choices[0].finish_reason == "stop" else 0.0
+
+    endpoint = AgentEndpoint(fmt, parser, sampling=SAMPLING, max_body_bytes=2048)
+    async with endpoint:
+        drops, (group,) = await run_episode(engine, fmt, parser, FIRST, agent, endpoint=endpoint)
+    assert not drops and group.samples[0].extra["reward"] == 1.0
+    expect = {
+        "no token": (404, "episode_not_found", "no such episode"),
+        "no token, models": (404, "episode_not_found", "no such episode"),
+        "method": (405, "method_not_allowed", "GET is not allowed"),
+        "unknown path": (404, None, "Invalid URL (POST /"),
+        "too large": (413, "request_too_large", "max_body_bytes=2048"),
+    }
+    for name, (status, code, text) in expect.items():
+        got_status, kind, body = got[name]
+        assert (got_status, kind) == (status, "application/json"), (name, body)
+        assert set(body["error"]) == {"message", "type", "param", "code"}, (name, body)
+        assert body["error"]["code"] == code and text in body["error"]["message"], (name, body)
+
+
+BOOLEANS = {"temperature": True, "n": True, "top_logprobs": False, "top_p": True,
+            "presence_penalty": False}  # fmt: skip
+
+
+async def test_json_booleans_are_not_numbers(fmt: ChatFormat, parser: Parser) -> None:
+    """`true` equals 1 and `false` 0 in Python: OpenAI refuses them where a number is
+    expected (400), and so does the endpoint, before anything is sampled."""
+    engine = ScriptEngine([(ids(fmt, ANSWER), "stop")])
+    got: dict[str, tuple[int, Any]] = {}
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        url = base_url + "/chat/completions"
+        good = {"model": MODEL, "messages": FIRST, "tools": TOOLS}
+        for field, value in BOOLEANS.items():
+            got[field] = await raw(url, {**good, field: value})
+        c = client(base_url)
+        await c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        return 1.0
+
+    drops, (_,) = await run_episode(engine, fmt, parser, FIRST, agent)
+    assert not drops and len(engine.requests) == 1
+    for field, value in BOOLEANS.items():
+        status, body = got[field]
+        assert status == 400, (field, body)
+        assert body["error"]["param"] == field
+        assert f"{field}={value!r}: give a number, not a boolean" in body["error"]["message"]
+
+
+async def test_a_call_waiting_when_the_producer_stops_says_the_run_stopped(
+    fmt: ChatFormat, parser: Parser
+) -> None:
+    """A call in the engine when the producer stops: its answer says the run stopped (not a
+    500 with an empty reason, the text of a cancellation), and a later call is 404."""
+    entered = asyncio.Event()
+
+    class Hung(ScriptEngine):
+        async def generate(self, request: Any) -> Any:
+            entered.set()
+            await asyncio.Event().wait()  # never answers: the producer's stop cancels it
+            raise AssertionError("unreachable")
+
+    urls: list[str] = []
+    started = asyncio.Event()
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        urls.append(base_url)
+        started.set()
+        await asyncio.Event().wait()  # the call is made from outside, by the test
+        return 0.0
+
+    async with AgentEndpoint(fmt, parser, sampling=SAMPLING) as endpoint:
+        producer = Producer(
+            Hung([]), [fmt.prompt_ids(FIRST)], agent_reward, rollout_fn=endpoint.rollout(agent),
+            group_size=1, batch_size=1, max_turns=4, sampling=SAMPLING,
+        )  # fmt: skip
+        async with producer:
+            batch = asyncio.ensure_future(producer.produce_batch(1, timeout=DEADLINE_S))
+            await asyncio.wait_for(started.wait(), DEADLINE_S)
+            body = json.dumps({"model": MODEL, "messages": FIRST, "tools": TOOLS}).encode()
+            call = asyncio.ensure_future(raw_any(urls[0] + "/chat/completions", body))
+            await asyncio.wait_for(entered.wait(), DEADLINE_S)
+        batch.cancel()
+        status, _, answer = await asyncio.wait_for(call, DEADLINE_S)
+        assert status == 503, answer
+        assert answer["error"]["code"] == "run_stopped"
+        assert "the run stopped before this call was answered" in answer["error"]["message"]
+        later = await raw_any(urls[0] + "/chat/completions", body)
+        assert later[0] == 404 and later[2]["error"]["code"] == "episode_not_found"
+
+
 class Signalling(SimEngine):
     """SimEngine that says when a request of an episode (its session) reaches it."""
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 import msgspec
 
 from asyncroll.agents.wire import Answer, ApiError, ChatCall, Known, known_message, wire_message
@@ -89,6 +90,9 @@ class AgentSession:
         self._last: Answer | None = None
         self._job: _Job | None = None
         self._wake = asyncio.Event()
+        self.ended_by: str | None = None
+        """Why the episode's calls stop being answered, where its endpoint knows (its agent
+        returned); None: the run stopped it (the producer, the group's failure or deadline)."""
 
     async def submit(self, call: ChatCall) -> Answer:
         """Run `call` as the episode's next turn and wait for its answer (or `ApiError`).
@@ -131,7 +135,7 @@ class AgentSession:
             except ApiError as exc:
                 job.answer(exc)
             except BaseException as exc:
-                job.answer(ApiError(500, f"the episode's turn failed: {exc}", kind="server_error"))
+                job.answer(_failed(exc, self.ended_by))
                 raise
             else:
                 job.answer(answer)
@@ -267,6 +271,27 @@ class AgentSession:
         self._known = [*known, known_message(message)]
         self._last = answer
         return answer
+
+
+def _failed(exc: BaseException, ended_by: str | None) -> ApiError:
+    """The answer to a call whose turn ended with `exc`: a cancellation is the run (or the
+    agent) ending the episode, whose text is empty or anyio's; anything else failed the turn
+    (and fails the group)."""
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        why = ended_by or (
+            "the producer stopped, or the episode's group ended (a sample failed, or the "
+            "group's deadline passed)"
+        )
+        return ApiError(
+            503,
+            f"the run stopped before this call was answered: {why}; the episode takes no "
+            "more calls",
+            kind="server_error",
+            code="run_stopped",
+        )
+    return ApiError(
+        500, f"the episode's turn failed: {type(exc).__name__}: {exc}", kind="server_error"
+    )
 
 
 def _ended() -> ApiError:

@@ -94,8 +94,18 @@ def _refuse(field: str, value: Any, why: str) -> ApiError:
     return ApiError(400, f"{field}={value!r} is not supported here: {why}", param=field)
 
 
+def _number(field: str, value: Any) -> None:
+    """`value` must be absent or a JSON number: `true` would pass as 1 and `false` as 0
+    (OpenAI refuses both where a number is expected)."""
+    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+        return
+    what = "a boolean" if isinstance(value, bool) else f"JSON {type(value).__name__}"
+    raise ApiError(400, f"{field}={value!r}: give a number, not {what}", param=field)
+
+
 def _same(field: str, value: Any, want: Any, *, unset: Any = None) -> None:
     """`value` must be absent or what the producer samples with."""
+    _number(field, value)
     if value is None or value == want or (unset is not None and value == unset and want is None):
         return
     raise _refuse(
@@ -140,6 +150,8 @@ def parse_call(
         ("min_p", 0),
     ):
         _same(field, body.get(field), neutral)
+    for field in ("n", "top_logprobs"):
+        _number(field, body.get(field))
     if body.get("n") not in (None, 1):
         raise _refuse("n", body["n"], "each call is one turn of one episode: n=1")
     if body.get("logit_bias"):
