@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -590,6 +591,100 @@ async def test_a_call_past_the_token_budget_is_refused_with_a_clear_message(
     assert not drops and group.samples[0].extra["reward"] == 0.5
     (err,) = errors
     assert err.code == "context_length_exceeded" and "token budget is spent" in err.message
+
+
+class Recording(ChatFormat):
+    """A chat format that records what it tokenizes: (characters, the thread it ran on)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.encoded: list[tuple[int, int]] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.encoded.append((len(text), threading.get_ident()))
+        return super().encode(text)
+
+    def prompt_ids(self, messages: Any) -> list[int]:
+        text = self.render_text(messages, generation_prompt=True)
+        self.encoded.append((len(text), threading.get_ident()))
+        return super().prompt_ids(messages)
+
+
+HUGE = "word " * 20_000  # 100,000 characters, 20,000 tokens: far past a 512-token budget
+
+
+@pytest.mark.parametrize("call", ["first", "later"])
+async def test_a_huge_call_is_refused_without_tokenizing_it_on_the_event_loop(
+    fmt: ChatFormat, parser: Parser, call: str
+) -> None:
+    """A call's messages far past what the episode can hold (a later call's tool result
+    past the token budget; a first call's messages longer than the prompt) are refused after
+    tokenizing a prefix of a few times the limit, not all of them, and that work runs in a
+    worker thread: the event loop (every other agent, the producer, the trainer) goes on.
+    The episode goes on too."""
+    rec = Recording(fmt.tokenizer, tools=TOOLS)
+    engine = ScriptEngine([(ids(rec, CALL), "stop"), (ids(rec, ANSWER), "stop")])
+    errors: list[Any] = []
+    work: list[tuple[int, int]] = []  # what the huge call tokenized
+    loop_thread = threading.get_ident()
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        rec.encoded.clear()  # the test's own, above
+        c = client(base_url)
+        if call == "first":
+            with pytest.raises(openai.BadRequestError) as info:
+                await c.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": HUGE}], tools=TOOLS
+                )
+            errors.append(info.value)
+            work.extend(rec.encoded)
+        r = await c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        message = r.choices[0].message.model_dump(exclude_none=True)
+        tool_id = message["tool_calls"][0]["id"]
+        if call == "later":
+            rec.encoded.clear()
+            huge = {"role": "tool", "tool_call_id": tool_id, "content": HUGE}
+            with pytest.raises(openai.BadRequestError) as info:
+                await c.chat.completions.create(
+                    model=MODEL, messages=[*FIRST, message, huge], tools=TOOLS
+                )
+            errors.append(info.value)
+            work.extend(rec.encoded)
+        tool = {"role": "tool", "tool_call_id": tool_id, "content": "2"}
+        r = await c.chat.completions.create(
+            model=MODEL, messages=[*FIRST, message, tool], tools=TOOLS
+        )
+        return 1.0 if r.choices[0].message.content == "The sum is 2." else 0.0
+
+    drops, (group,) = await run_episode(engine, rec, parser, FIRST, agent, max_episode_tokens=512)
+    assert not drops and group.samples[0].extra["reward"] == 1.0
+    (err,) = errors
+    if call == "first":
+        assert err.code == "prompt_mismatch" and "more than" in err.message
+    else:
+        assert err.code == "context_length_exceeded" and "needs more than" in err.message
+        assert "token budget is spent" in err.message
+    # The huge call's tokenizing: a prefix, off the loop (a small call's runs on it).
+    assert work and max(n for n, _ in work) < len(HUGE) // 4
+    assert all(thread != loop_thread for _, thread in work)
+
+
+def test_more_ids_than_refuses_only_texts_that_are_over() -> None:
+    """From a prefix of the text: a text far over the limit is found so after tokenizing a
+    few times the limit; a text within it, however many characters each of its tokens
+    spans, is never refused (it is then encoded whole, as before)."""
+    rec = Recording(qwen3_tokenizer())
+    assert rec.more_ids_than(HUGE, 512)
+    assert max(n for n, _ in rec.encoded) < len(HUGE) // 4
+    long_tokens = [
+        HUGE, " " * 60_000, "a" * 40_000, "<|im_end|>" * 3_000, "数字" * 20_000,
+        "x\n" * 30_000, "\u00e9" * 30_000, "e\u0301" * 20_000, "0123456789" * 5_000,
+    ]  # fmt: skip
+    for text in long_tokens:
+        n = len(rec.encode(text))
+        assert not rec.more_ids_than(text, n), text[:20]
+        if n * 8 >= len(text):  # and far over is found (a run of spaces is 128 per token)
+            assert rec.more_ids_than(text, n // 20), text[:20]
 
 
 async def test_an_agent_that_raises_fails_its_group_with_the_reason(

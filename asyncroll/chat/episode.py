@@ -45,7 +45,13 @@ from typing import Any
 import msgspec
 
 from asyncroll.chat.parse import Reply, ReplyParser
-from asyncroll.chat.template import ChatError, ChatFormat, Message, check_roles
+from asyncroll.chat.template import (
+    ChatError,
+    ChatFormat,
+    ContextLengthError,
+    Message,
+    check_roles,
+)
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.episode import Episode
 
@@ -149,9 +155,16 @@ class ChatEpisode:
         self._needs_messages = False
         return ids
 
-    def continuation(self, messages: Sequence[Message], *, after_cut: bool = False) -> Continuation:
+    def continuation(
+        self, messages: Sequence[Message], *, after_cut: bool = False, max_ids: int | None = None
+    ) -> Continuation:
         """What `add(messages, after_cut=after_cut)` would append (`add`'s first half: the
-        template rendered, nothing appended); `append` it. `ChatError` as `add` raises it."""
+        template rendered, nothing appended); `append` it. `ChatError` as `add` raises it.
+
+        `max_ids`: a caller's budget. `ContextLengthError` when the ids would certainly be
+        more, found before the whole text is encoded (`ChatFormat.more_ids_than`): a huge
+        tool result costs a few times the budget, not its size. Within it, the caller checks
+        `len(ids)` itself (a text a little over passes this check)."""
         last = self.last
         if last is None or not self._needs_messages:
             raise ChatError(
@@ -167,6 +180,11 @@ class ChatEpisode:
                 "add(..., after_cut=True) to close the turn with the template's end of turn)"
             )
         end, text = self.fmt.after_reply(last.message(), messages)
+        if max_ids is not None and self.fmt.more_ids_than(text, max_ids - (0 if ended else 1)):
+            raise ContextLengthError(
+                f"the messages add more than {max_ids} tokens after reply "
+                f"{self.episode.policy_turns}"
+            )
         ids = self.fmt.encode(text)
         turn = self.episode.policy_turns
         difference = ""

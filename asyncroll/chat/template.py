@@ -32,7 +32,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CHAT_ROLES", "ChatError", "ChatFormat", "Message", "render_prompt_ids"]
+__all__ = [
+    "CHAT_ROLES",
+    "ChatError",
+    "ChatFormat",
+    "ContextLengthError",
+    "Message",
+    "render_prompt_ids",
+]
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 """The roles of OpenAI-format messages that chat templates render, for prompts and episodes
@@ -43,11 +50,20 @@ Message = Mapping[str, Any]
 `tool_calls` (assistant) and `tool_call_id` / `name` (tool)."""
 
 _SENTINEL = "ASYNCROLL_REPLY_SENTINEL"
+_CUT_MARGIN = 256
+"""Ids a prefix of a text may hold beyond the whole text's first ids: where the prefix ends,
+a word or a special token's text cut in two encodes to more ids than it does whole."""
+_CHARS_PER_ID = 8  # the first prefix checked: this many characters per id of the limit
 
 
 class ChatError(ValueError):
     """A message list the chat layer cannot turn into tokens (unknown role, a template that
     raises, a bridge that is not where the template says), or a call out of order."""
+
+
+class ContextLengthError(ChatError):
+    """What a call would append holds more ids than the limit it was given
+    (`ChatEpisode.continuation(..., max_ids=...)`)."""
 
 
 class ChatFormat:
@@ -108,6 +124,24 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         """Ids of rendered text (special tokens in it are matched, none are added)."""
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def more_ids_than(self, text: str, limit: int) -> bool:
+        """True when `encode(text)` certainly holds more than `limit` ids, found by encoding
+        ever longer prefixes of `text` (never the whole): a text far over the limit costs
+        an encoding of a few times the limit, not of the text (4 MiB of tool output against
+        a 4,096-token budget: seconds otherwise). False says nothing: encode it.
+
+        A prefix's ids are the whole text's first ids except at the cut (before a space where
+        there is one), so a prefix holding more than `limit` + 256 ids means the text does;
+        the margin covers a cut word or special token."""
+        size = _CHARS_PER_ID * (limit + _CUT_MARGIN)
+        while size < len(text):
+            space = text.rfind(" ", size // 2, size)
+            cut = space if space > 0 and not text[space - 1].isspace() else size
+            if len(self.encode(text[:cut])) > limit + _CUT_MARGIN:
+                return True
+            size *= 4
+        return False
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """The first prompt: `messages` rendered with the generation prompt
