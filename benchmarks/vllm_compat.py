@@ -984,7 +984,11 @@ class Import:
     name: str | None  # None: `import module`
 
 
-def vllm_imports(root: Path = ROOT) -> list[Import]:
+_IMPORTS_VLLM = re.compile(r"^\s*(from|import) vllm\b", re.M)
+
+
+@cache
+def vllm_imports(root: Path = ROOT) -> tuple[Import, ...]:
     """Every vLLM import in asyncroll's Python files, except optional ones (under `try:` with
     an `except ImportError`/`ModuleNotFoundError`)."""
     found = []
@@ -992,7 +996,10 @@ def vllm_imports(root: Path = ROOT) -> list[Import]:
         for path in sorted((root / folder).rglob("*.py")):
             if ".venv" in path.parts or path.name == "vllm_compat.py":
                 continue
-            tree = ast.parse(path.read_text(), str(path))
+            text = path.read_text()
+            if not _IMPORTS_VLLM.search(text):  # parsing every file costs seconds
+                continue
+            tree = ast.parse(text, str(path))
             optional = _optional_lines(tree)
             rel = str(path.relative_to(root))
             for node in ast.walk(tree):
@@ -1050,10 +1057,13 @@ def check_import(tree: Tree, imp: Import) -> str | None:
 # -- the run --------------------------------------------------------------------------------------
 
 
-def check(tree: Tree, uses: Sequence[Use] = (), hazards: Sequence[Hazard] = ()) -> list[str]:
-    """Every failure on `tree`, one line each: `asyncroll-side: vLLM-side`."""
+def check(
+    tree: Tree, uses: Sequence[Use] = (), hazards: Sequence[Hazard] = (), *, imports: bool = True
+) -> list[str]:
+    """Every failure on `tree`, one line each: `asyncroll-side: vLLM-side` (`imports`: also
+    every vLLM import of asyncroll's files)."""
     failures = []
-    for imp in vllm_imports():
+    for imp in vllm_imports() if imports else ():
         problem = check_import(tree, imp)
         if problem:
             failures.append(f"{imp.where}: `{_import_text(imp)}`: vllm {tree.label}: {problem}")
