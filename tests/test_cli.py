@@ -134,7 +134,7 @@ def test_engine_output_goes_to_the_file_and_the_console_to_the_terminal(
     back afterwards. (This process's own sys.stdout is pytest's here; `asyncroll demo` in
     tests/vllm/test_demo_cli.py checks it.)"""
     path = tmp_path / "run" / "engine.log"
-    with cli._engine_output(path, verbose=False) as console:
+    with cli.engine_output(path, verbose=False) as console:
         subprocess.run([sys.executable, "-c", CHILD], check=True)
         logging.getLogger("asyncroll.producer").warning("library warning")
         logging.getLogger("asyncroll.producer").debug("library debug")
@@ -152,14 +152,14 @@ def test_engine_output_goes_to_the_file_and_the_console_to_the_terminal(
 def test_engine_output_gives_the_terminal_back_on_an_exception(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(RuntimeError), cli._engine_output(tmp_path / "e.log", verbose=False):
+    with pytest.raises(RuntimeError), cli.engine_output(tmp_path / "e.log", verbose=False):
         raise RuntimeError("boom")
     print("visible")
     assert "visible" in capfd.readouterr().out
 
 
 def test_verbose_redirects_nothing(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    with cli._engine_output(tmp_path / "e.log", verbose=True) as console:
+    with cli.engine_output(tmp_path / "e.log", verbose=True) as console:
         subprocess.run([sys.executable, "-c", CHILD], check=True)
         assert console is sys.stdout
     out, err = capfd.readouterr()

@@ -67,7 +67,7 @@ class RankFailed(RuntimeError):
         self.rank = rank
 
 
-class _Kind(enum.IntEnum):
+class _Message(enum.IntEnum):
     """What rank 0 sends on the control group (the first entry of each header)."""
 
     KEEPALIVE = 0  # still working alone: keep waiting
@@ -259,7 +259,7 @@ class Ranks:
             from asyncroll.distributed import wire
 
             payloads = [wire.encode(share) for share in shares]
-            await self._send_header(_Kind.DATA, "batch")
+            await self._send_header(_Message.DATA, "batch")
             data = await self._collective("batch", self._scatter, payloads)
             return wire.decode(data, Shard), result
         if producer is not None:
@@ -268,7 +268,7 @@ class Ranks:
                 "producer and its engine where ranks.rollout is True)"
             )
         kind, _ = await self._follow("batch")
-        if kind is _Kind.STOP:
+        if kind is _Message.STOP:
             return None
         kind, _ = await self._follow("batch")  # DATA: the shares follow
         from asyncroll.distributed import wire
@@ -316,7 +316,7 @@ class Ranks:
         if self.rank == 0:
             if value is None:
                 raise ValueError("rank 0 decides: give it True or False")
-            await self._send_header(_Kind.DONE, "decide", int(value))
+            await self._send_header(_Message.DONE, "decide", int(value))
             return value
         _, sent = await self._follow("decide")
         return bool(sent)
@@ -351,7 +351,7 @@ class Ranks:
                 done, _ = await asyncio.wait({task}, timeout=self.keepalive_s)
                 if done:
                     break
-                await self._send_header(_Kind.KEEPALIVE, phase)
+                await self._send_header(_Message.KEEPALIVE, phase)
         except BaseException:
             task.cancel()
             with contextlib.suppress(BaseException):
@@ -360,18 +360,18 @@ class Ranks:
         exc = task.exception()
         if exc is not None:
             message = f"{type(exc).__name__}: {exc}".strip().encode()
-            await self._send_header(_Kind.ERROR, phase)
+            await self._send_header(_Message.ERROR, phase)
             await self._collective(phase, _broadcast_bytes, message, self._control)
             raise exc
         result = task.result()
         if result is None:
-            await self._send_header(_Kind.STOP, phase)
+            await self._send_header(_Message.STOP, phase)
             return result
         value = result if isinstance(result, int) and not isinstance(result, bool) else 0
-        await self._send_header(_Kind.DONE, phase, value)
+        await self._send_header(_Message.DONE, phase, value)
         return result
 
-    async def _follow(self, phase: str) -> tuple[_Kind, int]:
+    async def _follow(self, phase: str) -> tuple[_Message, int]:
         """Wait (ranks > 0) until rank 0 ends its work alone in `phase`: (kind, value)."""
         while True:
             kind, sent_phase, step, value = await self._collective(phase, self._receive_header)
@@ -382,24 +382,24 @@ class Ranks:
                     "in the same order",
                     rank=self.rank,
                 )
-            if kind is _Kind.KEEPALIVE:
+            if kind is _Message.KEEPALIVE:
                 continue
-            if kind is _Kind.ERROR:
+            if kind is _Message.ERROR:
                 message = await self._collective(phase, _broadcast_bytes, b"", self._control)
                 raise RankFailed(f"rank 0 failed in {phase}: {message.decode()}", rank=0)
             return kind, value
 
-    async def _send_header(self, kind: _Kind, phase: str, value: int = 0) -> None:
+    async def _send_header(self, kind: _Message, phase: str, value: int = 0) -> None:
         header = torch.tensor(
             [int(kind), _phase_code(phase), self._steps, value], dtype=torch.int64
         )
         await self._collective(phase, dist.broadcast, header, 0, group=self._control)
 
-    def _receive_header(self) -> tuple[_Kind, int, int, int]:
+    def _receive_header(self) -> tuple[_Message, int, int, int]:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         dist.broadcast(header, 0, group=self._control)
         kind, phase, step, value = (int(x) for x in header)
-        return _Kind(kind), phase, step, value
+        return _Message(kind), phase, step, value
 
     def _scatter(self, payloads: list[bytes] | None) -> bytes:
         """Rank 0's `payloads[r]` to each rank r: the sizes, then the bytes padded to the
