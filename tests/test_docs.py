@@ -23,6 +23,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from asyncroll.types import RolloutGroup
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
@@ -355,6 +357,64 @@ def test_the_metrics_reference_lists_every_key_a_producer_reports() -> None:
 
     absent = [r.value for r in FailureReason if f"`{r.value}`" not in text]
     assert not absent, f"docs/metrics.md, 'Failure reasons': add {absent}"
+
+
+def _eval_keys() -> set[str]:
+    """The keys of an evaluation's `metrics()`, `eval/` dropped, with the parts that vary
+    written as the metrics page writes them (`pass@<k>`, `_by_task/<task>`, ...)."""
+    from asyncroll import Producer, Prompt, SamplingConfig, SimConfig, SimEngine
+    from asyncroll.evaluation import Evaluator
+
+    def reward(group: RolloutGroup) -> list[float]:
+        return [float(s.tokens[0] % 2) for s in group.samples]
+
+    async def run() -> dict[str, float]:
+        engine = SimEngine(SimConfig(vocab_size=100, seed=0))
+        held_out = [
+            Prompt(tokens=[1, 2, i + 3], task="ab"[i % 2], metadata={"level": str(i % 3)})
+            for i in range(8)
+        ]
+        producer = Producer(engine, [[1, 2, 3]] * 4, reward, group_size=2, batch_size=2)
+        evaluator = Evaluator(
+            producer, held_out, reward, samples=2, k=(1, 2), by=("level",),
+            sampling=SamplingConfig(temperature=1.0, max_new_tokens=4),
+        )  # fmt: skip
+        async with producer:
+            return (await evaluator.run()).metrics()
+
+    keys = set()
+    for key in asyncio.run(run()):
+        key = re.sub(r"pass@\d+", "pass@<k>", key.removeprefix("eval/"))
+        key = re.sub(r"_by_task/.*", "_by_task/<task>", key)
+        keys.add(re.sub(r"_by_(?!task/)[^/]+/.*", "_by_<key>/<value>", key))
+    return keys
+
+
+def test_the_metrics_reference_lists_every_key_an_evaluation_reports() -> None:
+    keys = _eval_keys()
+    assert {"pass@<k>", "pass@<k>_by_task/<task>", "reward_mean_by_<key>/<value>"} <= keys
+    page = (DOCS / "metrics.md").read_text()
+    assert "\n### Evaluation" in page, "docs/metrics.md: add a section '### Evaluation'"
+    text = page.split("\n### Evaluation", 1)[1].split("\n## ")[0]
+    missing = sorted(k for k in keys if f"`{k}`" not in text)
+    assert not missing, f"docs/metrics.md, 'Evaluation': add {missing}"
+
+
+def test_the_api_page_covers_every_public_module() -> None:
+    """Every `::: name` of docs/api.md imports, and every public module has an entry."""
+    import importlib
+
+    entries = re.findall(r"^::: ([\w.]+)$", (DOCS / "api.md").read_text(), flags=re.MULTILINE)
+    for entry in entries:
+        module, _, attr = entry.rpartition(".")
+        try:
+            importlib.import_module(entry)
+        except ImportError:
+            assert hasattr(importlib.import_module(module), attr), f"api.md: {entry} is gone"
+    public = ["asyncroll", "asyncroll.engines", "asyncroll.train", "asyncroll.lora"]
+    public += ["asyncroll.chat", "asyncroll.evaluation", "asyncroll.codec"]
+    uncovered = [m for m in public if not any(e == m or e.startswith(f"{m}.") for e in entries)]
+    assert not uncovered, f"docs/api.md has no entry for {uncovered}"
 
 
 # -- the invariants ---------------------------------------------------------------------------
