@@ -234,7 +234,7 @@ def test_site_pages_link_within_the_site(page: Path) -> None:
 
 
 def test_the_anchor_check_sees_a_missing_heading() -> None:
-    assert _slug("4. The loop, with evaluation") == "4-the-loop-with-evaluation"
+    assert _slug("5. The loop, with evaluation") == "5-the-loop-with-evaluation"
     assert _slug("See it learn: `asyncroll demo --task chat`") == (
         "see-it-learn-asyncroll-demo-task-chat"
     )
