@@ -15,7 +15,7 @@ start (`tie()`), nothing is to be called for them:
   only from the main thread (the only one Python lets set a handler) and only while SIGTERM
   has its default action: a program's own SIGTERM handler is left in place, and it must then
   close the engine itself (or raise `KeyboardInterrupt`). The default comes back when the
-  last engine is closed.
+  last engine is closed (from the main thread; closed from another, the handler stays).
 * **The reaper** (`asyncroll.engines.reaper`): a small process, one per owning process while
   an engine is open, that outlives its owner's death, a SIGKILL included, and then ends every
   process the owner's engines started (SIGTERM, then SIGKILL after `REAP_GRACE_S`). It needs
