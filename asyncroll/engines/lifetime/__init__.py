@@ -16,11 +16,11 @@ start (`tie()`), nothing is to be called for them:
   has its default action: a program's own SIGTERM handler is left in place, and it must then
   close the engine itself (or raise `KeyboardInterrupt`). The default comes back when the
   last engine is closed (from the main thread; closed from another, the handler stays).
-* **The reaper** (`asyncroll.engines.reaper`): a small process, one per owning process while
-  an engine is open, that outlives its owner's death, a SIGKILL included, and then ends every
-  process the owner's engines started (SIGTERM, then SIGKILL after `REAP_GRACE_S`). It needs
-  no thread, handler or main script in the owner: it works the same in torchrun's ranks and in
-  processes started by `torch.multiprocessing.spawn`.
+* **The reaper** (`asyncroll.engines.lifetime.reaper`): a small process, one per owning
+  process while an engine is open, that outlives its owner's death, a SIGKILL included, and
+  then ends every process the owner's engines started (SIGTERM, then SIGKILL after
+  `REAP_GRACE_S`). It needs no thread, handler or main script in the owner: it works the same
+  in torchrun's ranks and in processes started by `torch.multiprocessing.spawn`.
 
 Why a reaper and not `PR_SET_PDEATHSIG` in vLLM's processes: vLLM starts them, so asyncroll
 has no code there to set it; and the kernel sends that signal when the *thread* that started
