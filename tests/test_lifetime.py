@@ -31,6 +31,8 @@ def python(code: str, **kwargs: object) -> subprocess.Popen[str]:
 
 
 def test_sigterm_runs_the_sigint_handler_while_tied_and_its_default_after() -> None:
+    """While tied: SIGTERM runs the SIGINT handler; after the last tie: the default, and the
+    reaper has exited."""
     seen: list[int] = []
     outer = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the test runner set
     try:
@@ -43,9 +45,14 @@ def test_sigterm_runs_the_sigint_handler_while_tied_and_its_default_after() -> N
             finally:
                 signal.signal(signal.SIGINT, previous)
             assert seen == [signal.SIGINT]
+            children = psutil.Process().children()
+            reapers = [p for p in children if "reaper.py" in " ".join(p.cmdline())]
+            assert len(reapers) == 1
         finally:
             tie.release()
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        _gone, alive = psutil.wait_procs(reapers, timeout=DEADLINE_S)  # the last tie ends it
+        assert not alive
     finally:
         signal.signal(signal.SIGTERM, outer)
 

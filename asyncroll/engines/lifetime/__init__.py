@@ -64,7 +64,7 @@ def _children() -> str:
 
 
 class _Owner:
-    """This process's reaper, its mark, and how many ties hold them."""
+    """This process's reaper, and how many ties hold it."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
@@ -104,8 +104,8 @@ class _Owner:
         with contextlib.suppress(OSError):
             if self.reaper.stdin is not None:
                 self.reaper.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.reaper.wait(timeout=5.0)
+        # it exits at once; reaped in a thread, so that no caller (an event loop) waits for it
+        threading.Thread(target=self.reaper.wait, name="asyncroll-reaper-wait", daemon=True).start()
         on_main = threading.current_thread() is threading.main_thread()
         if self.sigterm and on_main and signal.getsignal(signal.SIGTERM) is _sigterm_as_sigint:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
