@@ -1,4 +1,4 @@
-"""`asyncroll.engines.lifetime` without vLLM: SIGTERM is handled as SIGINT only where the
+"""`asyncroll.lifetime` without vLLM: SIGTERM is handled as SIGINT only where the
 program left it at its default, and the reaper ends the tied processes of an owner killed
 with SIGKILL (stand-ins here: plain Python processes, one of which ignores SIGTERM; the real
 engines are in tests/vllm/test_killed_trainer.py)."""
@@ -16,7 +16,7 @@ from types import FrameType
 import psutil
 import pytest
 
-from asyncroll.engines import lifetime
+from asyncroll import lifetime
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 60.0
@@ -75,7 +75,7 @@ def test_sigterm_closes_what_asyncio_run_runs() -> None:
     """Under `asyncio.run`, SIGTERM cancels the main task as Ctrl-C does: its `finally` runs."""
     owner = python("""
         import asyncio
-        from asyncroll.engines import lifetime
+        from asyncroll import lifetime
 
         async def main():
             tie = lifetime.tie()
@@ -102,7 +102,7 @@ def test_reaper_ends_tied_processes_of_a_killed_owner() -> None:
     before the tie and one started after its window are left alone."""
     owner = python("""
         import subprocess, sys
-        from asyncroll.engines import lifetime
+        from asyncroll import lifetime
 
         lifetime.REAP_GRACE_S = 1.0
         sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]

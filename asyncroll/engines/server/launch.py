@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncroll.engines import lifetime
+from asyncroll import lifetime
 
 if TYPE_CHECKING:
     from asyncroll.lora import LoraSlots

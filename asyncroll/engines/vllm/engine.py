@@ -43,9 +43,9 @@ import typing
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from asyncroll import lifetime
 from asyncroll._core.tasks import finish
 from asyncroll._core.wakeup import Signal
-from asyncroll.engines import lifetime
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -170,7 +170,7 @@ class VLLMEngine:
         self.control_timeout_s = control_timeout_s
         self.lora = lora
         args = AsyncEngineArgs(model=self.model, **engine_args)
-        # vLLM's processes end with this one, however it ends (`asyncroll.engines.lifetime`)
+        # vLLM's processes end with this one, however it ends (`asyncroll.lifetime`)
         self._tie = lifetime.tie()
         try:
             with startup.child_environment(on_cpu), self._tie.starting():

@@ -16,7 +16,7 @@ start (`tie()`), nothing is to be called for them:
   has its default action: a program's own SIGTERM handler is left in place, and it must then
   close the engine itself (or raise `KeyboardInterrupt`). The default comes back when the
   last engine is closed (from the main thread; closed from another, the handler stays).
-* **The reaper** (`asyncroll.engines.lifetime.reaper`): a small process, one per owning
+* **The reaper** (`asyncroll.lifetime.reaper`): a small process, one per owning
   process while an engine is open, that outlives its owner's death, a SIGKILL included, and
   then ends every process the owner's engines started (SIGTERM, then SIGKILL after
   `REAP_GRACE_S`). It needs no thread, handler or main script in the owner: it works the same

@@ -1,6 +1,6 @@
 """The reaper: a small process that ends an engine's processes once the process that owns the
 engine has died, however it died (a SIGKILL included, which nothing in the dying process can
-answer). `asyncroll.engines.lifetime` starts it; it is run as a script, by path, so that it
+answer). `asyncroll.lifetime` starts it; it is run as a script, by path, so that it
 imports only the standard library and psutil (a start costs tens of milliseconds).
 
     python -I reaper.py OWNER_PID GRACE_S
