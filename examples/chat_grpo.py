@@ -29,7 +29,7 @@ from asyncroll import ProduceBatchResult, Producer, SamplingConfig
 from asyncroll.chat import chat_prompts, text_reward
 from asyncroll.engines import Engine, VLLMEngine
 from asyncroll.evaluation import Evaluator
-from asyncroll.train import CORRECTIONS, policy_loss, to_batch, token_logprobs
+from asyncroll.train import CORRECTIONS, LossConfig, split_batch, to_batch, train_step
 
 
 # 1. A dataset of chat messages with reference answers: any iterable of rows (a list of dicts,
@@ -58,18 +58,15 @@ def correct(completions: list[list[dict[str, str]]], answer: list[str], **_: Any
     return rewards
 
 
-# 3. One GRPO step of the Hugging Face model, in plain torch (run in a worker thread).
-def train_step(model: Any, optimizer: Any, batch: ProduceBatchResult, pad_id: int) -> float:
+# 3. One GRPO step of the Hugging Face model: the batch in micro-batches, their gradients
+#    accumulated into one optimizer step (run in a worker thread).
+LOSS = LossConfig(correction=CORRECTIONS["tis"], temperature=1.0)  # as sampled
+
+
+def learn(model: Any, optimizer: Any, batch: ProduceBatchResult, pad_id: int) -> float:
     data = to_batch(batch.groups, advantage="grpo", pad_id=pad_id)
-    logits = model(data.input_ids, attention_mask=data.attention_mask.long()).logits
-    logprobs = token_logprobs(logits, data.input_ids, temperature=1.0)  # as sampled
-    loss, _ = policy_loss(
-        logprobs, data, correction=CORRECTIONS["tis"], proximal_logprobs=logprobs.detach()
-    )
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    return float(loss)
+    [shard] = split_batch(data, ranks=1, max_tokens=4096)  # micro-batches of <= 4,096 tokens
+    return train_step(model, optimizer, shard, LOSS)["train/loss"]
 
 
 # 4. The settings that fit the model: the data, the verifier, the reply's length, the
@@ -144,7 +141,7 @@ async def train(
     async with producer:
         for step in range(1, steps + 1):
             batch = await producer.produce_batch()
-            loss = await asyncio.to_thread(train_step, model, optimizer, batch, pad_id)
+            loss = await asyncio.to_thread(learn, model, optimizer, batch, pad_id)
             await producer.update_weights(model.named_parameters())
             metrics = batch.metrics() | {"train/loss": loss}
             if step % eval_every == 0 or step == steps:

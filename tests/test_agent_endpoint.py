@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from asyncroll.episode import RolloutFn
 from asyncroll.outcomes import FailureReason
 from asyncroll.types import RolloutGroup
 from tests.chat.templates import qwen3_tokenizer
-from tests.test_chat_episodes import ScriptEngine
+from tests.test_chat_episodes import END_IN_ARGUMENTS, ScriptEngine, end_in_call_ids
 
 openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")
@@ -207,6 +208,43 @@ async def test_a_tool_calling_openai_agent_records_exactly_the_tokens_the_engine
     assert im_end in first.sampling.stop_token_ids
 
 
+@pytest.mark.parametrize("spelling", END_IN_ARGUMENTS)
+async def test_end_of_turn_text_in_a_tool_call_s_arguments_adds_only_the_template_s_ids(
+    fmt: ChatFormat, parser: Parser, spelling: str
+) -> None:
+    """The reply's tool call holds `<|im_end|>` as ordinary tokens (or as its JSON escape):
+    the agent gets the call with that text, and the next call appends what the real Qwen3
+    template writes after the reply's `<|im_end|>` token, its own ids and nothing else."""
+    call = end_in_call_ids(fmt, spelling)
+    im_end = call[-1]
+    engine = ScriptEngine([(call, "stop"), (ids(fmt, ANSWER), "stop")])
+    sent: list[dict[str, Any]] = []
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        c = client(base_url)
+        r = await c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        message = r.choices[0].message.model_dump(exclude_none=True)
+        (tc,) = message["tool_calls"]
+        assert json.loads(tc["function"]["arguments"])["s"].count("<|im_end|>") == 1
+        tool = {"role": "tool", "tool_call_id": tc["id"], "content": "2"}
+        sent.extend([*FIRST, message, tool])
+        await c.chat.completions.create(model=MODEL, messages=sent, tools=TOOLS)
+        return 1.0
+
+    drops, (group,) = await run_episode(engine, fmt, parser, FIRST, agent)
+    assert not drops
+    full = fmt.tokenizer.apply_chat_template(
+        sent, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    (sample,) = group.samples
+    bridge = sample.tokens.tolist()[len(call) : -len(ids(fmt, ANSWER))]
+    assert sample.tokens.tolist() == call + bridge + ids(fmt, ANSWER)
+    assert bridge == list(full[-len(bridge) :]) and full[-len(bridge) - 1] == im_end
+    plain = fmt.bridge({"role": "assistant", "content": ""}, [{"role": "tool", "content": "2"}])
+    assert bridge == plain  # what it writes after any tool call
+    assert engine.requests[1].samples[0].prefix.tolist() == call + bridge
+
+
 async def test_streaming_and_not_give_the_same_episode(fmt: ChatFormat, parser: Parser) -> None:
     samples = []
     for stream in (False, True):
@@ -300,6 +338,55 @@ async def test_bad_calls_get_openai_errors_and_the_episode_goes_on(
         assert text in body["error"]["message"], (name, body)
 
 
+MALFORMED_TOOL_CALLS = {
+    "a string": "add(1)",
+    "a number": 5,
+    "an entry that is a string": ["add"],
+    "function a string": [{"id": "c", "type": "function", "function": "add"}],
+    "no name": [{"id": "c", "type": "function", "function": {"arguments": "{}"}}],
+    "arguments a number": [{"id": "c", "type": "function", "function": {"name": "add",
+                            "arguments": 1}}],
+}  # fmt: skip
+
+
+async def test_malformed_tool_calls_in_a_request_are_400_and_the_episode_goes_on(
+    fmt: ChatFormat, parser: Parser
+) -> None:
+    """In the first call's messages (a few-shot assistant message) and in a later call's
+    history: each is refused with OpenAI's error shape naming the field; the episode's next
+    good call is its next turn, and the group lands."""
+    engine = ScriptEngine([(ids(fmt, CALL), "stop"), (ids(fmt, ANSWER), "stop")])
+    errors: dict[str, tuple[int, Any]] = {}
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        url = base_url + "/chat/completions"
+        good = {"model": MODEL, "tools": TOOLS}
+        for name, bad in MALFORMED_TOOL_CALLS.items():
+            shot = {"role": "assistant", "content": "", "tool_calls": bad}
+            errors[f"first, {name}"] = await raw(url, {**good, "messages": [*FIRST, shot, *FIRST]})
+        c = client(base_url)
+        r = await c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        message = r.choices[0].message.model_dump(exclude_none=True)
+        tool = {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "2"}
+        for name, bad in MALFORMED_TOOL_CALLS.items():
+            broken = {**message, "tool_calls": bad}
+            errors[f"later, {name}"] = await raw(url, {**good, "messages": [*FIRST, broken, tool]})
+        r2 = await c.chat.completions.create(
+            model=MODEL, messages=[*FIRST, message, tool], tools=TOOLS
+        )
+        return 1.0 if "2" in (r2.choices[0].message.content or "") else 0.0
+
+    drops, (group,) = await run_episode(engine, fmt, parser, FIRST, agent)
+    assert not drops and group.samples[0].extra["reward"] == 1.0
+    assert len(engine.requests) == 2
+    assert len(errors) == 2 * len(MALFORMED_TOOL_CALLS)
+    for name, (status, body) in errors.items():
+        assert status == 400, (name, body)
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert body["error"]["type"] == "invalid_request_error", (name, body)
+        assert body["error"]["param"].startswith("messages[1].tool_calls"), (name, body)
+
+
 async def test_a_finished_or_unknown_episode_is_404_and_concurrent_calls_are_409(
     fmt: ChatFormat, parser: Parser
 ) -> None:
@@ -345,6 +432,127 @@ async def test_a_finished_or_unknown_episode_is_404_and_concurrent_calls_are_409
         assert (await raw(guess, None, method="GET"))[0] == 404
 
 
+async def raw_any(
+    url: str, body: bytes | None = None, *, method: str = "POST"
+) -> tuple[int, str, Any]:
+    """(status, content type, body as JSON or text), whatever the server answered."""
+    async with aiohttp.ClientSession() as s, s.request(method, url, data=body) as r:
+        text = await r.text()
+        try:
+            return r.status, r.content_type, json.loads(text)
+        except ValueError:
+            return r.status, r.content_type, text
+
+
+async def test_errors_aiohttp_would_answer_itself_have_openai_s_shape(
+    fmt: ChatFormat, parser: Parser
+) -> None:
+    """An unknown path (the episode token left out of the base URL), a wrong method, a body
+    over `max_body_bytes`: each an OpenAI-shaped JSON error, the unknown URL as
+    `episode_not_found`; the episode then goes on."""
+    engine = ScriptEngine([(ids(fmt, ANSWER), "stop")])
+    got: dict[str, tuple[int, str, Any]] = {}
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        root = base_url.rsplit("/", 2)[0]
+        good = json.dumps({"model": MODEL, "messages": FIRST, "tools": TOOLS}).encode()
+        got["no token"] = await raw_any(root + "/v1/chat/completions", good)
+        got["no token, models"] = await raw_any(root + "/v1/models", method="GET")
+        got["method"] = await raw_any(base_url + "/chat/completions", method="GET")
+        got["unknown path"] = await raw_any(base_url + "/embeddings", good)
+        got["too large"] = await raw_any(base_url + "/chat/completions", good + b" " * 4096)
+        c = client(base_url)
+        r = await c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        return 1.0 if r.choices[0].finish_reason == "stop" else 0.0
+
+    endpoint = AgentEndpoint(fmt, parser, sampling=SAMPLING, max_body_bytes=2048)
+    async with endpoint:
+        drops, (group,) = await run_episode(engine, fmt, parser, FIRST, agent, endpoint=endpoint)
+    assert not drops and group.samples[0].extra["reward"] == 1.0
+    expect = {
+        "no token": (404, "episode_not_found", "no such episode"),
+        "no token, models": (404, "episode_not_found", "no such episode"),
+        "method": (405, "method_not_allowed", "GET is not allowed"),
+        "unknown path": (404, None, "Invalid URL (POST /"),
+        "too large": (413, "request_too_large", "max_body_bytes=2048"),
+    }
+    for name, (status, code, text) in expect.items():
+        got_status, kind, body = got[name]
+        assert (got_status, kind) == (status, "application/json"), (name, body)
+        assert set(body["error"]) == {"message", "type", "param", "code"}, (name, body)
+        assert body["error"]["code"] == code and text in body["error"]["message"], (name, body)
+
+
+BOOLEANS = {"temperature": True, "n": True, "top_logprobs": False, "top_p": True,
+            "presence_penalty": False}  # fmt: skip
+
+
+async def test_json_booleans_are_not_numbers(fmt: ChatFormat, parser: Parser) -> None:
+    """`true` equals 1 and `false` 0 in Python: OpenAI refuses them where a number is
+    expected (400), and so does the endpoint, before anything is sampled."""
+    engine = ScriptEngine([(ids(fmt, ANSWER), "stop")])
+    got: dict[str, tuple[int, Any]] = {}
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        url = base_url + "/chat/completions"
+        good = {"model": MODEL, "messages": FIRST, "tools": TOOLS}
+        for field, value in BOOLEANS.items():
+            got[field] = await raw(url, {**good, field: value})
+        c = client(base_url)
+        await c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        return 1.0
+
+    drops, (_,) = await run_episode(engine, fmt, parser, FIRST, agent)
+    assert not drops and len(engine.requests) == 1
+    for field, value in BOOLEANS.items():
+        status, body = got[field]
+        assert status == 400, (field, body)
+        assert body["error"]["param"] == field
+        assert f"{field}={value!r}: give a number, not a boolean" in body["error"]["message"]
+
+
+async def test_a_call_waiting_when_the_producer_stops_says_the_run_stopped(
+    fmt: ChatFormat, parser: Parser
+) -> None:
+    """A call in the engine when the producer stops: its answer says the run stopped (not a
+    500 with an empty reason, the text of a cancellation), and a later call is 404."""
+    entered = asyncio.Event()
+
+    class Hung(ScriptEngine):
+        async def generate(self, request: Any) -> Any:
+            entered.set()
+            await asyncio.Event().wait()  # never answers: the producer's stop cancels it
+            raise AssertionError("unreachable")
+
+    urls: list[str] = []
+    started = asyncio.Event()
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        urls.append(base_url)
+        started.set()
+        await asyncio.Event().wait()  # the call is made from outside, by the test
+        return 0.0
+
+    async with AgentEndpoint(fmt, parser, sampling=SAMPLING) as endpoint:
+        producer = Producer(
+            Hung([]), [fmt.prompt_ids(FIRST)], agent_reward, rollout_fn=endpoint.rollout(agent),
+            group_size=1, batch_size=1, max_turns=4, sampling=SAMPLING,
+        )  # fmt: skip
+        async with producer:
+            batch = asyncio.ensure_future(producer.produce_batch(1, timeout=DEADLINE_S))
+            await asyncio.wait_for(started.wait(), DEADLINE_S)
+            body = json.dumps({"model": MODEL, "messages": FIRST, "tools": TOOLS}).encode()
+            call = asyncio.ensure_future(raw_any(urls[0] + "/chat/completions", body))
+            await asyncio.wait_for(entered.wait(), DEADLINE_S)
+        batch.cancel()
+        status, _, answer = await asyncio.wait_for(call, DEADLINE_S)
+        assert status == 503, answer
+        assert answer["error"]["code"] == "run_stopped"
+        assert "the run stopped before this call was answered" in answer["error"]["message"]
+        later = await raw_any(urls[0] + "/chat/completions", body)
+        assert later[0] == 404 and later[2]["error"]["code"] == "episode_not_found"
+
+
 class Signalling(SimEngine):
     """SimEngine that says when a request of an episode (its session) reaches it."""
 
@@ -383,6 +591,100 @@ async def test_a_call_past_the_token_budget_is_refused_with_a_clear_message(
     assert not drops and group.samples[0].extra["reward"] == 0.5
     (err,) = errors
     assert err.code == "context_length_exceeded" and "token budget is spent" in err.message
+
+
+class Recording(ChatFormat):
+    """A chat format that records what it tokenizes: (characters, the thread it ran on)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.encoded: list[tuple[int, int]] = []
+
+    def encode(self, text: str) -> list[int]:
+        self.encoded.append((len(text), threading.get_ident()))
+        return super().encode(text)
+
+    def prompt_ids(self, messages: Any) -> list[int]:
+        text = self.render_text(messages, generation_prompt=True)
+        self.encoded.append((len(text), threading.get_ident()))
+        return super().prompt_ids(messages)
+
+
+HUGE = "word " * 20_000  # 100,000 characters, 20,000 tokens: far past a 512-token budget
+
+
+@pytest.mark.parametrize("call", ["first", "later"])
+async def test_a_huge_call_is_refused_without_tokenizing_it_on_the_event_loop(
+    fmt: ChatFormat, parser: Parser, call: str
+) -> None:
+    """A call's messages far past what the episode can hold (a later call's tool result
+    past the token budget; a first call's messages longer than the prompt) are refused after
+    tokenizing a prefix of a few times the limit, not all of them, and that work runs in a
+    worker thread: the event loop (every other agent, the producer, the trainer) goes on.
+    The episode goes on too."""
+    rec = Recording(fmt.tokenizer, tools=TOOLS)
+    engine = ScriptEngine([(ids(rec, CALL), "stop"), (ids(rec, ANSWER), "stop")])
+    errors: list[Any] = []
+    work: list[tuple[int, int]] = []  # what the huge call tokenized
+    loop_thread = threading.get_ident()
+
+    async def agent(base_url: str, episode: Episode) -> float:
+        rec.encoded.clear()  # the test's own, above
+        c = client(base_url)
+        if call == "first":
+            with pytest.raises(openai.BadRequestError) as info:
+                await c.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": HUGE}], tools=TOOLS
+                )
+            errors.append(info.value)
+            work.extend(rec.encoded)
+        r = await c.chat.completions.create(model=MODEL, messages=FIRST, tools=TOOLS)
+        message = r.choices[0].message.model_dump(exclude_none=True)
+        tool_id = message["tool_calls"][0]["id"]
+        if call == "later":
+            rec.encoded.clear()
+            huge = {"role": "tool", "tool_call_id": tool_id, "content": HUGE}
+            with pytest.raises(openai.BadRequestError) as info:
+                await c.chat.completions.create(
+                    model=MODEL, messages=[*FIRST, message, huge], tools=TOOLS
+                )
+            errors.append(info.value)
+            work.extend(rec.encoded)
+        tool = {"role": "tool", "tool_call_id": tool_id, "content": "2"}
+        r = await c.chat.completions.create(
+            model=MODEL, messages=[*FIRST, message, tool], tools=TOOLS
+        )
+        return 1.0 if r.choices[0].message.content == "The sum is 2." else 0.0
+
+    drops, (group,) = await run_episode(engine, rec, parser, FIRST, agent, max_episode_tokens=512)
+    assert not drops and group.samples[0].extra["reward"] == 1.0
+    (err,) = errors
+    if call == "first":
+        assert err.code == "prompt_mismatch" and "more than" in err.message
+    else:
+        assert err.code == "context_length_exceeded" and "needs more than" in err.message
+        assert "token budget is spent" in err.message
+    # The huge call's tokenizing: a prefix, off the loop (a small call's runs on it).
+    assert work and max(n for n, _ in work) < len(HUGE) // 4
+    assert all(thread != loop_thread for _, thread in work)
+
+
+def test_more_ids_than_refuses_only_texts_that_are_over() -> None:
+    """From a prefix of the text: a text far over the limit is found so after tokenizing a
+    few times the limit; a text within it, however many characters each of its tokens
+    spans, is never refused (it is then encoded whole, as before)."""
+    rec = Recording(qwen3_tokenizer())
+    assert rec.more_ids_than(HUGE, 512)
+    assert max(n for n, _ in rec.encoded) < len(HUGE) // 4
+    long_tokens = [
+        HUGE, " " * 60_000, "a" * 40_000, "<|im_end|>" * 3_000, "数字" * 20_000,
+        "x\n" * 30_000, "\u00e9" * 30_000, "e\u0301" * 20_000, "0123456789" * 5_000,
+    ]  # fmt: skip
+    for text in long_tokens:
+        n = len(rec.encode(text))
+        assert not rec.more_ids_than(text, n), text[:20]
+        if n * 8 >= len(text):  # and far over is found (a run of spaces is 128 per token)
+            assert rec.more_ids_than(text, n // 20), text[:20]
 
 
 async def test_an_agent_that_raises_fails_its_group_with_the_reason(

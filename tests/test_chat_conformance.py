@@ -196,6 +196,30 @@ def test_trl_templates_keep_the_sampled_stream(name: str) -> None:
     check()
 
 
+@pytest.mark.parametrize("name", ["qwen3 (real)", *TRL_TEMPLATES])
+def test_end_of_turn_text_in_a_tool_call_does_not_move_the_bridge(name: str) -> None:
+    """A reply whose tool call's arguments (and name) hold the template's end-of-turn
+    strings gets the bridge of the same reply without them: what the template writes after
+    the reply's end-of-turn token, not the call's tail."""
+    tokenizer = qwen3_tokenizer() if name == "qwen3 (real)" else trl_tokenizer(name)
+    fmt = ChatFormat(tokenizer, tools=TOOLS, end_of_turn=END_OF_TURN.get(name))
+    eot = "".join(fmt.end_of_turn)
+
+    def reply(text: str) -> dict[str, Any]:
+        args: Any = {"a": f"s.split({text!r})"}
+        if name in STRING_ARGUMENTS:
+            args = json.dumps(args)
+        call = {"type": "function", "function": {"name": f"add{text}", "arguments": args}}
+        return {"role": "assistant", "content": "ok", "tool_calls": [call]}
+
+    after = [{"role": "tool", "content": "2"}]
+    try:
+        clean = fmt.bridge_text(reply(""), after)
+    except ChatError:
+        pytest.skip(f"{name} rejects a tool call followed by a tool result")
+    assert fmt.bridge_text(reply(eot), after) == clean
+
+
 def template_tokenizer(name: str, tiny_model: Any) -> Any:
     if name == "qwen3 (real)":
         return qwen3_tokenizer()

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -25,6 +27,7 @@ DEADLINE_S = 30.0
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "add",
           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]  # fmt: skip
 FIRST = [{"role": "user", "content": "add 1"}]
+SAMPLING = SamplingConfig(max_new_tokens=64)
 
 
 class ScriptEngine:
@@ -94,15 +97,16 @@ async def zero(group: RolloutGroup) -> list[float]:
 
 
 async def run_one(
-    fmt: ChatFormat, script: Sequence[tuple[list[int], str]], agent: Callable[..., Any]
-) -> tuple[list[Any], list[RolloutGroup], ScriptEngine]:
-    """One group of one episode; its drop records (a FAILED group) or its group."""
+    fmt: ChatFormat, script: Sequence[tuple[list[int], str]], agent: Callable[..., Any],
+    *, sampling: SamplingConfig = SAMPLING,
+) -> tuple[list[Any], list[RolloutGroup], ScriptEngine]:  # fmt: skip
+    """One group of one episode (the producer sampling with `sampling`); its drop records
+    (a FAILED group) or its group."""
     engine = ScriptEngine(script)
     drops: list[Any] = []
     producer = Producer(
         engine, [fmt.prompt_ids(FIRST)], zero, group_size=1, batch_size=1, rollout_fn=agent,
-        on_drop=drops.append, max_turns=4, max_episode_tokens=4096,
-        sampling=SamplingConfig(max_new_tokens=64),
+        on_drop=drops.append, max_turns=4, max_episode_tokens=4096, sampling=sampling,
     )  # fmt: skip
     groups: list[RolloutGroup] = []
     async with producer:
@@ -129,6 +133,14 @@ def test_an_unknown_role_is_refused_at_the_call(fmt: ChatFormat) -> None:
         fmt.prompt_ids([{"role": "developer", "content": "be brief"}, *FIRST])
     with pytest.raises(ChatError, match="give a mapping with 'role'"):
         fmt.prompt_ids([{"content": "no role"}])
+
+
+def test_the_docs_quote_the_unknown_role_error_as_it_is(fmt: ChatFormat) -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "chat-episodes.md").read_text()
+    (quoted,) = re.findall(r'\("(message 1 has role \'robot\'[^"]*)"', doc)
+    with pytest.raises(ChatError) as info:
+        fmt.prompt_ids([{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}])
+    assert str(info.value) == quoted
 
 
 def test_a_message_list_the_template_rejects_is_a_chat_error(fmt: ChatFormat) -> None:
@@ -293,6 +305,96 @@ async def test_a_tool_loop_parses_reasoning_and_calls_and_appends_the_results(
     messages = [*FIRST, first.message(), {"role": "tool", "content": "2"}]
     expected = fmt.encode(fmt.render_text(messages, generation_prompt=True))
     assert [*fmt.prompt_ids(FIRST), *sample.tokens.tolist()][: len(expected)] == expected
+
+
+def plain_ids(fmt: ChatFormat, text: str) -> list[int]:
+    """`text` as ordinary tokens: special-token text in it (`<|im_end|>`) spelled out piece by
+    piece, as a policy can sample it."""
+    out = fmt.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return [int(i) for i in out]
+
+
+# A tool call whose arguments hold the end-of-turn text: sampled as ordinary tokens (a coding
+# agent writing s.split("<|im_end|>")), or as the JSON escape the template's tojson undoes.
+END_IN_ARGUMENTS = {
+    "literal": '{"s": "x.split(\\"<|im_end|>\\")"}',
+    "json escape": '{"s": "\\u003c|im_end|\\u003e"}',
+}
+
+
+def end_in_call_ids(fmt: ChatFormat, spelling: str) -> list[int]:
+    """A reply that is one such tool call, ended by the real `<|im_end|>` token."""
+    args = END_IN_ARGUMENTS[spelling]
+    text = '<tool_call>\n{"name": "add", "arguments": ' + args + "}\n</tool_call>"
+    return [*plain_ids(fmt, text), *fmt.stop_token_ids]
+
+
+@pytest.mark.parametrize("spelling", END_IN_ARGUMENTS)
+async def test_end_of_turn_text_inside_a_tool_call_is_not_the_reply_s_end(
+    fmt: ChatFormat, parser: RenderersParser, spelling: str
+) -> None:
+    """The bridge after such a reply is what the real Qwen3 template writes after the
+    reply's `<|im_end|>` token, id for id: the template's own tokenization of the whole
+    conversation ends with exactly these ids, and they are the ones it writes after any
+    tool call (nothing of the call's tail, no second `<|im_end|>`)."""
+    tok = fmt.tokenizer
+    call = end_in_call_ids(fmt, spelling)
+    im_end = call[-1]
+    assert call.count(im_end) == 1  # the premise: the text inside is ordinary tokens
+    tool = {"role": "tool", "content": "2"}
+    second = ids_of(fmt, "done<|im_end|>")
+    got: dict[str, Any] = {}
+
+    async def agent(episode: Episode) -> None:
+        chat = ChatEpisode(episode, fmt, parser, messages=FIRST)
+        reply = await chat.reply()
+        got["message"] = reply.message()
+        got["bridge"] = chat.add([tool])
+        await chat.reply()
+
+    drops, groups, engine = await run_one(fmt, [(call, "stop"), (second, "stop")], agent)
+    assert not drops, drops
+    (c,) = got["message"]["tool_calls"]
+    assert "<|im_end|>" in c["function"]["arguments"]["s"]  # parsed: the text is in the call
+    bridge = got["bridge"]
+    # The template's own tokens for the conversation: everything after the reply's end.
+    full = tok.apply_chat_template(
+        [*FIRST, got["message"], tool], tools=TOOLS, add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )  # fmt: skip
+    assert bridge == list(full[-len(bridge) :]) and full[-len(bridge) - 1] == im_end
+    assert bridge == fmt.encode(
+        "\n<|im_start|>user\n<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    (sample,) = groups[0].samples
+    assert sample.tokens.tolist() == call + bridge + second
+    assert engine.requests[1].samples[0].prefix.tolist() == call + bridge
+    if spelling == "literal":  # the sampled text is the template's: the whole render is the stream
+        rendered = fmt.render_text([*FIRST, got["message"], tool], generation_prompt=True)
+        assert rendered == tok.decode(fmt.prompt_ids(FIRST) + call + bridge)
+
+
+async def test_without_sampling_a_chat_episode_samples_with_the_producer_s(
+    fmt: ChatFormat, parser: RenderersParser
+) -> None:
+    """As `Episode.generate` does: the behaviour logprobs must be those of the policy the
+    trainer recomputes, so a `ChatEpisode` given no `sampling=` takes the producer's (its
+    temperature, top-p/k, seed, budget and stop tokens), the end-of-turn id added."""
+    producer_s = SamplingConfig(
+        max_new_tokens=48, temperature=0.6, top_p=0.95, top_k=20, seed=7, stop_token_ids=(13,)
+    )
+
+    async def agent(episode: Episode) -> None:
+        chat = ChatEpisode(episode, fmt, parser, messages=FIRST)
+        await chat.reply()
+
+    drops, _, engine = await run_one(
+        fmt, [(ids_of(fmt, "ok<|im_end|>"), "stop")], agent, sampling=producer_s
+    )
+    assert not drops, drops
+    (request,) = engine.requests
+    assert request.sampling == msgspec.structs.replace(producer_s, stop_token_ids=(13, 151645))
+    assert request.samples[0].max_new_tokens == 48
 
 
 def test_template_kwargs_reach_the_bridge_s_generation_prompt() -> None:

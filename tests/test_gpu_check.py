@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STEPS = ("torch", "tests", "parity", "throughput", "memory", "demo")
+STEPS = ("torch", "tests", "runner_v1", "parity", "throughput", "memory", "demo")
 
 
 def gpu_check(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
@@ -42,6 +42,9 @@ def test_bad_arguments_say_what_to_change(tmp_path: Path) -> None:
     proc = gpu_check("--steps", "tests,nope", out=tmp_path)
     assert proc.returncode == 2
     assert "no step 'nope'" in proc.stderr and "throughput" in proc.stderr
+    proc = gpu_check("--vllm", "0.31.0", "--dry-run", out=tmp_path)
+    assert proc.returncode == 2
+    assert "not a supported release; supported: 0.32.0 0.33.0 0.34.0" in proc.stderr
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="runs the steps for real")
@@ -60,13 +63,14 @@ def test_every_benchmark_flag_it_passes_exists(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     commands = [
         line.split(": ", 2)[2]
-        for step in STEPS
+        for step in ("compat", *STEPS)
         for line in (tmp_path / step / "log.txt").read_text().splitlines()
         if line.startswith("gpu_check: would run in ")
     ]
     benchmarks = [shlex.split(c) for c in commands if ".py " in c and " -m pytest " not in c]
     assert {Path(argv[1]).name for argv in benchmarks} == {
         "gpu_check_torch.py",
+        "vllm_compat.py",
         "vllm_throughput.py",
         "memory_profile.py",
         "demo_overlap.py",
@@ -125,3 +129,15 @@ def test_the_torch_tier_unpacks_missing_dependencies_from_a_wheelhouse(tmp_path:
         gpu_check_torch.NEEDED = needed
     assert missing == ["wrongdep"]
     assert sorted(p.name for p in (tmp_path / "site").iterdir()) == ["fakedep", "puredep"]
+
+
+def test_the_torch_tier_fits_what_a_device_run_carries() -> None:
+    """A device run carries at most 64 MiB of the project: the tracked files and a wheelhouse
+    of asyncroll's dependencies for the machine's Python (measured 2026-12-07 for CPython 3.12:
+    msgspec, numpy, anyio, tqdm, psutil and their own, 16.4 MB)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60
+    ).stdout.split(b"\0")
+    tracked = sum((ROOT / name.decode()).stat().st_size for name in listed if name)
+    wheelhouse = 16_446_920
+    assert tracked + wheelhouse <= 64 << 20, (tracked, wheelhouse)

@@ -105,6 +105,9 @@ class TransferStub:
         self.update_infos: list[dict[str, Any]] = []
         self.lives = 0  # restarts so far: its process identity (`asyncroll_process`)
         self.restart_at: set[str] = set()  # routes whose next call a new process takes
+        # A started update not finished (vLLM's worker `_weight_update_active`): a second
+        # start and a shutdown are refused, a failed receive ends it (v1/worker/gpu_worker.py)
+        self.updating = False
 
     def calls(self) -> list[str]:
         return [call for who, call in self.log if who == self.name]
@@ -134,6 +137,16 @@ class TransferStub:
             if not self.configured:
                 return not_configured()
             record(request.path)
+            if request.path == "/start_weight_update":
+                if self.updating:
+                    text = "RuntimeError: start_weight_update called while a weight update is "
+                    return web.Response(status=500, text=text + "already active.")
+                self.updating = True
+            elif request.path == "/finish_weight_update":
+                if not self.updating:
+                    text = "RuntimeError: finish_weight_update called without a matching start"
+                    return web.Response(status=500, text=text)
+                self.updating = False
             if request.path in self.drop:  # the step ran; its answer is lost
                 self.drop.discard(request.path)
                 assert request.transport is not None
@@ -155,6 +168,12 @@ class TransferStub:
             return web.json_response({"message": "Weight transfer initialized"})
 
         async def update(request: web.Request) -> web.Response:
+            answer = await receive(request)
+            if answer.status != 200:
+                self.updating = False  # vLLM's worker ends the update when a receive fails
+            return answer
+
+        async def receive(request: web.Request) -> web.Response:
             if self.fail_update:
                 return web.Response(status=500, text="ValueError: bad update_info")
             if not self.joined:  # vLLM's words; on GPUs the trainer's broadcast would hang
@@ -176,6 +195,9 @@ class TransferStub:
             return web.json_response({"message": "Weights updated"})
 
         async def shutdown(request: web.Request) -> web.Response:
+            if self.updating:
+                text = "RuntimeError: Cannot release a trainer connection during a weight update"
+                return web.Response(status=500, text=text)
             self.joined = False
             return await control(request)
 
@@ -528,3 +550,23 @@ async def test_a_weight_transfer_step_is_never_sent_twice(setup: Setup) -> None:
         await engine.update_weights(WEIGHTS, version=2)
     assert caught.value.url == engine.replicas[1].url
     assert stubs[1].calls().count("/start_weight_update") == 2  # one per update, not three
+
+
+async def test_a_failed_round_finishes_the_open_update_so_the_next_one_can_start(
+    setup: Setup,
+) -> None:
+    """A round that fails after `/start_weight_update` ran on a replica (here the other
+    replica's answer to it is lost) left that replica's update open: vLLM's worker then
+    refuses every later start and the group's shutdown, so the replica could take no NCCL
+    update again until it restarted. The failed round finishes it."""
+    engine, stubs = setup.engine, setup.stubs
+    await engine.update_weights(WEIGHTS, version=1)
+    stubs[1].drop = {"/start_weight_update"}
+    with pytest.raises(ReplicaError, match="/start_weight_update"):
+        await engine.update_weights(WEIGHTS, version=2)
+    assert not stubs[0].updating and not stubs[1].updating
+    await engine.check_replicas()
+    await engine.update_weights(WEIGHTS, version=3)
+    assert [r.state for r in engine.replicas] == [ReplicaState.UP] * 2
+    (sample,) = await asyncio.wait_for(engine.generate(_request("run-3-0")), WAIT_S)
+    assert sample.versions.tolist() == [3]

@@ -558,18 +558,25 @@ def vllm_processed_logprobs(
     logits: torch.Tensor, temperature: float, top_p: float, top_k: int | None
 ) -> torch.Tensor:
     """vLLM's own sampler ([N, V] logits): its float32 cast, temperature, top-k/top-p (the
-    dispatcher, which on this CPU wheel is the PyTorch path) and processed logprobs."""
+    dispatcher: the PyTorch path on a CPU wheel, the Triton kernel on CUDA, where the logits
+    go to the GPU so that the GPU tier checks that kernel's tie rule) and processed logprobs.
+    Model Runner V1's `Sampler` (gone in vLLM 0.34) divides by the temperature and takes a
+    float32 log_softmax; without it that is written out here."""
     sampling = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
-    from vllm.v1.sample.sampler import Sampler
-
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     n = logits.shape[0]
-    x = Sampler.apply_temperature(
-        logits.to(torch.float32), torch.full((n,), temperature), all_random=True
-    )
-    p = torch.full((n,), top_p) if top_p < 1 else None
-    k = torch.full((n,), top_k, dtype=torch.int32) if top_k is not None else None
+    x = logits.to(device, torch.float32)
+    temperatures = torch.full((n,), temperature, device=device)
+    try:
+        from vllm.v1.sample.sampler import Sampler
+    except ImportError:  # vLLM >= 0.34: Model Runner V2 only
+        x = x / temperatures.unsqueeze(1)
+    else:
+        x = Sampler.apply_temperature(x, temperatures, all_random=True)
+    p = torch.full((n,), top_p, device=device) if top_p < 1 else None
+    k = torch.full((n,), top_k, dtype=torch.int32, device=device) if top_k is not None else None
     x = sampling.apply_top_k_top_p(x, k, p)
-    return Sampler.compute_logprobs(x)
+    return x.log_softmax(dim=-1, dtype=torch.float32).cpu()
 
 
 @pytest.mark.vllm

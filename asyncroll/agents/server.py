@@ -100,7 +100,9 @@ class AgentEndpoint:
     async def __aenter__(self) -> AgentEndpoint:
         from aiohttp import web  # the `server` extra
 
-        app = web.Application(client_max_size=self.max_body_bytes)
+        app = web.Application(
+            client_max_size=self.max_body_bytes, middlewares=[self._openai_errors]
+        )
         app.router.add_post("/{token}/v1/chat/completions", self._chat)
         app.router.add_get("/{token}/v1/models", self._models)
         app.router.add_get("/{token}/v1/models/{model}", self._models)
@@ -176,8 +178,10 @@ class AgentEndpoint:
                 async def drive() -> None:
                     try:
                         results.append(await agent(session.base_url, episode))
+                        session.ended_by = "the episode's agent returned"
                     except Exception as exc:
                         failures.append(exc)
+                        session.ended_by = f"the episode's agent raised {type(exc).__name__}"
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(serve, name=f"asyncroll-agent-turns-{episode.session}")
@@ -211,6 +215,55 @@ class AgentEndpoint:
         return found
 
     # -- routes ---------------------------------------------------------------------------------
+
+    @property
+    def _openai_errors(self) -> Any:
+        """The errors aiohttp answers itself (no route for the path, a wrong method, a body
+        over `max_body_bytes`) in OpenAI's shape, as the endpoint's own are: a client raises
+        its usual exception with a message that says what to change."""
+        from aiohttp import web
+
+        @web.middleware
+        async def middleware(request: Any, handler: Any) -> Any:
+            try:
+                return await handler(request)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                error = self._http_error(request, exc.status, exc.reason)
+                return web.json_response(error.body(), status=error.status)
+
+        return middleware
+
+    def _http_error(self, request: Any, status: int, reason: str) -> ApiError:
+        if status == 404 and request.path.split("/")[1] in self._sessions:
+            return ApiError(
+                404,
+                f"Invalid URL ({request.method} {request.path}): an episode's URL serves "
+                "chat/completions and models",
+            )
+        if status == 404:
+            return ApiError(
+                404,
+                f"no such episode: the URL {request.path} is unknown (each episode's base URL "
+                "is /<token>/v1, given to its agent) or its episode has ended",
+                code="episode_not_found",
+            )
+        if status == 405:
+            return ApiError(
+                405,
+                f"{request.method} is not allowed on {request.path}: chat completions are "
+                "POST, models GET",
+                code="method_not_allowed",
+            )
+        if status == 413:
+            return ApiError(
+                413,
+                f"the request body is over max_body_bytes={self.max_body_bytes}: send less, "
+                "or raise AgentEndpoint(max_body_bytes=...)",
+                code="request_too_large",
+            )
+        return ApiError(status, f"{status} {reason}")
 
     def _session(self, request: Any) -> AgentSession:
         session = self._sessions.get(request.match_info["token"])

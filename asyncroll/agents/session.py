@@ -21,22 +21,26 @@ How a call's messages relate to the episode (compared with `wire.known_message`)
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+import anyio
 import msgspec
 
 from asyncroll.agents.wire import Answer, ApiError, ChatCall, Known, known_message, wire_message
 from asyncroll.chat.episode import ChatEpisode
 from asyncroll.chat.parse import ReplyParser
-from asyncroll.chat.template import ChatError, ChatFormat
+from asyncroll.chat.template import ChatError, ChatFormat, ContextLengthError, Message
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.episode import Episode
 from asyncroll.types import Status
 
 __all__ = ["AgentSession", "ChatFor", "tools_key"]
+
+_T = TypeVar("_T")
 
 ChatFor = Callable[[tuple[dict[str, Any], ...] | None], tuple[ChatFormat, ReplyParser]]
 """The chat format and reply parser for a call's tools."""
@@ -89,6 +93,9 @@ class AgentSession:
         self._last: Answer | None = None
         self._job: _Job | None = None
         self._wake = asyncio.Event()
+        self.ended_by: str | None = None
+        """Why the episode's calls stop being answered, where its endpoint knows (its agent
+        returned); None: the run stopped it (the producer, the group's failure or deadline)."""
 
     async def submit(self, call: ChatCall) -> Answer:
         """Run `call` as the episode's next turn and wait for its answer (or `ApiError`).
@@ -131,7 +138,7 @@ class AgentSession:
             except ApiError as exc:
                 job.answer(exc)
             except BaseException as exc:
-                job.answer(ApiError(500, f"the episode's turn failed: {exc}", kind="server_error"))
+                job.answer(_failed(exc, self.ended_by))
                 raise
             else:
                 job.answer(answer)
@@ -186,8 +193,15 @@ class AgentSession:
                     param=f"messages[{i}]",
                     code="conversation_rewritten",
                 )
+        self._check_turns()
+        left = self.episode.tokens_left - 1  # the reply needs a token
         try:  # after a cut reply, the template's end of turn first (`ChatEpisode.add`)
-            context = chat.continuation(new, after_cut=True)
+            context = await _off_loop(
+                functools.partial(chat.continuation, new, after_cut=True, max_ids=max(left, 0)),
+                new,
+            )
+        except ContextLengthError:
+            raise self._over_budget(f"more than {max(left, 0) + 1}") from None
         except ChatError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         self._check_budget(len(context.ids) + 1)
@@ -197,11 +211,21 @@ class AgentSession:
     async def _first(self, call: ChatCall, known: list[Known]) -> Answer:
         episode = self.episode
         fmt, parser = self.chat_for(call.tools)
+        prompt = episode.prompt_tokens.tolist()
         try:
-            ids = fmt.prompt_ids(call.messages)
+            ids = await _off_loop(
+                functools.partial(_first_ids, fmt, call.messages, len(prompt)), call.messages
+            )
         except ChatError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        prompt = episode.prompt_tokens.tolist()
+        if ids is None:
+            raise ApiError(
+                400,
+                f"the first call's messages render to more than {len(prompt)} tokens, the "
+                "episode's prompt: send the messages (and tools) the prompt was rendered from",
+                param="messages",
+                code="prompt_mismatch",
+            )
         if ids != prompt:
             at = next(
                 (i for i, (a, b) in enumerate(zip(ids, prompt, strict=False)) if a != b),
@@ -220,7 +244,7 @@ class AgentSession:
         self._tools = tools_key(call.tools)
         return await self._reply(call, known)
 
-    def _check_budget(self, need: int) -> None:
+    def _check_turns(self) -> None:
         episode = self.episode
         if episode.turns_left == 0:
             raise ApiError(
@@ -229,14 +253,21 @@ class AgentSession:
                 "agent's loop sooner or raise max_turns",
                 code="max_turns_exceeded",
             )
-        if episode.tokens_left < need:
-            raise ApiError(
-                400,
-                f"the episode's token budget is spent: {episode.num_tokens} response tokens "
-                f"held, {episode.tokens_left} left, this call needs {need} (max_episode_tokens "
-                "or the engine's max_model_len)",
-                code="context_length_exceeded",
-            )
+
+    def _check_budget(self, need: int) -> None:
+        self._check_turns()
+        if self.episode.tokens_left < need:
+            raise self._over_budget(str(need))
+
+    def _over_budget(self, need: str) -> ApiError:
+        episode = self.episode
+        return ApiError(
+            400,
+            f"the episode's token budget is spent: {episode.num_tokens} response tokens "
+            f"held, {episode.tokens_left} left, this call needs {need} (max_episode_tokens "
+            "or the engine's max_model_len)",
+            code="context_length_exceeded",
+        )
 
     async def _reply(self, call: ChatCall, known: list[Known]) -> Answer:
         chat = self.chat
@@ -267,6 +298,50 @@ class AgentSession:
         self._known = [*known, known_message(message)]
         self._last = answer
         return answer
+
+
+_INLINE_CHARS = 8192
+"""Messages up to this much text are rendered and tokenized on the event loop (a few ms at
+most); more in a worker thread, whose hop costs a few ms of its own on a busy machine."""
+
+
+async def _off_loop(work: Callable[[], _T], messages: Sequence[Message]) -> _T:
+    """`work()` (rendering and tokenizing `messages`) in a worker thread when they are large:
+    a large request must not stop the event loop, where every other agent, the producer and
+    the trainer run. Abandoned if the episode is cancelled meanwhile (it only reads)."""
+    chars = sum(len(m.get("content") or "") + len(str(m.get("tool_calls") or "")) for m in messages)
+    if chars <= _INLINE_CHARS:
+        return work()
+    return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+
+
+def _first_ids(fmt: ChatFormat, messages: Sequence[Message], limit: int) -> list[int] | None:
+    """The first call's prompt ids (`ChatFormat.prompt_ids`), or None when they are certainly
+    more than `limit` (the episode's prompt): found without tokenizing all of them."""
+    if fmt.more_ids_than(fmt.render_text(messages, generation_prompt=True), limit):
+        return None
+    return fmt.prompt_ids(messages)
+
+
+def _failed(exc: BaseException, ended_by: str | None) -> ApiError:
+    """The answer to a call whose turn ended with `exc`: a cancellation is the run (or the
+    agent) ending the episode, whose text is empty or anyio's; anything else failed the turn
+    (and fails the group)."""
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        why = ended_by or (
+            "the producer stopped, or the episode's group ended (a sample failed, or the "
+            "group's deadline passed)"
+        )
+        return ApiError(
+            503,
+            f"the run stopped before this call was answered: {why}; the episode takes no "
+            "more calls",
+            kind="server_error",
+            code="run_stopped",
+        )
+    return ApiError(
+        500, f"the episode's turn failed: {type(exc).__name__}: {exc}", kind="server_error"
+    )
 
 
 def _ended() -> ApiError:

@@ -94,8 +94,18 @@ def _refuse(field: str, value: Any, why: str) -> ApiError:
     return ApiError(400, f"{field}={value!r} is not supported here: {why}", param=field)
 
 
+def _number(field: str, value: Any) -> None:
+    """`value` must be absent or a JSON number: `true` would pass as 1 and `false` as 0
+    (OpenAI refuses both where a number is expected)."""
+    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+        return
+    what = "a boolean" if isinstance(value, bool) else f"JSON {type(value).__name__}"
+    raise ApiError(400, f"{field}={value!r}: give a number, not {what}", param=field)
+
+
 def _same(field: str, value: Any, want: Any, *, unset: Any = None) -> None:
     """`value` must be absent or what the producer samples with."""
+    _number(field, value)
     if value is None or value == want or (unset is not None and value == unset and want is None):
         return
     raise _refuse(
@@ -140,6 +150,8 @@ def parse_call(
         ("min_p", 0),
     ):
         _same(field, body.get(field), neutral)
+    for field in ("n", "top_logprobs"):
+        _number(field, body.get(field))
     if body.get("n") not in (None, 1):
         raise _refuse("n", body["n"], "each call is one turn of one episode: n=1")
     if body.get("logit_bias"):
@@ -242,8 +254,41 @@ def _messages(messages: Any) -> tuple[dict[str, Any], ...]:
             raise ApiError(400, f"messages[{i}] has no role", param=f"messages[{i}]")
         m = dict(m)
         m["content"] = _text(m.get("content"), i)
+        if m.get("tool_calls") is not None:
+            _check_tool_calls(m["tool_calls"], i)
         out.append(m)
     return tuple(out)
+
+
+def _check_tool_calls(calls: Any, i: int) -> None:
+    """A message's `tool_calls` as OpenAI defines them: a list of {"id": text, "type":
+    "function", "function": {"name": text, "arguments": JSON text}} (arguments as an object
+    taken too). Anything else is refused here, before it is compared or rendered."""
+    field = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{field}={calls!r}: give a list of tool calls", param=field)
+    for j, call in enumerate(calls):
+        at = f"{field}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise ApiError(
+                400,
+                f"{at}={call!r}: give {{'id': ..., 'type': 'function', 'function': "
+                "{'name': ..., 'arguments': ...}}",
+                param=at,
+            )
+        if not isinstance(call.get("id", ""), str) or call.get("type", "function") != "function":
+            raise ApiError(400, f"{at}: 'id' must be text and 'type' must be 'function'", param=at)
+        if not isinstance(fn.get("name"), str):
+            raise ApiError(
+                400, f"{at}.function.name={fn.get('name')!r}: give the tool's name", param=at
+            )
+        if not isinstance(fn.get("arguments"), str | dict):
+            raise ApiError(
+                400,
+                f"{at}.function.arguments={fn.get('arguments')!r}: give the arguments as JSON text",
+                param=at,
+            )
 
 
 def _text(content: Any, i: int) -> str:

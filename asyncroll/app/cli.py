@@ -91,8 +91,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             config = _demo_config(args)
         except ValueError as exc:
             parser.error(str(exc))
+        if config.ranks > 1:  # the launcher takes this process over: signals reach it
+            from asyncroll.app.demo_ranks import command
+
+            argv = command(config, args.verbose)
+            os.execv(argv[0], argv)
         log_path = Path(config.out) / "engine.log"
-        with _engine_output(log_path, verbose=args.verbose) as console:
+        with engine_output(log_path, verbose=args.verbose) as console:
             asyncio.run(run_demo(config, console=console))
     else:
         asyncio.run(_simulate(args))
@@ -137,6 +142,13 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: never)"
     )
     demo.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    demo.add_argument(
+        "--ranks",
+        type=int,
+        default=d.ranks,
+        help="train with FSDP2 over this many ranks under torchrun (gloo on CPU); rank 0 owns "
+        "vLLM and the producer (echo task only; default %(default)s: this process)",
+    )
     demo.add_argument(
         "--task",
         default=d.task,
@@ -236,7 +248,7 @@ def _defaults(name: str, default: object) -> str:
 
 
 @contextlib.contextmanager
-def _engine_output(path: Path, *, verbose: bool) -> Iterator[TextIO]:
+def engine_output(path: Path, *, verbose: bool) -> Iterator[TextIO]:
     """Send everything this process and the processes it starts write to stdout and stderr
     (vLLM's logs, its workers' C++ chatter, Python warnings, the library's log records) to
     `path`, and yield a stream to the terminal for the progress bar and the summary.

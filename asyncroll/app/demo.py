@@ -124,6 +124,9 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
     # first (0: never); stop once an evaluation's accuracy reaches `solved_accuracy` (0: never)
     eval_every: int = 0
     solved_accuracy: float = 0.9
+    # train with FSDP2 over this many ranks (torchrun, gloo on CPU; asyncroll.app.demo_ranks):
+    # rank 0 owns vLLM and the producer, every rank trains its share of each batch
+    ranks: int = 1
 
     def __post_init__(self) -> None:
         for name in ("steps", "group_size", "batch_groups", "max_new_tokens"):
@@ -158,6 +161,16 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"--lora-rank must be in 1..{max(VLLM_MAX_RANKS)} (vLLM's largest)")
         if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
             raise ValueError("--lora-alpha must be a positive number")
+        if self.ranks < 1:
+            raise ValueError("--ranks must be >= 1 (1: the trainer in this process)")
+        if self.ranks > 1:
+            kept = {"task": "echo", "lora": False, "checkpoint_every": 0, "resume": False}
+            for name, value in kept.items():
+                if getattr(self, name) != value:
+                    raise ValueError(
+                        f"--ranks {self.ranks} runs the echo task with full weights and no "
+                        f"checkpoints: leave --{name.replace('_', '-')} at {value!r}"
+                    )
 
     def lora_config(self) -> LoraConfig | None:
         """The adapter trained with --lora (None: full fine-tuning)."""

@@ -36,7 +36,7 @@ from asyncroll.chat.rewards import (
     decode_completions,
     text_reward,
 )
-from asyncroll.chat.template import CHAT_ROLES, ChatError, ChatFormat
+from asyncroll.chat.template import CHAT_ROLES, ChatError, ChatFormat, ContextLengthError
 from asyncroll.chat.tiny import TINY_CHAT_TEMPLATE, tiny_chat_tokenizer
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "ChatError",
     "ChatFormat",
     "ChatTokenizer",
+    "ContextLengthError",
     "Continuation",
     "DecodeTokenizer",
     "Decoder",

@@ -45,7 +45,13 @@ from typing import Any
 import msgspec
 
 from asyncroll.chat.parse import Reply, ReplyParser
-from asyncroll.chat.template import ChatError, ChatFormat, Message, check_roles
+from asyncroll.chat.template import (
+    ChatError,
+    ChatFormat,
+    ContextLengthError,
+    Message,
+    check_roles,
+)
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.episode import Episode
 
@@ -69,8 +75,10 @@ class Continuation(msgspec.Struct, frozen=True):
 class ChatEpisode:
     """A chat view of one `Episode`. `messages` are the prompt's messages (kept in
     `self.messages` with each reply and added message, for the rollout function and its
-    reward); `sampling` is what each reply samples with (pass the producer's), the format's
-    end-of-turn ids added to its stop tokens."""
+    reward); `sampling` is what each reply samples with, the format's end-of-turn ids added
+    to its stop tokens: by default the producer's, as `Episode.generate` samples (other
+    temperature or top-p/k than the producer's make the behaviour logprobs describe another
+    policy than the one the trainer recomputes)."""
 
     def __init__(
         self,
@@ -86,7 +94,7 @@ class ChatEpisode:
         self.fmt = fmt
         self.parser = parser
         self.messages: list[dict[str, Any]] = [dict(m) for m in messages]
-        base = sampling or SamplingConfig()
+        base = episode.sampling if sampling is None else sampling
         stops = tuple(dict.fromkeys((*base.stop_token_ids, *fmt.stop_token_ids)))
         self.sampling = msgspec.structs.replace(base, stop_token_ids=stops)
         self.last: Reply | None = None
@@ -147,9 +155,16 @@ class ChatEpisode:
         self._needs_messages = False
         return ids
 
-    def continuation(self, messages: Sequence[Message], *, after_cut: bool = False) -> Continuation:
+    def continuation(
+        self, messages: Sequence[Message], *, after_cut: bool = False, max_ids: int | None = None
+    ) -> Continuation:
         """What `add(messages, after_cut=after_cut)` would append (`add`'s first half: the
-        template rendered, nothing appended); `append` it. `ChatError` as `add` raises it."""
+        template rendered, nothing appended); `append` it. `ChatError` as `add` raises it.
+
+        `max_ids`: a caller's budget. `ContextLengthError` when the ids would certainly be
+        more, found before the whole text is encoded (`ChatFormat.more_ids_than`): a huge
+        tool result costs a few times the budget, not its size. Within it, the caller checks
+        `len(ids)` itself (a text a little over passes this check)."""
         last = self.last
         if last is None or not self._needs_messages:
             raise ChatError(
@@ -165,6 +180,11 @@ class ChatEpisode:
                 "add(..., after_cut=True) to close the turn with the template's end of turn)"
             )
         end, text = self.fmt.after_reply(last.message(), messages)
+        if max_ids is not None and self.fmt.more_ids_than(text, max_ids - (0 if ended else 1)):
+            raise ContextLengthError(
+                f"the messages add more than {max_ids} tokens after reply "
+                f"{self.episode.policy_turns}"
+            )
         ids = self.fmt.encode(text)
         turn = self.episode.policy_turns
         difference = ""

@@ -16,11 +16,12 @@ are rendered.
 
 How the new messages' tokens are found (`ChatFormat.bridge`): render a stand-in context that
 ends with the assistant's reply (its content replaced by a sentinel, its reasoning left out:
-nothing after the reply's end may depend on them) and the new messages, with the generation
-prompt. Everything after the reply's end-of-turn string is the bridge: the separators the
-model never samples (Qwen's "\\n" after `<|im_end|>`), the new messages, the next assistant
-header. Its text starts right after a special token, so encoding it alone gives the ids a full
-render would give there.
+nothing after the reply's end may depend on them; its tool calls kept, with any end-of-turn
+string taken out of their text, so that a call whose arguments hold "<|im_end|>" is not taken
+for the reply's end) and the new messages, with the generation prompt. Everything after the
+reply's end-of-turn string is the bridge: the separators the model never samples (Qwen's "\\n"
+after `<|im_end|>`), the new messages, the next assistant header. Its text starts right after
+a special token, so encoding it alone gives the ids a full render would give there.
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CHAT_ROLES", "ChatError", "ChatFormat", "Message", "render_prompt_ids"]
+__all__ = [
+    "CHAT_ROLES",
+    "ChatError",
+    "ChatFormat",
+    "ContextLengthError",
+    "Message",
+    "render_prompt_ids",
+]
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 """The roles of OpenAI-format messages that chat templates render, for prompts and episodes
@@ -42,11 +50,20 @@ Message = Mapping[str, Any]
 `tool_calls` (assistant) and `tool_call_id` / `name` (tool)."""
 
 _SENTINEL = "ASYNCROLL_REPLY_SENTINEL"
+_CUT_MARGIN = 256
+"""Ids a prefix of a text may hold beyond the whole text's first ids: where the prefix ends,
+a word or a special token's text cut in two encodes to more ids than it does whole."""
+_CHARS_PER_ID = 8  # the first prefix checked: this many characters per id of the limit
 
 
 class ChatError(ValueError):
     """A message list the chat layer cannot turn into tokens (unknown role, a template that
     raises, a bridge that is not where the template says), or a call out of order."""
+
+
+class ContextLengthError(ChatError):
+    """What a call would append holds more ids than the limit it was given
+    (`ChatEpisode.continuation(..., max_ids=...)`)."""
 
 
 class ChatFormat:
@@ -108,6 +125,24 @@ class ChatFormat:
         """Ids of rendered text (special tokens in it are matched, none are added)."""
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
 
+    def more_ids_than(self, text: str, limit: int) -> bool:
+        """True when `encode(text)` certainly holds more than `limit` ids, found by encoding
+        ever longer prefixes of `text` (never the whole): a text far over the limit costs
+        an encoding of a few times the limit, not of the text (4 MiB of tool output against
+        a 4,096-token budget: seconds otherwise). False says nothing: encode it.
+
+        A prefix's ids are the whole text's first ids except at the cut (before a space where
+        there is one), so a prefix holding more than `limit` + 256 ids means the text does;
+        the margin covers a cut word or special token."""
+        size = _CHARS_PER_ID * (limit + _CUT_MARGIN)
+        while size < len(text):
+            space = text.rfind(" ", size // 2, size)
+            cut = space if space > 0 and not text[space - 1].isspace() else size
+            if len(self.encode(text[:cut])) > limit + _CUT_MARGIN:
+                return True
+            size *= 4
+        return False
+
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """The first prompt: `messages` rendered with the generation prompt
         (`render_prompt_ids`, with this format's tools and template variables)."""
@@ -133,7 +168,17 @@ class ChatFormat:
                     "an assistant message among the new messages: the policy's turns are "
                     "sampled (reply()), never rendered into the stream"
                 )
-        stand_in = {k: v for k, v in reply.items() if k not in ("reasoning_content", "reasoning")}
+        # The reply's other fields (its tool calls) stay, since a template may render what
+        # follows from them (a tool result's header from its call's name), but with the
+        # end-of-turn strings taken out of their text: a call whose arguments hold
+        # "<|im_end|>" (sampled as ordinary tokens, or as a JSON escape that tojson undoes)
+        # would otherwise be taken for the reply's end, and its tail become the bridge.
+        scrub = (*self.end_of_turn, _SENTINEL)
+        stand_in = {
+            k: _without(v, scrub)
+            for k, v in reply.items()
+            if k not in ("reasoning_content", "reasoning")
+        }
         stand_in["role"] = "assistant"
         stand_in["content"] = _SENTINEL
         base: list[Message] = [{"role": "user", "content": "."}]
@@ -225,6 +270,22 @@ def render_prompt_ids(
     if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
         raise ChatError(f"the tokenizer gave no token ids (got {arr.shape} {arr.dtype})")
     return [int(i) for i in arr.tolist()]
+
+
+def _without(value: Any, texts: Sequence[str]) -> Any:
+    """`value` (a message field: text, or JSON-like lists and mappings of it) with every
+    occurrence of `texts` removed from its strings, keys included (until none is left: taking
+    one out must not join the pieces of another)."""
+    if isinstance(value, str):
+        while any(t in value for t in texts):
+            for t in texts:
+                value = value.replace(t, "")
+        return value
+    if isinstance(value, Mapping):
+        return {_without(k, texts): _without(v, texts) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_without(v, texts) for v in value]
+    return value
 
 
 def _added(tokenizer: Any) -> list[str]:

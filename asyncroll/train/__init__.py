@@ -1,5 +1,6 @@
 """The trainer's side: a batch of groups as padded torch tensors, the policy loss and its
-off-policy corrections (`loss`), per-turn losses (`turns`), LoRA training without peft
+off-policy corrections (`loss`), a batch split over ranks into micro-batches (`micro`), one
+optimizer step over them (`step`), per-turn losses (`turns`), LoRA training without peft
 (`lora`). Needs torch. Everything public is re-exported here:
 `from asyncroll.train import to_batch, policy_loss`."""
 
@@ -11,9 +12,13 @@ from asyncroll.train.lora import (
     wrap_lora,
 )
 from asyncroll.train.loss import (
+    AGGREGATIONS,
     CORRECTIONS,
+    Aggregation,
     BehaviourWeights,
     Correction,
+    KlEstimator,
+    LossNorm,
     TrainBatch,
     behaviour_weights,
     group_advantages,
@@ -23,6 +28,8 @@ from asyncroll.train.loss import (
     to_batch,
     token_logprobs,
 )
+from asyncroll.train.micro import COSTS, CostModel, MicroBatch, Shard, row_costs, split_batch
+from asyncroll.train.step import Forward, GradientSync, LossConfig, train_step
 from asyncroll.train.turns import (
     TurnRewards,
     blind_problems,
@@ -39,10 +46,21 @@ from asyncroll.train.turns import (
 )
 
 __all__ = [
+    "AGGREGATIONS",
     "CORRECTIONS",
+    "COSTS",
+    "Aggregation",
     "BehaviourWeights",
     "Correction",
+    "CostModel",
+    "Forward",
+    "GradientSync",
+    "KlEstimator",
     "LoraLinear",
+    "LossConfig",
+    "LossNorm",
+    "MicroBatch",
+    "Shard",
     "TrainBatch",
     "TurnRewards",
     "adapter_of",
@@ -59,9 +77,12 @@ __all__ = [
     "policy_loss",
     "problem_tokens",
     "proximal_logprobs",
+    "row_costs",
+    "split_batch",
     "to_batch",
     "token_entropy",
     "token_logprobs",
+    "train_step",
     "trainable_parameters",
     "turn_index",
     "turn_loss",

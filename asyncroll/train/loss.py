@@ -192,14 +192,7 @@ def token_logprobs(
     must return, aside) is at most min(`CHUNK_BYTES`, the logits' size / `CHUNK_SHARE`), or one
     row's worth when that is more.
     """
-    if not 0 < temperature < math.inf:  # NaN too: it would make every logprob NaN
-        raise ValueError(
-            f"temperature={temperature}: must be a finite number > 0 (greedy has no logprobs)"
-        )
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k}: use None to disable or a value >= 1")
+    check_sampling(temperature=temperature, top_p=top_p, top_k=top_k)
     b, length, vocab = logits.shape
     # Row t predicts token t + 1; the last row predicts nothing (target 0, result dropped).
     # Using every row keeps `logits` a view in the graph: slicing off the last row would make
@@ -210,6 +203,19 @@ def token_logprobs(
         logits.reshape(b * length, vocab), targets, sampler, _chunk_rows(logits, sampler)
     )
     return torch.nn.functional.pad(picked.view(b, length)[:, :-1], (1, 0))
+
+
+def check_sampling(*, temperature: float, top_p: float, top_k: int | None) -> None:
+    """Raise a ValueError that says what to change if these sampling parameters describe no
+    distribution (shared by `token_logprobs` and `LossConfig`)."""
+    if not 0 < temperature < math.inf:  # NaN too: it would make every logprob NaN
+        raise ValueError(
+            f"temperature={temperature}: must be a finite number > 0 (greedy has no logprobs)"
+        )
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k}: use None to disable or a value >= 1")
 
 
 def _chunk_rows(logits: torch.Tensor, sampler: _Sampler) -> int:
@@ -449,15 +455,105 @@ def behaviour_weights(
     )
 
 
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+"""How `policy_loss` turns per-token terms into one loss (verl's `loss_agg_mode` names):
+
+- "token-mean": sum over all trained tokens / trained tokens (each token weighs the same; a
+  long sample weighs more than a short one);
+- "seq-mean-token-mean": mean over samples of each sample's mean over its trained tokens (each
+  sample weighs the same: GRPO's original 1/|o_i|);
+- "seq-mean-token-sum-norm": sum over all trained tokens / (samples x `norm_length`), a
+  constant per sample such as max_new_tokens (Dr. GRPO: no length bias, and a token's weight
+  does not change with the other samples' lengths).
+"""
+AGGREGATIONS: tuple[Aggregation, ...] = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+KlEstimator = Literal["k1", "k3"]
+"""Per-token estimators of KL(pi || pi_ref) on tokens sampled from pi (Schulman's names):
+k1 = log pi - log pi_ref; k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1 (never
+negative, unbiased; GRPO's "low_var_kl")."""
+
+
+class LossNorm(msgspec.Struct, frozen=True, kw_only=True):
+    """The whole batch's denominators, so that the loss of a slice of it (a micro-batch, a
+    rank's shard) is that slice's exact share of the whole batch's loss: the sum of the slices'
+    losses is the whole batch's loss, and so is the sum of their gradients, whatever the
+    slicing. Without it a micro-batch would divide by its own token count, and gradient
+    accumulation would weigh a token of a short micro-batch more than one of a long one.
+
+    `tokens`: trained tokens (`loss_mask`) of the whole batch; `samples`: its samples (rows of
+    `to_batch`, not counting the padding rows a split adds)."""
+
+    tokens: int
+    samples: int
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0 or self.samples < 0:
+            raise ValueError(f"{self}: counts must be >= 0")
+
+    @classmethod
+    def of(cls, batch: TrainBatch) -> LossNorm:
+        """The denominators of `batch` itself (what `policy_loss` uses without `norm`)."""
+        return cls(tokens=batch.num_tokens, samples=int(batch.input_ids.shape[0]))
+
+
+def check_loss_settings(
+    *,
+    clip: float,
+    clip_high: float | None,
+    aggregation: str,
+    norm_length: int | None,
+    kl_coef: float,
+    kl_estimator: str,
+) -> None:
+    """Raise a ValueError that says what to change if these `policy_loss` settings make no
+    loss (shared by `policy_loss` and `LossConfig`, which checks them at construction)."""
+    if not clip >= 0:  # NaN too: it would make the loss NaN
+        raise ValueError(f"clip={clip}: must be >= 0 (the PPO clip range, e.g. 0.2)")
+    if clip_high is not None and not clip_high >= 0:
+        raise ValueError(
+            f"clip_high={clip_high}: must be >= 0 (DAPO's upper clip range, e.g. 0.28; "
+            "None: the same as clip)"
+        )
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r}: use one of {', '.join(AGGREGATIONS)}")
+    if aggregation == "seq-mean-token-sum-norm":
+        if norm_length is None or not norm_length >= 1:
+            raise ValueError(
+                f"norm_length={norm_length}: 'seq-mean-token-sum-norm' divides each sample's "
+                "token sum by this constant: give it, e.g. the sampling's max_new_tokens"
+            )
+    elif norm_length is not None:
+        raise ValueError(
+            f"norm_length={norm_length} is used only with 'seq-mean-token-sum-norm' "
+            f"(aggregation={aggregation!r}): drop it"
+        )
+    if not 0 <= kl_coef < math.inf:
+        raise ValueError(f"kl_coef={kl_coef}: must be a finite number >= 0 (0: no KL penalty)")
+    if kl_estimator not in ("k1", "k3"):
+        raise ValueError(f"kl_estimator={kl_estimator!r}: use 'k1' or 'k3'")
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     batch: TrainBatch,
     *,
     clip: float = 0.2,
+    clip_high: float | None = None,
     correction: Correction | None = None,
     proximal_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KlEstimator = "k3",
+    aggregation: Aggregation = "token-mean",
+    norm_length: int | None = None,
+    norm: LossNorm | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip loss with per-sample advantages, as GRPO uses it, averaged over trained tokens.
+    """PPO-clip loss with per-sample advantages, as GRPO uses it; by default averaged over
+    trained tokens.
 
     Without `correction`: the ratio pi / mu is taken against the behaviour logprobs recorded at
     generation, as plain PPO does; with stale tokens its clip then stops the gradient of every
@@ -468,11 +564,68 @@ def policy_loss(
     before this update, from `proximal_logprobs()`; with one optimizer step per batch that is
     just `logprobs.detach()`), and each token is weighted by its behaviour weight.
 
-    `stats["clip_fraction"]` is the share of trained tokens whose clipped branch wins the PPO
-    min (the ones whose gradient the clip stops).
+    The ratio is clamped to [1 - clip, 1 + clip_high] (`clip_high` None: clip; DAPO's
+    clip-higher uses 0.28 over 0.2, so that unlikely tokens can grow). Per trained token t of
+    sample s the term is
+
+        l_t = -w_t * min(r_t A_s, clamp(r_t, 1 - clip, 1 + clip_high) A_s) + kl_coef * kl_t
+
+    with kl_t the `kl_estimator` of KL(pi || pi_ref) from `ref_logprobs` (the reference
+    policy's logprobs of the batch, as `token_logprobs` gives them; needed when kl_coef > 0).
+    The KL term is not weighted by the behaviour weight, and a token whose logprob or reference
+    logprob is -inf (outside a top-k/top-p set) has none. `aggregation` (see `Aggregation`)
+    sums the terms into the loss, with the denominators of `norm` (`LossNorm.of(batch)` when
+    None): give a slice of a batch the whole batch's `norm`, and the slices' losses and
+    gradients add up to the whole batch's.
+
+    Stats (each additive over slices that share a `norm`: shares of the whole batch's trained
+    tokens): `loss`; `clip_fraction`, the share of trained tokens whose clipped branch wins the
+    PPO min (the ones whose gradient the clip stops), split into `clip_fraction_high` (ratio
+    above 1 + clip_high, positive advantage) and `clip_fraction_low`; `ratio_mean`; with a
+    reference, `kl` (the estimator's mean over trained tokens).
     """
-    if not clip >= 0:  # NaN too: it would make the loss NaN
-        raise ValueError(f"clip={clip}: must be >= 0 (the PPO clip range, e.g. 0.2)")
+    check_loss_settings(
+        clip=clip,
+        clip_high=clip_high,
+        aggregation=aggregation,
+        norm_length=norm_length,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+    )
+    loss, stats = loss_terms(
+        logprobs,
+        batch,
+        clip=clip,
+        clip_high=clip_high,
+        correction=correction,
+        proximal_logprobs=proximal_logprobs,
+        ref_logprobs=ref_logprobs,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        aggregation=aggregation,
+        norm_length=norm_length,
+        norm=norm,
+    )
+    return loss, {name: float(value) for name, value in stats.items()}
+
+
+def loss_terms(
+    logprobs: torch.Tensor,
+    batch: TrainBatch,
+    *,
+    clip: float,
+    clip_high: float | None,
+    correction: Correction | None,
+    proximal_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    kl_coef: float,
+    kl_estimator: KlEstimator,
+    aggregation: Aggregation,
+    norm_length: int | None,
+    norm: LossNorm | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`policy_loss` with its stats as 0-dim tensors on the batch's device (no host sync per
+    micro-batch: `train_step` sums them and reads them once); settings already checked."""
     mask = batch.loss_mask
     weight: torch.Tensor | None = None
     anchor = batch.old_logprobs
@@ -485,25 +638,72 @@ def policy_loss(
         weight = behaviour_weights(anchor, batch, correction).weight
     elif proximal_logprobs is not None:
         raise ValueError("proximal_logprobs is used only with a correction")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs (the reference's logprobs)")
     # A token outside the anchor's nucleus (proximal logprob -inf; behaviour logprobs are
     # finite) has behaviour weight 0, and a ratio to it of exp(-inf - -inf) = NaN: taken as 1,
     # so that the weight zeroes its term instead of 0 * NaN making the whole loss NaN.
     ratio = (logprobs - anchor).masked_fill(~mask | anchor.isneginf(), 0.0).exp()
     adv = batch.advantages[:, None]
     unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip, 1 + clip) * adv
+    clipped = ratio.clamp(1 - clip, 1 + (clip if clip_high is None else clip_high)) * adv
     surrogate = torch.minimum(unclipped, clipped)
     if weight is not None:
         surrogate = weight * surrogate
-    n = mask.sum().clamp(min=1)
-    loss = -(surrogate * mask).sum() / n
+    kl: torch.Tensor | None = None
+    if ref_logprobs is not None:
+        kl = _kl(logprobs, ref_logprobs.detach(), mask, kl_estimator)
+    norm = norm or LossNorm.of(batch)
+    n = max(norm.tokens, 1)  # a Python number: a device tensor would sync per micro-batch
+    per_token = -surrogate  # negation is exact: the default loss keeps its bits
+    if kl is not None and kl_coef:
+        per_token = per_token + kl_coef * kl
+    loss = _aggregate(per_token * mask, mask, n, aggregation, norm, norm_length)
     with torch.no_grad():
+        wins = (clipped < unclipped) & mask
         stats = {
-            "loss": float(loss),
-            "clip_fraction": float(((clipped < unclipped) & mask).sum() / n),
-            "ratio_mean": float((ratio * mask).sum() / n),
+            "loss": loss.detach(),
+            "clip_fraction": wins.sum() / n,
+            "clip_fraction_high": (wins & (adv > 0)).sum() / n,
+            "clip_fraction_low": (wins & (adv < 0)).sum() / n,
+            "ratio_mean": (ratio * mask).sum() / n,
         }
+        if kl is not None:
+            stats["kl"] = (kl * mask).sum() / n
     return loss, stats
+
+
+def _kl(
+    logprobs: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, estimator: KlEstimator
+) -> torch.Tensor:
+    """Per-token KL estimate, 0 off the mask and where either logprob is -inf. The difference
+    is masked *before* `exp`: masking after would leave exp(inf) in the graph, and its backward
+    0 * inf = NaN."""
+    inside = mask & logprobs.detach().isfinite() & ref.isfinite()
+    log_ratio = (ref - logprobs).masked_fill(~inside, 0.0)  # log pi_ref / pi
+    if estimator == "k1":
+        return -log_ratio
+    return log_ratio.exp() - log_ratio - 1
+
+
+def _aggregate(
+    terms: torch.Tensor,
+    mask: torch.Tensor,
+    tokens: int,
+    aggregation: Aggregation,
+    norm: LossNorm,
+    norm_length: int | None,
+) -> torch.Tensor:
+    """The loss of per-token `terms` ([B, L], 0 off the mask) under `aggregation`, divided by
+    the whole batch's `norm` (`tokens`: its token count, at least 1); a sample's
+    own token count is its own, since a split never cuts a row."""
+    if aggregation == "token-mean":
+        return terms.sum() / tokens
+    samples = max(norm.samples, 1)
+    if aggregation == "seq-mean-token-mean":
+        return (terms.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / samples
+    assert norm_length is not None  # checked by check_loss_settings
+    return terms.sum() / (samples * norm_length)
 
 
 def proximal_logprobs(

@@ -50,7 +50,10 @@ async def test_routed_experts_one_row_per_token(
     )  # fmt: skip
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    import vllm
+
+    if tuple(int(x) for x in vllm.__version__.split(".")[:2]) < (0, 34):  # 0.34: V2 only
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     async with VLLMEngine(
         tmp_path, max_model_len=MAX_MODEL_LEN, enable_return_routed_experts=True,
         gpu_memory_utilization=0.2,

@@ -181,3 +181,29 @@ async def test_an_embedding_or_head_adapter_is_refused_and_the_engine_serves_on(
     assert one_slot.version == before
     out = await greedy(one_slot, f"after-{leaf}")
     assert out.versions.tolist() == [before] * 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "match"),
+    [
+        ({"data_parallel_size": 2}, {}, "run one `vllm serve` replica per rank"),
+        ({}, {"VLLM_RELOAD_MODE": "direct"}, "unset VLLM_RELOAD_MODE"),
+        ({"trainer_headroom_bytes": 1 << 30}, {}, "are for GPUs"),
+    ],
+    ids=["data-parallel", "direct-reload", "headroom-on-cpu"],
+)
+def test_settings_that_would_silence_a_check_are_refused_before_vllm_starts(
+    tiny_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kwargs: dict[str, Any],
+    env: dict[str, str],
+    match: str,
+) -> None:
+    """In process, vLLM returns the weight reports of its first data-parallel engine core
+    only, and its direct reload reports no unloaded layer: with either, an update that
+    missed weights would pass. Both are refused before any vLLM process starts (no engine
+    here: a start takes 15-20 s), as are GPU headrooms on a CPU build."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=match):
+        VLLMEngine(tiny_model, **kwargs)

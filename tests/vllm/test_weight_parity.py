@@ -110,14 +110,20 @@ def load_case(model: Path, folder: Path) -> Case:
 @pytest_asyncio.fixture(scope="module")
 async def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     """The tied model (the session engines') and an untied one with biases."""
-    models = {"tied": build_tiny_model(), "untied": build_tiny_model(**UNTIED)}
+    root = await made_once(tmp_path_factory, "weight-parity", make_cases)
+    return {name: load_case(model, root / name) for name, model in case_models().items()}
 
-    async def make(root: Path) -> None:
-        for name, model in models.items():
-            await make_case(model, root / name)
 
-    root = await made_once(tmp_path_factory, "weight-parity", make)
-    return {name: load_case(model, root / name) for name, model in models.items()}
+def case_models() -> dict[str, Path]:
+    """The tied model (the session engines') and an untied one with biases."""
+    return {"tied": build_tiny_model(), "untied": build_tiny_model(**UNTIED)}
+
+
+async def make_cases(root: Path) -> None:
+    """Every case under `root` (once a run: `made_once(..., "weight-parity", make_cases)`;
+    tests/vllm/test_ranks_vllm.py reads them too)."""
+    for name, model in case_models().items():
+        await make_case(model, root / name)
 
 
 def test_every_tensor_is_perturbed(cases: dict[str, Case]) -> None:

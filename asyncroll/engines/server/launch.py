@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncroll import lifetime
+from asyncroll.engines.vllm.compat import check_environment
+from asyncroll.launcher_env import without_launcher_variables
 
 if TYPE_CHECKING:
     from asyncroll.lora import LoraSlots
@@ -160,9 +162,10 @@ class ServerProcess:
                 f"port {port} on 127.0.0.1 is in use (an earlier server still stopping?)"
             )
         args = serve_args(model, port, **serve_kwargs)  # type: ignore[arg-type]
+        check_environment({**os.environ, **(env or {})})  # before anything is started
         fd, log_name = tempfile.mkstemp(prefix=f"vllm-serve-{port}-", suffix=".log")
         lora_env = LORA_ENV if serve_kwargs.get("lora") is not None else {}
-        child_env = {**os.environ, **RL_ENV, **lora_env, **(env or {})}
+        child_env = {**without_launcher_variables(os.environ), **RL_ENV, **lora_env, **(env or {})}
         root = str(Path(__file__).resolve().parents[3])  # a source checkout imports this shim
         child_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (root, child_env.get("PYTHONPATH", "")) if p

@@ -157,6 +157,8 @@ class NcclGroup:
         except BaseException as exc:
             self.members = None
             sender.leave()
+            if isinstance(exc, Exception):  # not when cancelled: the caller stops waiting now
+                await self._finish_open(members, sender.timeout_s)
             partial = RuntimeError(
                 f"left with partial weights: the update to version {version} failed: {exc}"
             )
@@ -164,3 +166,20 @@ class NcclGroup:
                 mine = isinstance(exc, ReplicaError) and exc.url == replica.url
                 self._down(replica, exc if mine else partial)
             raise
+
+    async def _finish_open(self, members: Sequence[Replica], timeout_s: float) -> None:
+        """After a failed round, finish the open update on every member: a vLLM worker whose
+        `/start_weight_update` succeeded and whose update was never finished refuses every
+        later start ("already active") and every `/shutdown_weight_transfer_engine`, so the
+        replica could take no NCCL update again until it restarts. A member with no open
+        update answers an error, which changes nothing; every answer is ignored (the round's
+        own error is what the caller gets), each within `timeout_s`."""
+        await asyncio.gather(
+            *(
+                self._client.call(
+                    r, "POST", "/finish_weight_update", None, timeout_s=timeout_s, idempotent=False
+                )
+                for r in members
+            ),
+            return_exceptions=True,
+        )

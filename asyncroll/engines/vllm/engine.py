@@ -54,8 +54,8 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
+from asyncroll.engines.vllm import compat, startup, streams, weight_check
 from asyncroll.engines.vllm import groups as vllm_groups
-from asyncroll.engines.vllm import startup, streams, weight_check
 from asyncroll.engines.vllm.loading import WEIGHTS_DIR, WeightLoader, WeightsState
 from asyncroll.engines.vllm.lora import Adapter, AdapterSet, AdapterState
 from asyncroll.engines.vllm.startup import Transfer
@@ -116,6 +116,14 @@ class VLLMEngine:
     generate (`WeightMismatchError`; running requests end as aborted) until an update succeeds:
     no token is labelled with weights that are not the trainer's.
 
+    `trainer_headroom_bytes` and `reload_headroom_bytes` (GPU only): the device memory vLLM
+    leaves to a trainer's process on the same GPU, and free for reloading weights (None:
+    `compat.DEFAULT_RELOAD_HEADROOM_BYTES`, 1 GiB; give at least twice the largest layer). On
+    CUDA the engine sets `gpu_memory_utilization` from them unless the caller gives it or
+    `kv_cache_memory_bytes` (vLLM 0.34 would otherwise take all free memory for an extensible
+    KV cache and refuse reloads short of memory; `asyncroll.engines.vllm.compat`).
+    `data_parallel_size > 1` and `VLLM_RELOAD_MODE=direct` are refused (`compat`).
+
     `lora`: serve LoRA adapters (`update_weights` with a `asyncroll.lora.LoraAdapter`), with
     `LoraSlots(max_rank=, slots=)` as vLLM's `max_lora_rank` and `max_loras` (None: no LoRA,
     and an adapter update raises `LoraError`). Each adapter update registers the adapter in
@@ -144,6 +152,8 @@ class VLLMEngine:
         control_timeout_s: float = 300.0,
         verify_weights: bool = False,
         lora: LoraSlots | None = None,
+        trainer_headroom_bytes: int = 0,
+        reload_headroom_bytes: int | None = None,
         **engine_args: Any,
     ) -> None:
         from vllm import __version__ as vllm_version
@@ -153,7 +163,18 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         startup.require_vllm(vllm_version)
+        compat.check_environment()
+        compat.refuse_data_parallel(engine_args)
         on_cpu = current_platform.is_cpu()
+        if on_cpu and (trainer_headroom_bytes or reload_headroom_bytes is not None):
+            raise ValueError("trainer_headroom_bytes and reload_headroom_bytes are for GPUs")
+        if not on_cpu:
+            compat.gpu_memory(
+                engine_args,
+                total_bytes=int(current_platform.get_device_total_memory(0)),
+                trainer_headroom_bytes=trainer_headroom_bytes,
+                reload_headroom_bytes=reload_headroom_bytes,
+            )
         startup.engine_arguments(
             engine_args,
             stream_interval=stream_interval,

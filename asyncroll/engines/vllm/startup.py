@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from asyncroll.launcher_env import launcher_variables
 from asyncroll.lora import LoraSlots
 
 EXTENSION = "asyncroll.engines.vllm.in_worker.WeightLoaderExtension"
@@ -103,10 +104,17 @@ def child_environment(on_cpu: bool) -> Iterator[None]:
     variable covers workers started any other way. On CPU, TORCH_COMPILE_DISABLE=1 skips the
     8-17 s gcc compile vLLM's logprobs op would do on its first request, at no measurable speed
     cost. Neither variable is left changed in this process.
+
+    A launcher's variables (`launcher_env`: torchrun's RANK, WORLD_SIZE, MASTER_PORT, ...) are
+    taken out while vLLM starts its processes and put back afterwards: vLLM would read them as
+    its own rank and rendezvous.
     """
     root = str(Path(__file__).resolve().parents[3])
     installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TORCH_COMPILE_DISABLE")}
+    hidden = launcher_variables(os.environ)
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TORCH_COMPILE_DISABLE", *hidden)}
+    for name in hidden:
+        del os.environ[name]
     paths = [p for p in (saved["PYTHONPATH"] or "").split(os.pathsep) if p]
     if root not in paths and root not in installed:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])

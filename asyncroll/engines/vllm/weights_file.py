@@ -14,10 +14,24 @@ from asyncroll.engines.base import Weights
 
 
 def detached(weights: Weights) -> list[tuple[str, Any]]:
-    """`weights` as named torch tensors cut off from autograd (numpy arrays are converted)."""
+    """`weights` as named torch tensors cut off from autograd (numpy arrays are converted).
+
+    A sharded tensor (FSDP2's DTensor) is refused: its `full_tensor()` is a collective that
+    every rank must join in one order, which the engine's transfer cannot arrange (pulled
+    lazily there, it deadlocked the peers' trainers). `asyncroll.distributed.Ranks
+    .update_weights` gathers on every rank first."""
     import torch
 
-    return [(name, torch.as_tensor(t).detach()) for name, t in weights]
+    named = []
+    for name, t in weights:
+        if type(t).__name__ == "DTensor":
+            raise TypeError(
+                f"{name} is a sharded DTensor (FSDP2): its full tensor needs every rank; "
+                "update through asyncroll.distributed.Ranks.update_weights(model, producer), "
+                "which gathers on every rank before the engine sees a tensor"
+            )
+        named.append((name, torch.as_tensor(t).detach()))
+    return named
 
 
 def write_safetensors(named: list[tuple[str, Any]], path: Path) -> None:
