@@ -2,7 +2,11 @@
 loop on the in-process vLLM engine, with evaluation on held-out questions.
 
     python examples/chat_grpo.py --model Qwen/Qwen3-0.6B --steps 200
-    python examples/chat_grpo.py --steps 5     # the tiny local model stands in (CPU, seconds)
+    python examples/chat_grpo.py --steps 60    # the tiny local model stands in (CPU, minutes)
+
+The training rows cycle, epoch after epoch, for as many steps as asked. The tiny model (random
+weights) cannot learn arithmetic; it stands in on the chat demo's task, which it learns in a
+few dozen steps (`asyncroll demo --task chat`), with settings that fit it (`tiny_setup`).
 
 docs/getting-started.md walks through it; tests/vllm/test_getting_started.py runs it.
 """
@@ -11,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import itertools
 import random
 import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -62,30 +69,73 @@ def learn(model: Any, optimizer: Any, batch: ProduceBatchResult, pad_id: int) ->
     return train_step(model, optimizer, shard, LOSS)["train/loss"]
 
 
-# 4. The loop: the producer keeps the engine generating while the trainer trains; the
+# 4. The settings that fit the model: the data, the verifier, the reply's length, the
+#    learning rate. Qwen3 thinks before it answers unless its template is told not to
+#    (`enable_thinking`, a variable other templates ignore); with thinking on, a short reply
+#    would be cut inside <think>.
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    rows: list[dict[str, Any]]
+    held_out: list[dict[str, Any]]
+    verifier: Callable[..., list[float]]
+    lr: float
+    max_new_tokens: int
+    chat_template: str | None = None
+    template_kwargs: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"enable_thinking": False}
+    )
+
+
+def hf_setup() -> Setup:
+    """A Hugging Face chat model (Qwen3-0.6B and the like): addition, answered in a few tokens."""
+    return Setup(dataset(1000, seed=0), dataset(32, seed=1), correct, lr=1e-5, max_new_tokens=16)
+
+
+def tiny_setup() -> Setup:
+    """The tiny model: the chat demo's task ("red cat: say the letter c c c"; the reward is the
+    share of the reply's words that are the letter) and its settings (asyncroll.app.demo_chat)."""
+    from asyncroll.app.demo_chat import letter_reward, rows
+    from asyncroll.chat import TINY_CHAT_TEMPLATE
+
+    train_rows, held_out = rows(seed=0)
+    return Setup(
+        train_rows, held_out, letter_reward, lr=3e-3, max_new_tokens=4,
+        chat_template=TINY_CHAT_TEMPLATE,
+    )  # fmt: skip
+
+
+def prompts(setup: Setup, rows: Iterable[dict[str, Any]], tokenizer: Any, max_len: int) -> Any:
+    """The rows as prompts, through the setup's chat template and its variables."""
+    return chat_prompts(
+        rows, tokenizer, chat_template=setup.chat_template,
+        template_kwargs=setup.template_kwargs, max_model_len=max_len,
+    )  # fmt: skip
+
+
+def training_prompts(setup: Setup, tokenizer: Any, max_len: int) -> Any:
+    """The training rows epoch after epoch, without end: the steps end the run."""
+    return prompts(setup, itertools.cycle(setup.rows), tokenizer, max_len)
+
+
+# 5. The loop: the producer keeps the engine generating while the trainer trains; the
 #    evaluator runs the held-out questions greedily on the same engine every `eval_every` steps.
 async def train(
-    engine: Engine,
-    model: Any,
-    tokenizer: Any,
-    *,
-    steps: int,
-    eval_every: int,
-    chat_template: str | None = None,
+    engine: Engine, model: Any, tokenizer: Any, setup: Setup, *, steps: int, eval_every: int
 ) -> list[dict[str, float]]:
-    reward = text_reward(correct, tokenizer)
+    reward = text_reward(setup.verifier, tokenizer)
     producer = Producer(
         engine,
-        chat_prompts(dataset(1000, seed=0), tokenizer, chat_template=chat_template),
+        training_prompts(setup, tokenizer, engine.max_model_len),
         reward,
         group_size=8,
-        batch_size=8,
+        batch_size=16,
         max_staleness=1,
-        sampling=SamplingConfig(max_new_tokens=8, temperature=1.0),
+        filter="nonzero_std",  # a group whose samples all scored the same teaches nothing
+        sampling=SamplingConfig(max_new_tokens=setup.max_new_tokens, temperature=1.0),
     )
-    held_out = chat_prompts(dataset(32, seed=1), tokenizer, chat_template=chat_template)
+    held_out = prompts(setup, setup.held_out, tokenizer, engine.max_model_len)
     evaluator = Evaluator(producer, held_out, reward)  # greedy; pass@1 = accuracy
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     log: list[dict[str, float]] = []
     async with producer:
@@ -102,25 +152,21 @@ async def train(
 
 
 async def main(model_name: str | None, steps: int, eval_every: int) -> list[dict[str, float]]:
-    chat_template = None
+    setup = hf_setup()
     if model_name is None:  # the tiny local model stands in, with a small chat template
         from asyncroll.app.models import build_tiny_model
-        from asyncroll.chat import TINY_CHAT_TEMPLATE
 
-        model_name, chat_template = str(build_tiny_model()), TINY_CHAT_TEMPLATE
+        model_name, setup = str(build_tiny_model()), tiny_setup()
     tokenizer = AutoTokenizer.from_pretrained(model_name)
-    model = AutoModelForCausalLM.from_pretrained(model_name, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
     async with VLLMEngine(model_name, max_model_len=1024) as engine:
-        return await train(
-            engine, model, tokenizer, steps=steps, eval_every=eval_every,
-            chat_template=chat_template,
-        )  # fmt: skip
+        return await train(engine, model, tokenizer, setup, steps=steps, eval_every=eval_every)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a Hugging Face model (default: tiny)")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--eval-every", type=int, default=10)
     args = parser.parse_args()
     asyncio.run(main(args.model, args.steps, args.eval_every))

@@ -23,6 +23,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from asyncroll.types import RolloutGroup
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
@@ -80,6 +82,61 @@ def test_python_blocks_compile(block: Block) -> None:
     ast.parse(block.code, filename=block.name)
 
 
+# Calls that start vLLM's processes (or the loop that would): at a script's top level, the
+# processes vLLM spawns, which re-import the main script, would run them again and fail.
+STARTS = {"asyncio.run", "VLLMEngine"}
+
+
+def _called(call: ast.Call) -> str:
+    return ast.unparse(call.func)
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test) in (
+        "__name__ == '__main__'",
+        "'__main__' == __name__",
+    )
+
+
+def _starts_on_import(code: str) -> list[str]:
+    """The STARTS calls a module runs on import: outside functions, classes and the
+    `if __name__ == "__main__":` block. None for an excerpt of an async function's body (an
+    `await` at its top level): no script to paste."""
+    found: list[str] = []
+    todo: list[ast.AST] = [n for n in ast.parse(code).body if not _is_main_guard(n)]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.Await, ast.AsyncWith, ast.AsyncFor)):
+            return []
+        if isinstance(node, ast.Call) and _called(node) in STARTS:
+            found.append(f"line {node.lineno}: {_called(node)}(...)")
+        todo.extend(ast.iter_child_nodes(node))
+    return sorted(found)
+
+
+@pytest.mark.parametrize(
+    "block", [b for b in ALL_BLOCKS if b.lang == "python"], ids=lambda b: b.name
+)
+def test_python_blocks_start_nothing_on_import(block: Block) -> None:
+    """Safe to paste into a script: with `VLLMEngine`, vLLM's spawned processes re-import the
+    main script, and a start at its top level fails there ("Engine core initialization
+    failed ... Failed core proc(s): {}")."""
+    starts = _starts_on_import(block.code)
+    assert not starts, f'{block.name}: put these under `if __name__ == "__main__":`: {starts}'
+
+
+def test_the_import_check_sees_a_start_outside_the_guard() -> None:
+    guarded = (
+        "import asyncio\nasync def main(): ...\nif __name__ == '__main__':\n    asyncio.run(main())"
+    )
+    assert _starts_on_import(guarded) == []
+    assert _starts_on_import("import asyncio\nasyncio.run(main())") == ["line 2: asyncio.run(...)"]
+    assert _starts_on_import("engine = VLLMEngine(model)") == ["line 1: VLLMEngine(...)"]
+    assert _starts_on_import("engine = VLLMEngine(model)\nawait engine.close()") == []
+
+
 def _env() -> dict[str, str]:
     bin_dir = str(Path(sys.executable).parent)
     return os.environ | {"PYTHONPATH": str(ROOT), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
@@ -125,6 +182,66 @@ def test_links_resolve(page: Path) -> None:
         assert target.exists(), f"{page.name} links to {link}, which does not exist"
 
 
+def _slug(heading: str) -> str:
+    """The anchor mkdocs (Python-Markdown's toc) gives a heading: its text without markup,
+    lowercase, punctuation dropped, runs of spaces and hyphens made one hyphen."""
+    text = re.sub(r"`([^`]*)`", r"\1", heading)
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+    return {_slug(h) for h in re.findall(r"^#{1,6} (.+?)\s*$", text, flags=re.MULTILINE)}
+
+
+def _all_links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_anchors_resolve(page: Path) -> None:
+    """`page.md#anchor` and `#anchor` name a heading of the page they point to."""
+    broken = []
+    for link in _all_links(page):
+        if re.match(r"[a-z]+:", link) or "#" not in link:
+            continue
+        path, anchor = link.split("#", 1)
+        target = (page.parent / path).resolve() if path else page
+        if target.suffix == ".md" and target.exists() and anchor not in _anchors(target):
+            broken.append(link)
+    assert not broken, f"{page.name}: no heading has these anchors: {broken}"
+
+
+@pytest.mark.parametrize("page", sorted(DOCS.glob("*.md")), ids=lambda p: p.name)
+def test_site_pages_link_within_the_site(page: Path) -> None:
+    """A docs page links to other pages of the site, not to files outside docs/ (the site
+    does not serve them) nor to a bare repository host for one of its own pages."""
+    outside = [
+        link
+        for link in _all_links(page)
+        if not re.match(r"[a-z]+:", link)
+        and link.split("#")[0]
+        and not (page.parent / link.split("#")[0]).resolve().is_relative_to(DOCS)
+    ]
+    assert not outside, (
+        f"{page.name} links outside docs/ (name the file in code instead): {outside}"
+    )
+    bare = [link for link in _all_links(page) if re.fullmatch(r"https?://github\.com/?", link)]
+    assert not bare, f"{page.name} links to a bare site root: {bare}"
+
+
+def test_the_anchor_check_sees_a_missing_heading() -> None:
+    assert _slug("5. The loop, with evaluation") == "5-the-loop-with-evaluation"
+    assert _slug("See it learn: `asyncroll demo --task chat`") == (
+        "see-it-learn-asyncroll-demo-task-chat"
+    )
+    assert "which-preset" in _anchors(DOCS / "off-policy.md")
+    assert "no-such-heading" not in _anchors(DOCS / "off-policy.md")
+
+
 def _nav_pages() -> list[str]:
     nav = (ROOT / "mkdocs.yml").read_text().split("\nnav:\n", 1)[1]
     return re.findall(r"([\w-]+\.md)\s*$", nav, flags=re.MULTILINE)
@@ -141,7 +258,7 @@ def test_the_nav_lists_every_page_and_each_exists() -> None:
 
 def test_user_docs_name_no_issue_numbers() -> None:
     for page in PAGES:
-        found = re.findall(r"(?i)\bissue #?\d+|#\d{1,3}\b", page.read_text())
+        found = re.findall(r"(?i)\bissue #?\d+|(?<!\w)#\d{1,3}\b", page.read_text())  # not anchors
         assert not found, f"{page.name} names {found}: say what changed, not which issue"
 
 
@@ -240,6 +357,69 @@ def test_the_metrics_reference_lists_every_key_a_producer_reports() -> None:
 
     absent = [r.value for r in FailureReason if f"`{r.value}`" not in text]
     assert not absent, f"docs/metrics.md, 'Failure reasons': add {absent}"
+
+
+def _eval_keys() -> set[str]:
+    """The keys of an evaluation's `metrics()`, `eval/` dropped, with the parts that vary
+    written as the metrics page writes them (`pass@<k>`, `_by_task/<task>`, ...)."""
+    from asyncroll import Producer, Prompt, SamplingConfig, SimConfig, SimEngine
+    from asyncroll.evaluation import Evaluator
+
+    def reward(group: RolloutGroup) -> list[float]:
+        return [float(s.tokens[0] % 2) for s in group.samples]
+
+    async def run() -> dict[str, float]:
+        engine = SimEngine(SimConfig(vocab_size=100, seed=0))
+        held_out = [
+            Prompt(tokens=[1, 2, i + 3], task="ab"[i % 2], metadata={"level": str(i % 3)})
+            for i in range(8)
+        ]
+        producer = Producer(engine, [[1, 2, 3]] * 4, reward, group_size=2, batch_size=2)
+        evaluator = Evaluator(
+            producer, held_out, reward, samples=2, k=(1, 2), by=("level",),
+            sampling=SamplingConfig(temperature=1.0, max_new_tokens=4),
+        )  # fmt: skip
+        async with producer:
+            return (await evaluator.run()).metrics()
+
+    keys = set()
+    for key in asyncio.run(run()):
+        key = re.sub(r"pass@\d+", "pass@<k>", key.removeprefix("eval/"))
+        key = re.sub(r"_by_task/.*", "_by_task/<task>", key)
+        keys.add(re.sub(r"_by_(?!task/)[^/]+/.*", "_by_<key>/<value>", key))
+    return keys
+
+
+def test_the_metrics_reference_lists_every_key_an_evaluation_reports() -> None:
+    keys = _eval_keys()
+    assert {"pass@<k>", "pass@<k>_by_task/<task>", "reward_mean_by_<key>/<value>"} <= keys
+    page = (DOCS / "metrics.md").read_text()
+    assert "\n### Evaluation" in page, "docs/metrics.md: add a section '### Evaluation'"
+    text = page.split("\n### Evaluation", 1)[1].split("\n## ")[0]
+    missing = sorted(k for k in keys if f"`{k}`" not in text)
+    assert not missing, f"docs/metrics.md, 'Evaluation': add {missing}"
+
+
+def test_the_api_page_covers_every_public_module() -> None:
+    """Every `::: name` of docs/api.md exists (a module, or a name its module exports,
+    without importing vLLM), and every public module has an entry."""
+    import importlib
+    import importlib.util
+
+    entries = re.findall(r"^::: ([\w.]+)$", (DOCS / "api.md").read_text(), flags=re.MULTILINE)
+    for entry in entries:
+        module, _, attr = entry.rpartition(".")
+        try:
+            is_module = importlib.util.find_spec(entry) is not None
+        except ModuleNotFoundError:  # `module` is a module, not a package
+            is_module = False
+        if not is_module:
+            names = vars(importlib.import_module(module))
+            assert attr in names or attr in names.get("__all__", ()), f"api.md: {entry} is gone"
+    public = ["asyncroll", "asyncroll.engines", "asyncroll.train", "asyncroll.lora"]
+    public += ["asyncroll.chat", "asyncroll.evaluation", "asyncroll.codec"]
+    uncovered = [m for m in public if not any(e == m or e.startswith(f"{m}.") for e in entries)]
+    assert not uncovered, f"docs/api.md has no entry for {uncovered}"
 
 
 # -- the invariants ---------------------------------------------------------------------------

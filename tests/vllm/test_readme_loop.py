@@ -54,15 +54,15 @@ async def test_the_readme_training_loop_runs(
     async def shared_engine() -> AsyncIterator[VLLMEngine]:
         yield engine  # the session's engine: the `engine` fixture restores its weights
 
-    namespace: dict[str, Any] = {"log": logged.append, "shared_engine": shared_engine}
+    namespace: dict[str, Any] = {"shared_engine": shared_engine}
     exec(compile(readme_loop(), "README.md", "exec"), namespace)
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prompts = [[1, 40 + i % 26, 60] for i in range(200)]
     version = engine.version
-    await namespace["train"](model, optimizer, prompts, reward_fn, steps=2)
+    await namespace["train"](model, optimizer, prompts, reward_fn, steps=2, log=logged.append)
 
     assert len(logged) == 2
     assert logged[-1]["rollout/batch_groups"] == 32

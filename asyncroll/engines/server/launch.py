@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from asyncroll import lifetime
 from asyncroll.engines.vllm.compat import check_environment
 from asyncroll.launcher_env import without_launcher_variables
 
@@ -122,10 +123,13 @@ class ServerStartError(RuntimeError):
 class ServerProcess:
     """One `vllm serve` replica: its process group, base URL and log file."""
 
-    def __init__(self, process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    def __init__(
+        self, process: subprocess.Popen[bytes], url: str, log: Path, tie: lifetime.Tie
+    ) -> None:
         self.process = process
         self.url = url
         self.log = log
+        self._tie = tie
 
     @property
     def pid(self) -> int:
@@ -166,16 +170,21 @@ class ServerProcess:
         child_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (root, child_env.get("PYTHONPATH", "")) if p
         )
-        with os.fdopen(fd, "wb") as log_file:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "asyncroll.engines.server.launch", *args, *extra_args],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=child_env,
-                process_group=0,  # not a session of its own: see the module docstring
-            )
-        server = cls(process, f"http://127.0.0.1:{port}", Path(log_name))
+        tie = lifetime.tie()  # the replica ends with this process, however it ends
+        try:
+            with os.fdopen(fd, "wb") as log_file, tie.starting():
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "asyncroll.engines.server.launch", *args, *extra_args],
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=child_env,
+                    process_group=0,  # not a session of its own: see the module docstring
+                )
+        except BaseException:
+            tie.release()
+            raise
+        server = cls(process, f"http://127.0.0.1:{port}", Path(log_name), tie)
         try:
             server.wait_healthy(ready_timeout_s)
         except BaseException:
@@ -222,6 +231,7 @@ class ServerProcess:
                 break
         if self.process.poll() is None:
             self.process.wait(timeout=timeout_s)
+        self._tie.release()  # not before: a replica that would not stop is left to the reaper
 
     def _group_gone(self, timeout_s: float) -> bool:
         """Whether every process of the group has exited within `timeout_s` (polled: a

@@ -43,6 +43,7 @@ import typing
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from asyncroll import lifetime
 from asyncroll._core.tasks import finish
 from asyncroll._core.wakeup import Signal
 from asyncroll.engines.base import (
@@ -190,8 +191,14 @@ class VLLMEngine:
         self.control_timeout_s = control_timeout_s
         self.lora = lora
         args = AsyncEngineArgs(model=self.model, **engine_args)
-        with startup.child_environment(on_cpu):
-            self._llm: Any = AsyncLLM.from_engine_args(args)
+        # vLLM's processes end with this one, however it ends (`asyncroll.lifetime`)
+        self._tie = lifetime.tie()
+        try:
+            with startup.child_environment(on_cpu), self._tie.starting():
+                self._llm: Any = AsyncLLM.from_engine_args(args)
+        except BaseException:
+            self._tie.release()
+            raise
         config = self._llm.vllm_config
         self._vocab_size = int(config.model_config.get_vocab_size())
         self._max_model_len = int(config.model_config.max_model_len)
@@ -408,6 +415,7 @@ class VLLMEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await handler
         await asyncio.to_thread(llm.shutdown, min(self.control_timeout_s, SHUTDOWN_GRACE_S))
+        self._tie.release()  # not before: a close that failed leaves them to the reaper
 
     async def __aenter__(self) -> VLLMEngine:
         return self
