@@ -318,6 +318,7 @@ async def scenario_vllm_parity(ranks: Ranks, out: dict[str, Any]) -> None:
     if not ranks.rollout:
         for name, make in models.items():
             out[name] = await ranks.update_weights(make(), None, bucket_bytes=256 << 10)
+        await ranks.alone("after the updates", None)  # rank 0 is killed meanwhile
         return
     from asyncroll.engines import VLLMEngine
     from asyncroll.launcher_env import launcher_variables
@@ -352,6 +353,12 @@ async def scenario_vllm_parity(ranks: Ranks, out: dict[str, Any]) -> None:
                 {c.laddr.port for p in children for c in p.net_connections() if c.laddr}
             )
             out["master_port"] = int(port)
+            # Then rank 0 dies as an out-of-memory kill would: vLLM's processes must end
+            # with it (asyncroll's reaper) and rank 1 must end naming it.
+            out["vllm_pids"] = [c.pid for c in children]
+            (Path(os.environ["OUT_DIR"]) / "rank0.json").write_text(json.dumps(out))
+            fault_now()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 async def scenario_checkpoint(ranks: Ranks, out: dict[str, Any]) -> None:

@@ -2,9 +2,10 @@
 or SIGKILL (an OOM kill, torchrun 30 s after its SIGTERM) leaves no process behind: not
 vLLM's engine core, not its workers, not the multiprocessing resource tracker.
 
-Its own engines: a killed trainer must own its engine, so each is a fresh vLLM start in a
-trainer process of its own, the only way to see what outlives the process that owned it. The
-two start side by side, and one test covers both signals (docs/testing.md gives its cost).
+Its own engine: a killed trainer must own its engine, so it is a fresh vLLM start in a trainer
+process of its own, the only way to see what outlives the process that owned it. This module
+sends SIGTERM; the SIGKILL of a process owning a real engine is tests/vllm/test_ranks_vllm.py's
+(its rank 0 is killed with its engine running), which saves a second engine start.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ import psutil
 
 from tests.vllm import trainer_to_kill
 
-START_DEADLINE_S = 600.0  # two vLLM starts side by side on 2 loaded cores
-GONE_DEADLINE_S = 60.0  # SIGTERM: the engine's close; SIGKILL: the reaper's grace and more
+START_DEADLINE_S = 600.0  # a vLLM start on 2 loaded cores
+GONE_DEADLINE_S = 60.0  # SIGTERM: the engine's close
 
 
 def test_killed_trainer_leaves_no_process(tiny_model: object) -> None:
     ctx = multiprocessing.get_context("spawn")
     trainers = {}
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in (signal.SIGTERM,):
         ours, theirs = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=trainer_to_kill.run, args=(str(tiny_model), theirs))
         proc.start()
