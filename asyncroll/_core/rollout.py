@@ -21,6 +21,7 @@ from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest,
 from asyncroll.types import (
     Float32Array,
     Int32Array,
+    Prompt,
     RolloutGroup,
     RolloutState,
     Status,
@@ -58,6 +59,22 @@ def prompt_array(tokens: Any, vocab_size: int, max_model_len: int | None) -> Int
             f"prompt of {arr.size} tokens leaves no room to generate: max_model_len={max_model_len}"
         )
     return arr.astype(np.int32)
+
+
+def check_prompt_fields(prompt: Prompt) -> None:
+    """`RolloutError` unless the prompt's task, id and metadata have the types its group
+    holds. `Prompt` does not check them (nor does a mapping a source yields), and the codec
+    writes any msgpack type but reads a group back only with these: a group stored with an int
+    `prompt_id` would fail only when handed out, taking its batch out of the ledger with it."""
+    if not isinstance(prompt.task, str):
+        raise RolloutError(f"its task must be a str, got {type(prompt.task).__name__}")
+    if not isinstance(prompt.prompt_id, str | None):
+        raise RolloutError(
+            f"its prompt_id must be a str or None, got {type(prompt.prompt_id).__name__}"
+        )
+    metadata = prompt.metadata
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        raise RolloutError("its metadata must be a dict with str keys")
 
 
 def token_budget(group: RolloutGroup, sampling: SamplingConfig, max_model_len: int | None) -> int:
