@@ -31,6 +31,7 @@ meanwhile, within its staleness bound) or alongside training (in a task of its o
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import uuid
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     from asyncroll.producer import Producer
 
 __all__ = ["EvalResult", "Evaluator", "Scores", "pass_at_k"]
+
+log = logging.getLogger(__name__)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -200,6 +203,9 @@ class Evaluator:
                 f"samples={samples} with temperature 0{whose}: greedy samples are all the same; "
                 "pass sampling= with a temperature > 0, or evaluate with samples=1"
             )
+        warning = rollout.budget_warning(sampling, producer.engine.max_model_len)
+        if given and warning is not None:  # the producer's own sampling warned already
+            log.warning("Evaluator: %s", warning)
         if not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency={concurrency!r}: must be an integer >= 1")
         if not (timeout_s > 0 and math.isfinite(timeout_s)):

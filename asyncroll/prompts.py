@@ -87,9 +87,27 @@ def as_prompt(item: PromptLike | None, task: str, index: int, *, mixed: bool = F
     Anything that is not a `Prompt` or a mapping (None included) is taken as its tokens, checked
     when its group starts. `mixed`: the source is a `TaskMix`'s, whose name is the task of all
     it gives: a mapping without a task takes it, and a `Prompt` built for another task (chat
-    prompts built without `task=`, say) is refused rather than counted under the wrong task."""
+    prompts built without `task=`, say) is refused rather than counted under the wrong task.
+
+    Two mistakes that would fail every prompt alike raise `ValueError` saying what to do (the
+    producer stops with it): a mapping with keys that are not `Prompt` fields (chat rows not
+    rendered by `chat_prompts`), and text (a str or bytes) where token ids belong."""
     if isinstance(item, Mapping):
+        unknown = sorted(map(repr, set(item) - _PROMPT_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"prompt {index} of task {task!r} has keys {', '.join(unknown)} that a Prompt "
+                f"does not take (its fields: {', '.join(Prompt.__struct_fields__)}): render "
+                "chat rows with asyncroll.chat.chat_prompts(rows, tokenizer), and put other "
+                "fields under metadata"
+            )
         item = Prompt(**({"task": task} | dict(item) if mixed else item))
+    if isinstance(item, str | bytes):
+        raise ValueError(
+            f"prompt {index} of task {task!r} is a {type(item).__name__}, not token ids: "
+            "tokenize text first (tokenizer(text).input_ids), or build chat prompts with "
+            "asyncroll.chat.chat_prompts(rows, tokenizer)"
+        )
     if isinstance(item, Prompt):
         prompt = item
         if mixed and prompt.task != task:

@@ -40,6 +40,10 @@ class RolloutError(ValueError):
 
 def prompt_array(tokens: Any, vocab_size: int, max_model_len: int | None) -> Int32Array:
     """The prompt as an int32 array, or `RolloutError` saying what is wrong with it."""
+    if isinstance(tokens, str | bytes):
+        raise RolloutError(
+            f"prompt tokens are a {type(tokens).__name__}, not token ids: tokenize text first"
+        )
     try:
         arr = np.asarray(tokens)
     except (ValueError, TypeError) as exc:
@@ -82,6 +86,18 @@ def token_budget(group: RolloutGroup, sampling: SamplingConfig, max_model_len: i
     if max_model_len is None:
         return sampling.max_new_tokens
     return min(sampling.max_new_tokens, max_model_len - len(group.prompt_tokens))
+
+
+def budget_warning(sampling: SamplingConfig, max_model_len: int | None) -> str | None:
+    """What to say when no sample can get `max_new_tokens` (a prompt takes at least one of the
+    model's positions), or None: every budget is capped by `token_budget`, silently otherwise."""
+    if max_model_len is None or sampling.max_new_tokens < max_model_len:
+        return None
+    return (
+        f"max_new_tokens={sampling.max_new_tokens} does not fit the engine's max_model_len="
+        f"{max_model_len}: every sample gets at most max_model_len minus its prompt's length; "
+        "lower max_new_tokens or raise max_model_len"
+    )
 
 
 def fresh_samples(group_size: int) -> tuple[RolloutState, ...]:
