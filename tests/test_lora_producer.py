@@ -4,6 +4,7 @@ with is `tests/vllm/test_lora_parity.py`'s, on real vLLM."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -86,3 +87,51 @@ def test_adapter_slots_must_cover_the_staleness_window() -> None:
         producer_on(AdapterSim(slots=2), batch_size=4, max_staleness=2)
     producer_on(AdapterSim(slots=3), batch_size=4, max_staleness=2)
     producer_on(AdapterSim(slots=1))  # no staleness limit: the oldest adapter's groups abort
+
+
+class HeldAdapterSim(AdapterSim):
+    """`AdapterSim` whose adapter update holds until the test lets it go (`finish`), so a
+    test can act while the update runs, at a point it chose rather than a timing window."""
+
+    def __init__(self, slots: int, **sim: Any) -> None:
+        super().__init__(slots, **sim)
+        self.began = asyncio.Event()
+        self.finish = asyncio.Event()
+
+    async def update_weights(self, weights: Weights | LoraAdapter | None, *, version: int) -> None:
+        if isinstance(weights, LoraAdapter):
+            self.began.set()
+            await self.finish.wait()
+        await super().update_weights(weights, version=version)
+
+
+async def test_a_batch_waiting_beside_an_adapter_update_is_no_stall() -> None:
+    """The staleness capacity is used up after a batch, and the update that frees it runs:
+    a `produce_batch` waiting beside it waits for it (as beside a full-weight update, which
+    holds the gate), instead of raising "call update_weights() after each batch"."""
+    engine = HeldAdapterSim(slots=2)
+    producer = producer_on(engine, batch_size=2, max_staleness=0)
+    stalls: list[str | None] = []
+    judged = asyncio.Event()
+    async with producer:
+        await producer.produce_batch()
+        await producer._changed.wait_until(
+            lambda: not producer._inflight and producer._admission.next_step() is None, 10
+        )  # the capacity is used up: nothing more starts until an update
+        update = asyncio.create_task(producer.update_weights(adapter()))
+        await asyncio.wait_for(engine.began.wait(), 10)
+        stall = producer._admission.stall
+
+        def judging() -> str | None:
+            stalls.append(why := stall())
+            judged.set()
+            return why
+
+        producer._admission.stall = judging  # type: ignore[method-assign]
+        batch = asyncio.create_task(producer.produce_batch())
+        await asyncio.wait_for(judged.wait(), 10)  # the waiting batch judged the state once
+        engine.finish.set()
+        assert await asyncio.wait_for(update, 10) == 1
+        result = await asyncio.wait_for(batch, 10)
+    assert stalls[0] is None, stalls
+    assert len(result.groups) == 2 and {g.start_version for g in result.groups} == {1}

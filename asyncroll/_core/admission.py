@@ -268,13 +268,15 @@ class Admission:
 
     def stall(self) -> str | None:
         """Why no more groups can become ready until the caller acts, or None while they can.
-        Only a user's pause stalls; an update or a save in progress ends by itself, and so does
-        the gate's opening (in "keep" mode the last hold is gone while the engine resumes)."""
+        Only a user's pause stalls; an update or a save in progress ends by itself (an adapter
+        update with the gate open too), and so does the gate's opening (in "keep" mode the
+        last hold is gone while the engine resumes)."""
         core, holds = self.core, self.control.holds
         if holds[Hold.USER]:
             return "produce_batch while paused would wait forever: resume() first"
         if (
             self.control.gate is not Gate.OPEN  # a hold, or the gate still opening
+            or self.control.updating
             or core.inflight
             or self.scheduler is _Scheduler.DRAWING
             or self.drained()

@@ -45,6 +45,7 @@ class Control:
         self.gate = Gate.OPEN
         self.holds: Counter[Hold] = Counter()
         self.guests: set[str] = set()  # request ids of guest requests in the engine
+        self.updating = 0  # `steady` blocks running (adapter updates without a pause)
         self._lock = asyncio.Lock()
 
     @property
@@ -75,9 +76,19 @@ class Control:
         engine may freeze its replicas while they load it (`VLLMServerEngine`), and a pause
         sent meanwhile would wait inside its own `abort_timeout_s` for the whole load, then
         fail, and so would the resume that undoes it. A pause asked for during the block
-        waits for it here instead (the block has the update's deadline)."""
-        async with self._lock:
-            yield
+        waits for it here instead (the block has the update's deadline).
+
+        `updating` says the block runs: the gate stays open through it, so this is how a
+        waiting `produce_batch` knows an update is under way (it frees the staleness
+        capacity once it lands), as the closed gate of a full-weight update tells it."""
+        self.updating += 1
+        self.core.changed.notify()
+        try:
+            async with self._lock:
+                yield
+        finally:
+            self.updating -= 1
+            self.core.changed.notify()
 
     async def acquire(self, hold: Hold) -> None:
         """Add a holder of the gate; the first closes it (drain, or freeze in "keep" mode).
