@@ -135,3 +135,41 @@ async def test_a_batch_waiting_beside_an_adapter_update_is_no_stall() -> None:
         result = await asyncio.wait_for(batch, 10)
     assert stalls[0] is None, stalls
     assert len(result.groups) == 2 and {g.start_version for g in result.groups} == {1}
+
+
+class FreezingAdapterSim(AdapterSim):
+    """`AdapterSim` that freezes its running requests while it loads an adapter, as
+    `VLLMServerEngine` freezes its replicas (the producer is not told: no pause is asked)."""
+
+    async def update_weights(self, weights: Weights | LoraAdapter | None, *, version: int) -> None:
+        if not isinstance(weights, LoraAdapter):
+            return await super().update_weights(weights, version=version)
+        await self.pause_generation()
+        try:
+            await super().update_weights(weights, version=version)
+        finally:
+            await self.resume_generation()
+
+
+@pytest.mark.parametrize("episodes", [False, True], ids=["single-turn", "episodes"])
+async def test_an_adapter_load_that_freezes_the_engine_is_not_the_requests_time(
+    episodes: bool,
+) -> None:
+    """The load takes 1.5 s (the scenario, not a synchronisation) with every request frozen
+    in the engine: neither `generate_timeout_s` nor `episode_timeout_s` (1.0 s each) counts it,
+    as neither counts a "keep"-mode pause; before, every group in flight failed."""
+    from asyncroll import DropRecord, single_turn
+
+    engine = FreezingAdapterSim(slots=2, per_token_latency_s=0.005, update_latency_s=1.5)
+    drops: list[DropRecord] = []
+    producer = Producer(
+        engine, prompts(8), parity_reward, group_size=2, generate_timeout_s=1.0,
+        episode_timeout_s=1.0, on_drop=drops.append, sampling=SamplingConfig(max_new_tokens=40),
+        rollout_fn=single_turn if episodes else None,
+    )  # fmt: skip
+    async with producer:
+        await engine.wait_progress(lambda: engine.running_requests >= 4, 60)
+        assert await producer.update_weights(adapter()) == 1
+        groups = [g async for batch in producer.batches(2) for g in batch.groups]
+    assert not drops and len(groups) == 8, [d.error for d in drops]
+    assert producer.progress.counters.aborted_groups == 0  # nothing was paused for

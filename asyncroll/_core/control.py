@@ -55,7 +55,11 @@ class Control:
     def parking(self) -> Parking:
         """Where episodes wait while the gate is closed (or the producer stops)."""
         core = self.core
-        return Parking(lambda: self.gate is Gate.OPEN and core.phase is Phase.RUNNING, core.changed)
+        return Parking(
+            lambda: self.gate is Gate.OPEN and core.phase is Phase.RUNNING,
+            core.changed,
+            self.freezes,
+        )
 
     @contextlib.asynccontextmanager
     async def holding(self, hold: Hold) -> AsyncIterator[None]:
@@ -80,12 +84,25 @@ class Control:
 
         `updating` says the block runs: the gate stays open through it, so this is how a
         waiting `produce_batch` knows an update is under way (it frees the staleness
-        capacity once it lands), as the closed gate of a full-weight update tells it."""
+        capacity once it lands), as the closed gate of a full-weight update tells it.
+
+        The deadlines of the calls in the engine (and the episodes') are stopped for the
+        block, as a "keep"-mode pause stops them: an engine may freeze its requests while it
+        loads the adapter without the producer being told, and the load is the update's time
+        (it has `update_timeout_s`), not theirs. Unless a pause froze them already: its own
+        end restarts them, and the lock keeps that end out of this block."""
         self.updating += 1
         self.core.changed.notify()
         try:
             async with self._lock:
-                yield
+                froze = not self.freezes.frozen
+                if froze:
+                    self.freezes.freeze()
+                try:
+                    yield
+                finally:
+                    if froze:
+                        self.freezes.thaw()
         finally:
             self.updating -= 1
             self.core.changed.notify()
