@@ -173,7 +173,7 @@ class Flights:
                 tokens=group.prompt_tokens.tolist(),
                 task=group.task,
                 prompt_id=group.prompt_id,
-                metadata={k: _detached(v) for k, v in group.metadata.items()},
+                metadata=_detached(group.metadata),
             )
         )
 
@@ -224,5 +224,12 @@ class Flights:
 
 def _detached(value: Any) -> Any:
     """A copy of an array that may be a view into a decoded group's bytes (so keeping it does
-    not keep the whole group alive); anything else as is."""
-    return np.array(value) if isinstance(value, np.ndarray) else value
+    not keep the whole group alive), at any depth of the dicts and lists metadata may nest
+    (what the codec decodes); anything else as is."""
+    if isinstance(value, np.ndarray):
+        return np.array(value)
+    if type(value) is dict:
+        return {k: _detached(v) for k, v in value.items()}
+    if type(value) in (list, tuple):  # not a subclass: a namedtuple takes no iterable
+        return type(value)(_detached(v) for v in value)
+    return value
