@@ -110,6 +110,11 @@ class Flights:
         core = self.core
         group, reason = landing.group, landing.reason
         del core.inflight[group.uid]
+        if group.status in (Status.COMPLETED, Status.ABORTED):  # to be stored: within bound?
+            error = _extra_error(group, core.config.extra_bytes(episodes=core.episodes))
+            if error is not None:
+                reason = FailureReason.UNSTORABLE
+                group = msgspec.structs.replace(group, status=Status.FAILED, error=error)
         try:
             outcome = core.buffer.put(group, flight.reserved)
         except Exception as exc:  # put changed nothing: fail the group instead
@@ -220,6 +225,27 @@ class Flights:
         if self.idle_since is not None:
             self.core.progress.counters.idle_s += now - self.idle_since
         self.idle_since = None if self.core.inflight else now
+
+
+def _extra_error(group: RolloutGroup, limit: int) -> str | None:
+    """Why the group's samples carry more `extra` than each may (`max_extra_bytes`, reserved
+    with the group), or None. Extra that cannot be encoded is the buffer's to refuse."""
+    for i, sample in enumerate(group.samples):
+        if not sample.extra:
+            continue
+        try:
+            size = len(codec.encode_value(sample.extra))
+        except codec.CodecError:
+            return None
+        if size > limit:
+            keys = ", ".join(sorted(map(repr, sample.extra))[:5])
+            return (
+                f"the group could not be stored: sample {i}'s extra ({keys}) encodes to {size} "
+                f"B, over the {limit} B each sample may carry (max_extra_bytes, reserved with "
+                "its group within max_buffer_bytes): store less in extra, or raise "
+                "max_extra_bytes"
+            )
+    return None
 
 
 def _detached(value: Any) -> Any:
