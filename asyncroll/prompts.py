@@ -17,7 +17,7 @@ import enum
 import random
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
@@ -48,6 +48,18 @@ class CursorState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _PROMPT_FIELDS = frozenset(Prompt.__struct_fields__)
+
+
+@runtime_checkable
+class SkipsAhead(Protocol):
+    """A source that can start at an index without producing the items before it (a source
+    whose items cost work, as `chat_prompts` renders each row): a resumed producer skips the
+    checkpoint's drawn prompts through it instead of building every one again."""
+
+    def from_index(self, start: int) -> tuple[int, Iterator[Any]]:
+        """How many items were skipped (fewer than `start` when the source runs out first)
+        and an iterator of the items from there on."""
+        ...
 
 
 def encode_prompt(prompt: Prompt) -> bytes:
@@ -153,7 +165,12 @@ class _TaskSource:
 
     async def skip(self) -> None:
         """Skip the items a resumed source gave before the checkpoint; `ValueError` if it runs
-        out first (it is not the same source)."""
+        out first (it is not the same source). A `SkipsAhead` source skips them without
+        producing them."""
+        fresh = self._sync is None and self._async is None
+        if self._skip and fresh and isinstance(self.source, SkipsAhead):
+            skipped, self._sync = self.source.from_index(self._skip)
+            self._skip -= skipped
         while self._skip:
             if await self._next_raw() is _End.END:
                 raise ValueError(
