@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from asyncroll import DropRecord, Producer, RolloutGroup, SamplingConfig, SimEngine, single_turn
@@ -30,9 +31,7 @@ async def test_a_keep_mode_pause_or_update_does_not_count_against_episode_timeou
     pause, or a full-weight update that takes 1.5 s, freezes it: it was failed as
     `episode_deadline` and its prompt lost, since a turn frozen in the engine never reaches
     the parking gate that stops the deadline."""
-    engine = SimEngine(
-        vocab_size=VOCAB, per_token_latency_s=0.005, update_latency_s=1.5 if hold == "update" else 0
-    )
+    engine = SimEngine(vocab_size=VOCAB, per_token_latency_s=0.005)
     drops: list[DropRecord] = []
     producer = Producer(
         engine, [[3, 4, i] for i in range(8)], ones, group_size=2, pause_mode="keep",
@@ -44,7 +43,8 @@ async def test_a_keep_mode_pause_or_update_does_not_count_against_episode_timeou
         if hold == "pause":
             async with producer.pausing():
                 await asyncio.sleep(1.5)  # paused past what is left of episode_timeout_s
-        else:
-            await producer.update_weights(None)  # the engine takes 1.5 s to load
+        else:  # the engine takes 1.5 s to load (set after the producer's entry, which updates)
+            engine.config = msgspec.structs.replace(engine.config, update_latency_s=1.5)
+            await producer.update_weights(None)
         consumed = await consume_all(producer, 2)
     assert not drops and len(consumed) == 8, [d.error for d in drops]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 
 from asyncroll import Producer, SamplingConfig, SimConfig, SimEngine
@@ -160,7 +161,7 @@ async def test_an_adapter_load_that_freezes_the_engine_is_not_the_requests_time(
     as neither counts a "keep"-mode pause; before, every group in flight failed."""
     from asyncroll import DropRecord, single_turn
 
-    engine = FreezingAdapterSim(slots=2, per_token_latency_s=0.005, update_latency_s=1.5)
+    engine = FreezingAdapterSim(slots=2, per_token_latency_s=0.005)
     drops: list[DropRecord] = []
     producer = Producer(
         engine, prompts(8), parity_reward, group_size=2, generate_timeout_s=1.0,
@@ -169,6 +170,7 @@ async def test_an_adapter_load_that_freezes_the_engine_is_not_the_requests_time(
     )  # fmt: skip
     async with producer:
         await engine.wait_progress(lambda: engine.running_requests >= 4, 60)
+        engine.config = msgspec.structs.replace(engine.config, update_latency_s=1.5)  # the load
         assert await producer.update_weights(adapter()) == 1
         groups = [g async for batch in producer.batches(2) for g in batch.groups]
     assert not drops and len(groups) == 8, [d.error for d in drops]
