@@ -23,6 +23,8 @@ BYTES_PER_EPISODE_TOKEN = BYTES_PER_TOKEN + 1 + 4
 EPISODE_SAMPLE_OVERHEAD_BYTES = 256
 # Per-sample msgpack header and alignment padding in the codec (measured: ~150-250 bytes).
 SAMPLE_OVERHEAD_BYTES = 512
+# The `extra` a sample may carry by default, a response token (`ProducerConfig.extra_bytes`).
+EXTRA_BYTES_PER_TOKEN = 8
 # The group's own header (ids, task, versions...) and the prompt's alignment padding.
 GROUP_OVERHEAD_BYTES = 1024
 
@@ -38,6 +40,11 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_inflight_groups: int = 64
     max_buffer_groups: int = 1024  # in flight + ready + waiting to resume
     max_buffer_bytes: int = 1 << 30  # encoded bytes held + reserved for in-flight groups
+    # Encoded bytes of `extra` (what a reward function, filter or episode writes on a sample)
+    # each sample may carry: reserved with its group, so they stay inside max_buffer_bytes; a
+    # group whose samples carry more fails (`unstorable`). None: EXTRA_BYTES_PER_TOKEN a
+    # response token (`extra_bytes`).
+    max_extra_bytes: int | None = None
     order: Literal["fifo", "stalest"] = "fifo"
     pause_mode: Literal["abort", "keep"] = "abort"
     generate_timeout_s: float = 600.0
@@ -87,6 +94,8 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
                     "accepted + running <= (max_staleness + version + 1) x batch_size"
                 )
         _at_least("max_turns", self.max_turns, 1, "an episode needs one policy turn at least")
+        if self.max_extra_bytes is not None:
+            _at_least("max_extra_bytes", self.max_extra_bytes, 0, "0: no extra; None: by tokens")
         if self.max_episode_tokens is not None:
             _at_least("max_episode_tokens", self.max_episode_tokens, 1, "or None")
         if not (math.isfinite(self.oversample) and self.oversample >= 1.0):
@@ -117,6 +126,15 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
         # alone left the environment's tokens to eat the last turns' budget.
         return 2 * self.max_turns * self.sampling.max_new_tokens
 
+    def extra_bytes(self, *, episodes: bool = False) -> int:
+        """The `extra` a sample may carry (`max_extra_bytes`); by default room for the decoded
+        text of every response token it may have, twice over (UTF-8 text is ~4 B a token), so
+        a reward that keeps the reply's text on its sample fits."""
+        if self.max_extra_bytes is not None:
+            return self.max_extra_bytes
+        tokens = self.episode_tokens if episodes else self.sampling.max_new_tokens
+        return EXTRA_BYTES_PER_TOKEN * tokens
+
     def group_bytes(
         self,
         payload_bytes_per_sample: int,
@@ -125,8 +143,9 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
         *,
         episodes: bool = False,
     ) -> int:
-        """Largest encoded size a group can reach: its samples at full length, its prompt
-        (4 bytes a token) and its metadata (its encoded size). Reserved before it starts.
+        """Largest encoded size a group can reach: its samples at full length with
+        `max_extra_bytes` of extra each, its prompt (4 bytes a token) and its metadata (its
+        encoded size). Reserved before it starts.
         With `episodes` (a rollout function), a sample is an episode of up to
         `episode_tokens` tokens with its loss mask and turn boundaries (no payload)."""
         if episodes:
@@ -135,12 +154,14 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
                 + 4 * self.max_turns
                 + SAMPLE_OVERHEAD_BYTES
                 + EPISODE_SAMPLE_OVERHEAD_BYTES
+                + self.extra_bytes(episodes=True)
             )
         else:
             per_sample = (
                 self.sampling.max_new_tokens * BYTES_PER_TOKEN
                 + payload_bytes_per_sample
                 + SAMPLE_OVERHEAD_BYTES
+                + self.extra_bytes()
             )
         prompt = 4 * prompt_tokens + metadata_bytes + GROUP_OVERHEAD_BYTES
         return self.group_size * per_sample + prompt
@@ -160,17 +181,18 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"max_buffer_bytes={self.max_buffer_bytes} is smaller than one group of episodes "
                 f"can be ({self.group_size} samples x {self.episode_tokens} tokens x "
-                f"{BYTES_PER_EPISODE_TOKEN} B + overheads = {need} B): raise max_buffer_bytes "
-                "or lower group_size / max_episode_tokens / max_turns"
+                f"{BYTES_PER_EPISODE_TOKEN} B + overheads and {self.extra_bytes(episodes=True)} B "
+                f"of extra = {need} B): raise max_buffer_bytes or lower group_size "
+                "/ max_episode_tokens / max_turns / max_extra_bytes"
             )
         if self.max_buffer_bytes < need:
             raise ValueError(
                 f"max_buffer_bytes={self.max_buffer_bytes} is smaller than one group can be "
                 f"({self.group_size} samples x ({self.sampling.max_new_tokens} tokens x "
                 f"{BYTES_PER_TOKEN} B + {payload_bytes_per_sample} B payload + "
-                f"{SAMPLE_OVERHEAD_BYTES} B + {GROUP_OVERHEAD_BYTES} B) = {need} B, before its "
-                "prompt): raise max_buffer_bytes or lower "
-                "group_size / max_new_tokens"
+                f"{SAMPLE_OVERHEAD_BYTES} B + {self.extra_bytes()} B of extra) + "
+                f"{GROUP_OVERHEAD_BYTES} B = {need} B, before its prompt): raise "
+                "max_buffer_bytes or lower group_size / max_new_tokens / max_extra_bytes"
             )
 
 

@@ -52,7 +52,7 @@ import numpy as np
 import numpy.typing as npt
 
 from asyncroll._core import rollout
-from asyncroll._core.engine_call import EngineCallError
+from asyncroll._core.engine_call import EngineCallError, Freezes
 from asyncroll._core.wakeup import Signal
 from asyncroll.config import ProducerConfig
 from asyncroll.engines.base import (
@@ -119,28 +119,56 @@ async def single_turn(episode: Episode) -> None:
 
 
 class Parking:
-    """The producer's admission gate as episodes see it, and the episode deadline it freezes.
+    """The producer's admission gate as episodes see it, and the episode deadline it stops.
 
-    While any episode waits here, the group's episode deadline is stopped (a pause or weight
-    update is not the episode's time); it runs again, with what was left, when the first
-    parked episode goes on."""
+    The group's episode deadline is stopped while any of its episodes waits here (a pause or
+    weight update is not the episode's time) and while `freezes` has the engine frozen (a
+    "keep"-mode pause or update: the turns in the engine wait there, and never reach this
+    gate); it runs again, with what was left, once neither holds. The stops are counted, so
+    a freeze that ends while an episode is still parked (or the reverse) does not restart it
+    early."""
 
-    def __init__(self, is_open: Callable[[], bool], changed: Signal) -> None:
+    def __init__(
+        self, is_open: Callable[[], bool], changed: Signal, freezes: Freezes | None = None
+    ) -> None:
         self.is_open = is_open
         self.changed = changed
-        self.scope: anyio.CancelScope | None = None
-        self._left: float | None = None  # seconds left while frozen
+        self.freezes = freezes
+        self._scope: anyio.CancelScope | None = None
+        self._stops = 0
+        self._left: float | None = None  # seconds left while stopped
+
+    def bind(self, scope: anyio.CancelScope | None) -> None:
+        """Stop and restart `scope`'s deadline from now on (None: let go of the one bound)."""
+        if scope is None:
+            if self.freezes is not None:
+                self.freezes.unwatch(self)
+            self._scope, self._stops, self._left = None, 0, None
+            return
+        self._scope = scope
+        if self.freezes is not None:
+            self.freezes.watch(self)  # stopped at once if the engine is frozen now
+
+    def stop(self) -> None:
+        self._stops += 1
+        if self._stops == 1 and self._scope is not None:
+            self._left = self._scope.deadline - anyio.current_time()
+            self._scope.deadline = math.inf
+
+    def go(self) -> None:
+        self._stops -= 1
+        if self._stops == 0 and self._scope is not None and self._left is not None:
+            self._scope.deadline = anyio.current_time() + self._left
+            self._left = None
 
     async def wait(self) -> None:
         if self.is_open():
             return
-        if self.scope is not None and self._left is None:
-            self._left = self.scope.deadline - anyio.current_time()
-            self.scope.deadline = math.inf
-        await self.changed.wait_until(self.is_open)
-        if self.scope is not None and self._left is not None:
-            self.scope.deadline = anyio.current_time() + self._left
-            self._left = None
+        self.stop()
+        try:
+            await self.changed.wait_until(self.is_open)
+        finally:
+            self.go()
 
 
 class Episode:
@@ -499,13 +527,14 @@ class EpisodeRun:
         timeout = self.config.episode_timeout_s
         try:
             with anyio.move_on_after(timeout) as deadline:
-                self.parking.scope = deadline
+                self.parking.bind(deadline)
                 async with anyio.create_task_group() as tg:
                     self._scope = tg.cancel_scope
                     for episode in self.episodes:
                         tg.start_soon(self._one, episode, name=f"asyncroll-episode-{episode.index}")
         finally:  # the scopes refer to this task: not kept past the run, however it ends
-            self._scope = self.parking.scope = None
+            self._scope = None
+            self.parking.bind(None)
         if self.failure is None and deadline.cancelled_caught:
             late = [e for e in self.episodes if e._phase is not _Phase.RETURNED]
             where = "; ".join(f"episode {e.index} {e.where}" for e in late)

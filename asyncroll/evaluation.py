@@ -14,6 +14,10 @@ samples an update cut (aborted by its drain, or tokens of two versions) is run a
 one sampled before a newer version that other prompts of the same evaluation reached. After
 `max_reruns` such rounds the result says the policy kept moving (`EvalResult.error`) instead.
 
+Prompts and engine output pass the producer's own checks (`rollout`): what the training path
+would fail (bad ids or metadata, token ids outside the vocabulary, versions the engine never
+had) fails the prompt before any reward sees it.
+
 Failures are the result's, never the run's: a bad prompt, an engine error or deadline, a reward
 function that raises or hangs fail that prompt (counted, with the reason); a deadline for the
 whole evaluation, or a producer that stopped, end it with `error` set. Nothing raises except
@@ -27,6 +31,7 @@ meanwhile, within its staleness bound) or alongside training (in a task of its o
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import uuid
@@ -40,15 +45,17 @@ import numpy as np
 from asyncroll._core import rollout
 from asyncroll._core.engine_call import EngineCallError
 from asyncroll._core.rewards import RewardDeadline, RewardFn, RewardRunner
-from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest, SamplingConfig
+from asyncroll.engines.base import SamplingConfig
 from asyncroll.outcomes import NOT_ABSORBED, cancelling
 from asyncroll.prompts import PromptLike, as_prompt
-from asyncroll.types import EMPTY_INT32, Prompt, RolloutGroup, RolloutState, Status
+from asyncroll.types import Prompt, RolloutGroup, Status
 
 if TYPE_CHECKING:
     from asyncroll.producer import Producer
 
 __all__ = ["EvalResult", "Evaluator", "Scores", "pass_at_k"]
+
+log = logging.getLogger(__name__)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -146,12 +153,13 @@ class Evaluator:
     engine; see the module docstring.
 
     `samples` per prompt: 1 samples greedily by default; more sample at the producer's
-    temperature (`sampling` overrides either). `k`: the pass@k to report, each <= `samples`.
-    A sample passes with a reward >= `pass_threshold`. `by`: metadata keys to break the scores
-    down by (besides the task). At most `concurrency` prompts are in the engine at once, each
-    request within the producer's `generate_timeout_s` and each reward within its
-    `reward_timeout_s`; the whole evaluation within `timeout_s` (waiting for a pause included).
-    `name` prefixes the metrics ("eval": `eval/pass@1`)."""
+    temperature (`sampling` overrides either), refused at temperature 0 (n identical samples).
+    Prompt ids must be unique: results are keyed by them. `k`: the pass@k to report, each
+    <= `samples`. A sample passes with a reward >= `pass_threshold`. `by`: metadata keys to
+    break the scores down by (besides the task). At most `concurrency` prompts are in the
+    engine at once, each request within the producer's `generate_timeout_s` and each reward
+    within its `reward_timeout_s`; the whole evaluation within `timeout_s` (waiting for a
+    pause included). `name` prefixes the metrics ("eval": `eval/pass@1`)."""
 
     def __init__(
         self,
@@ -174,6 +182,7 @@ class Evaluator:
         ]  # a finite set, read once: an endless source would never finish here
         if not self.prompts:
             raise ValueError("Evaluator needs at least one prompt")
+        _check_unique_ids(self.prompts)
         if not isinstance(samples, int) or samples < 1:
             raise ValueError(f"samples={samples!r}: must be an integer >= 1")
         bad_k = [x for x in k if not isinstance(x, int) or not 1 <= x <= samples]
@@ -183,15 +192,20 @@ class Evaluator:
                 "or drop the larger k"
             )
         cfg = producer.config
+        given = sampling is not None
         if sampling is None:
             sampling = cfg.sampling
             if samples == 1:
                 sampling = msgspec.structs.replace(sampling, temperature=0.0)
-        elif samples > 1 and sampling.temperature == 0:
+        if samples > 1 and sampling.temperature == 0:
+            whose = "" if given else " (the producer's sampling)"
             raise ValueError(
-                f"samples={samples} with temperature 0: greedy samples are all the same; sample "
-                "with a temperature > 0, or evaluate with samples=1"
+                f"samples={samples} with temperature 0{whose}: greedy samples are all the same; "
+                "pass sampling= with a temperature > 0, or evaluate with samples=1"
             )
+        warning = rollout.budget_warning(sampling, producer.engine.max_model_len)
+        if given and warning is not None:  # the producer's own sampling warned already
+            log.warning("Evaluator: %s", warning)
         if not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency={concurrency!r}: must be an integer >= 1")
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
@@ -280,32 +294,38 @@ class Evaluator:
         """Sample and score prompt `i` once."""
         producer, prompt = self.producer, self.prompts[i]
         engine = producer.engine
-        try:
+        try:  # the producer's checks of a prompt (`admission`): a bad one fails alone
+            rollout.check_prompt_fields(prompt)
             tokens = rollout.prompt_array(prompt.tokens, engine.vocab_size, engine.max_model_len)
         except rollout.RolloutError as exc:
             return _Failed(f"bad_prompt: {exc}")
-        budget = self.sampling.max_new_tokens
-        if engine.max_model_len is not None:
-            budget = min(budget, engine.max_model_len - len(tokens))
-        request = GenerateRequest(
-            request_id=request_id,
-            prompt_tokens=tokens,
-            samples=tuple(SampleRequest(EMPTY_INT32, budget) for _ in range(self.samples)),
-            sampling=self.sampling,
-        )
         before = producer.version
+        group = RolloutGroup(
+            uid=i,
+            prompt_id=str(prompt.prompt_id),
+            task=prompt.task,
+            prompt_tokens=tokens,
+            samples=rollout.fresh_samples(self.samples),
+            metadata=prompt.metadata,
+            start_version=before,
+        )
+        budget = rollout.token_budget(group, self.sampling, engine.max_model_len)
+        request = rollout.build_request(group, request_id, self.sampling, budget)
         try:
             outputs = await producer.guest_generate(request)
         except EngineCallError as exc:
             return _Failed(f"{exc.reason.value}: {exc.message}")
         except RuntimeError:  # the producer stopped while it waited: `run` says so
             return _Cut()
-        try:
-            states = _states(outputs, self.samples, budget)
+        try:  # the training path's checks of engine output, against the version now
+            states = rollout.merge_outputs(
+                group, request, outputs, vocab_size=engine.vocab_size, version=producer.version
+            )
         except (ValueError, TypeError) as exc:
             return _Failed(f"malformed_output: {exc}")
-        if states is None:
-            return _Cut()
+        del outputs
+        if any(s.status is not Status.COMPLETED for s in states):
+            return _Cut()  # an abort cut a sample
         versions = np.unique(np.concatenate([s.versions for s in states]))
         if len(versions) > 1:
             return _Cut()
@@ -315,15 +335,8 @@ class Evaluator:
             version = before
         else:
             return _Cut()
-        group = RolloutGroup(
-            uid=i,
-            prompt_id=str(prompt.prompt_id),
-            task=str(prompt.task),
-            prompt_tokens=tokens,
-            samples=states,
-            status=Status.COMPLETED,
-            metadata=prompt.metadata,
-            start_version=version,
+        group = msgspec.structs.replace(
+            group, samples=states, status=Status.COMPLETED, start_version=version
         )
         try:
             rewards = rollout.check_rewards(await self._rewards.score(group), self.samples)
@@ -398,28 +411,16 @@ class Evaluator:
         )
 
 
-def _states(
-    outputs: Sequence[SampleOutput], n: int, budget: int
-) -> tuple[RolloutState, ...] | None:
-    """The samples of a finished request; None when an abort cut any of them; `ValueError` or
-    `TypeError` for output that breaks the `Engine` contract."""
-    if len(outputs) != n:
-        raise ValueError(f"the engine returned {len(outputs)} samples for {n}")
-    states = []
-    for out in outputs:
-        if out.finish_reason == "abort":
-            return None
-        if out.finish_reason not in ("stop", "length"):
-            raise ValueError(f"finish reason {out.finish_reason!r}")
-        if len(out.tokens) > budget:
-            raise ValueError(f"{len(out.tokens)} tokens for a budget of {budget}")
-        states.append(
-            RolloutState(
-                tokens=np.asarray(out.tokens),
-                logprobs=np.asarray(out.logprobs),
-                versions=np.asarray(out.versions),
-                status=Status.COMPLETED,
-                finish_reason=out.finish_reason,
+def _check_unique_ids(prompts: Sequence[Prompt]) -> None:
+    """`ValueError` naming the first prompt id given twice: results are keyed by id (`failed`,
+    the reruns), so two prompts under one id would count as one."""
+    first: dict[str | None, int] = {}
+    for i, p in enumerate(prompts):
+        j = first.setdefault(p.prompt_id, i)
+        if j != i:
+            raise ValueError(
+                f"prompt id {p.prompt_id!r} (prompts {j} and {i}) is given twice: the results "
+                "are keyed by prompt id; build each prompt set with a task= of its own (e.g. "
+                "chat_prompts(rows, tokenizer, task='math')) or give each prompt a unique "
+                "prompt_id"
             )
-        )
-    return tuple(states)

@@ -38,7 +38,7 @@ from typing import Any
 import anyio
 
 from asyncroll import filters
-from asyncroll._core import checkpoint, engine_call, ledger
+from asyncroll._core import checkpoint, engine_call, ledger, rollout
 from asyncroll._core.admission import Admission, Staged
 from asyncroll._core.attempt import Attempts, Flight
 from asyncroll._core.control import Control
@@ -167,6 +167,8 @@ class Producer:
                 "above it, or lower the engine's pause_timeout_s"
             )
         _check_adapter_slots(engine, optional.adapter_slots, cfg.max_staleness)
+        if (warning := rollout.budget_warning(cfg.sampling, engine.max_model_len)) is not None:
+            log.warning("Producer: %s", warning)
         payload = engine.payload_bytes(cfg.sampling.max_new_tokens)
         cfg.check_fits(payload, episodes=episodes)
         self.engine = engine
@@ -350,10 +352,11 @@ class Producer:
         self, n: int | None = None, *, timeout: float | None = None
     ) -> ProduceBatchResult:
         """Wait for `n` ready groups (default `batch_size`) and hand them out with the counters
-        since the previous batch. Returns fewer only when the prompts are used up; raises
-        `ProducerExhausted` when nothing is left, `ProducerError` if the producer stopped,
-        `StalledError` if the batch could never fill (paused by `pause()`, or a bound is used
-        up), `TimeoutError` after `timeout` seconds (nothing is taken then)."""
+        since the previous batch. Returns fewer only when the prompts are used up (a short
+        last batch logs a warning); raises `ProducerExhausted` when nothing is left,
+        `ProducerError` if the producer stopped, `StalledError` if the batch could never fill
+        (paused by `pause()`, or a bound is used up), `TimeoutError` after `timeout` seconds
+        (nothing is taken then)."""
         self._require_running()
         core, admission = self._core, self._admission
         n = admission.batch_n(n)
@@ -378,8 +381,15 @@ class Producer:
         if ready < n and not admission.drained():
             raise StalledError(admission.stall() or f"produce_batch({n}) cannot fill")
         if ready == 0:
-            raise ProducerExhausted("every prompt was produced and every ready group handed out")
+            raise ProducerExhausted(self._exhausted())
         groups = self.buffer.take(min(n, ready))
+        if len(groups) < n:
+            log.warning(
+                "produce_batch returns %d of the %d groups asked for: the prompts are used up "
+                "and this is the last batch (the next call raises ProducerExhausted); for full "
+                "batches to the end, cycle the prompts (itertools.cycle) or stop before",
+                len(groups), n,
+            )  # fmt: skip
         core.progress.count_consumed(groups)
         self._failure_log.tick()
         core.changed.notify()
@@ -393,6 +403,20 @@ class Producer:
             window_s=window_s,
             latency_p50_s=LatencyHistogram.quantile(latency, 0.5),
             latency_p99_s=LatencyHistogram.quantile(latency, 0.99),
+        )
+
+    def _exhausted(self) -> str:
+        """Why there is nothing left: a run that never had a group ready says what became of
+        its groups, which would otherwise read as an empty dataset."""
+        c = self._core.progress.counters
+        if c.consumed_groups:
+            return "every prompt was produced and every ready group handed out"
+        reasons = ", ".join(f"{r}: {n}" for r, n in sorted(c.failed_groups_by_reason.items()))
+        return (
+            f"the prompts ran out and no group was ever ready: {c.started_groups} started, "
+            f"{c.failed_groups} failed ({reasons or 'none'}), {c.filtered_groups} filtered, "
+            f"{c.expired_groups} expired; on_drop or logging at WARNING shows each failure's "
+            "cause"
         )
 
     async def batches(self, n: int | None = None) -> AsyncIterator[ProduceBatchResult]:

@@ -17,7 +17,7 @@ import enum
 import random
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
@@ -48,6 +48,18 @@ class CursorState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _PROMPT_FIELDS = frozenset(Prompt.__struct_fields__)
+
+
+@runtime_checkable
+class SkipsAhead(Protocol):
+    """A source that can start at an index without producing the items before it (a source
+    whose items cost work, as `chat_prompts` renders each row): a resumed producer skips the
+    checkpoint's drawn prompts through it instead of building every one again."""
+
+    def from_index(self, start: int) -> tuple[int, Iterator[Any]]:
+        """How many items were skipped (fewer than `start` when the source runs out first)
+        and an iterator of the items from there on."""
+        ...
 
 
 def encode_prompt(prompt: Prompt) -> bytes:
@@ -87,9 +99,27 @@ def as_prompt(item: PromptLike | None, task: str, index: int, *, mixed: bool = F
     Anything that is not a `Prompt` or a mapping (None included) is taken as its tokens, checked
     when its group starts. `mixed`: the source is a `TaskMix`'s, whose name is the task of all
     it gives: a mapping without a task takes it, and a `Prompt` built for another task (chat
-    prompts built without `task=`, say) is refused rather than counted under the wrong task."""
+    prompts built without `task=`, say) is refused rather than counted under the wrong task.
+
+    Two mistakes that would fail every prompt alike raise `ValueError` saying what to do (the
+    producer stops with it): a mapping with keys that are not `Prompt` fields (chat rows not
+    rendered by `chat_prompts`), and text (a str or bytes) where token ids belong."""
     if isinstance(item, Mapping):
+        unknown = sorted(map(repr, set(item) - _PROMPT_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"prompt {index} of task {task!r} has keys {', '.join(unknown)} that a Prompt "
+                f"does not take (its fields: {', '.join(Prompt.__struct_fields__)}): render "
+                "chat rows with asyncroll.chat.chat_prompts(rows, tokenizer), and put other "
+                "fields under metadata"
+            )
         item = Prompt(**({"task": task} | dict(item) if mixed else item))
+    if isinstance(item, str | bytes):
+        raise ValueError(
+            f"prompt {index} of task {task!r} is a {type(item).__name__}, not token ids: "
+            "tokenize text first (tokenizer(text).input_ids), or build chat prompts with "
+            "asyncroll.chat.chat_prompts(rows, tokenizer)"
+        )
     if isinstance(item, Prompt):
         prompt = item
         if mixed and prompt.task != task:
@@ -135,7 +165,12 @@ class _TaskSource:
 
     async def skip(self) -> None:
         """Skip the items a resumed source gave before the checkpoint; `ValueError` if it runs
-        out first (it is not the same source)."""
+        out first (it is not the same source). A `SkipsAhead` source skips them without
+        producing them."""
+        fresh = self._sync is None and self._async is None
+        if self._skip and fresh and isinstance(self.source, SkipsAhead):
+            skipped, self._sync = self.source.from_index(self._skip)
+            self._skip -= skipped
         while self._skip:
             if await self._next_raw() is _End.END:
                 raise ValueError(

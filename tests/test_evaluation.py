@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -325,3 +326,91 @@ async def test_a_producer_that_stops_ends_the_evaluation_with_an_error() -> None
         result = await asyncio.wait_for(task, 10)
     assert result.error == "the producer stopped during the evaluation"
     assert result.version is None and result.incomplete == 3
+
+
+# -- what the evaluator refuses -------------------------------------------------------------------
+
+
+async def test_samples_on_a_greedy_producer_are_refused_as_with_greedy_sampling() -> None:
+    """Without `sampling=`, `samples > 1` samples at the producer's temperature: a greedy
+    producer would send n identical samples and report pass@n = pass@1."""
+    async with SimEngine(vocab_size=VOCAB) as engine:
+        producer = Producer(
+            engine, prompts(4), answer_reward, group_size=2, batch_size=2,
+            sampling=SamplingConfig(temperature=0.0),
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="greedy samples are all the same"):
+            Evaluator(producer, prompts(2), answer_reward, samples=4)
+        assert Evaluator(producer, prompts(2), answer_reward).samples == 1  # greedy pass@1 is fine
+
+
+async def test_prompts_sharing_an_id_are_refused() -> None:
+    """Two prompt sets built with the same task share ids ("t/0", ...): `failed` is keyed by
+    id, so one id's failure would hide the other's and the accounting would not add up."""
+    async with SimEngine(vocab_size=VOCAB) as engine:
+        producer = make_producer(engine)
+        with pytest.raises(ValueError, match=r"'t/0' \(prompts 0 and 3\).*task="):
+            Evaluator(producer, [*prompts(3), *prompts(2)], answer_reward)
+        # ids the evaluator gives (by position) never collide with each other
+        Evaluator(producer, [[3, 4], [3, 4], {"tokens": [5]}], answer_reward)
+
+
+class BadEvalOutputEngine(SimEngine):
+    """Serves the run, and answers the evaluator's requests with output the training path
+    refuses: `mode` "ahead" stamps a version the engine never had, "vocab" a token id outside
+    the vocabulary, "logprob" a positive logprob."""
+
+    mode = "ahead"
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        outputs = await super().generate(request)
+        if not request.request_id.startswith("eval"):
+            return outputs
+        out = outputs[0]
+        tokens, logprobs, versions = out.tokens.copy(), out.logprobs.copy(), out.versions.copy()
+        if self.mode == "ahead":
+            versions[:] = self.version + 5
+        elif self.mode == "vocab":
+            tokens[-1] = VOCAB + 3
+        else:
+            logprobs[0] = 0.5
+        bad = msgspec.structs.replace(out, tokens=tokens, logprobs=logprobs, versions=versions)
+        return [bad, *outputs[1:]]
+
+
+@pytest.mark.parametrize(
+    ("mode", "why"),
+    [("ahead", "outside \\[0, 0\\]"), ("vocab", "outside the vocabulary"), ("logprob", "NaN")],
+)
+async def test_output_the_training_path_refuses_fails_the_prompt(mode: str, why: str) -> None:
+    seen: list[RolloutGroup] = []
+
+    def reward(group: RolloutGroup) -> list[float]:
+        seen.append(group)
+        return [1.0] * len(group.samples)
+
+    engine = BadEvalOutputEngine(vocab_size=VOCAB)
+    engine.mode = mode
+    async with engine, make_producer(engine) as producer:
+        result = await Evaluator(producer, prompts(2), reward).run()
+    assert not seen  # the verifier never saw the malformed output
+    assert result.version is None and result.scores.prompts == 0
+    assert sorted(result.failed) == ["t/0", "t/1"]
+    assert all(v.startswith("malformed_output:") for v in result.failed.values())
+    assert all(re.search(why, v) for v in result.failed.values()), result.failed
+
+
+async def test_a_prompt_with_bad_metadata_fails_alone_with_by_set() -> None:
+    """`metadata=None` (or a non-dict) fails that prompt as the producer does, before the
+    engine; the others are scored and broken down (the reward reads no metadata)."""
+    bad = Prompt(tokens=[3, 4], task="t", prompt_id="none", metadata=None)  # type: ignore[arg-type]
+    listed = Prompt(tokens=[3, 4], task="t", prompt_id="list", metadata=[1])  # type: ignore[arg-type]
+    async with SimEngine(vocab_size=VOCAB) as engine, make_producer(engine) as producer:
+        result = await Evaluator(
+            producer, [*prompts(4), bad, listed], sample_index_reward, by=["level"]
+        ).run()
+    assert result.error is None and result.scores.prompts == 4 and result.incomplete == 0
+    assert sorted(result.failed) == ["list", "none"]
+    assert all("metadata must be a dict" in why for why in result.failed.values()), result.failed
+    assert result.metrics()["eval/prompts"] == 4
+    assert set(result.by["level"]) == {"0", "1"}

@@ -20,6 +20,7 @@ from asyncroll import (
     ProducerConfig,
     ProducerError,
     ProducerExhausted,
+    Prompt,
     PutOutcome,
     RolloutGroup,
     SamplingConfig,
@@ -194,7 +195,7 @@ async def test_delta_counters_reset_between_batches_and_add_up_to_totals() -> No
         ([1.5, 2.0], "integers"),
         (["a", "b"], "integers"),
         ([[1, 2], [3]], "not an array|non-empty 1-D"),
-        ("hello", "non-empty 1-D"),
+        (Prompt(tokens="hello"), "a str, not token ids: tokenize"),  # a source of text stops
     ],
 )
 async def test_bad_prompt_fails_its_group_and_the_run_continues(bad: Any, message: str) -> None:

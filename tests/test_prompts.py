@@ -229,3 +229,40 @@ def test_a_corrupt_requeued_prompt_is_refused_before_loading(blob: bytes) -> Non
     with pytest.raises(ValueError, match="re-queued prompt 1"):
         stream.load(bad)
     assert stream.state().requeued == []  # nothing loaded
+
+
+def _owner(arr: np.ndarray) -> object:
+    """The object that owns an array's memory (the array itself when it owns it)."""
+    while isinstance(arr.base, np.ndarray):
+        arr = arr.base
+    return arr if arr.base is None else arr.base
+
+
+async def test_a_requeued_prompt_holds_no_view_into_its_expired_group() -> None:
+    """An expired group's prompt goes back with copies of its metadata's arrays, nested ones
+    too: a view would keep the group's whole decoded payload alive (the buffer decodes arrays
+    as views into a group's bytes), against the byte bound. The simulation's payload is
+    64 kB a sample; the arrays are 32 bytes."""
+    from asyncroll import Producer, SamplingConfig, SimEngine
+
+    metadata = {"top": np.arange(4), "nested": {"ids": np.arange(4)}, "listed": [np.arange(4)]}
+    engine = SimEngine(vocab_size=64, payload_bytes_per_sample=65536)
+    producer = Producer(
+        engine, [Prompt(tokens=[3, 4], metadata=metadata) for _ in range(4)],
+        lambda g: [1.0] * g.num_samples, group_size=2, batch_size=2, max_staleness=0,
+        sampling=SamplingConfig(max_new_tokens=4), max_buffer_bytes=1 << 24,
+    )  # fmt: skip
+    async with engine, producer:
+        await producer._changed.wait_until(lambda: producer.buffer.num_ready == 2, 30)
+        await producer.pause()
+        await producer.update_weights()  # both ready groups are too stale now: they expire
+        requeued = list(producer._core.prompts._requeued)
+        await producer.resume()
+    assert len(requeued) >= 2 and producer.progress.counters.expired_groups >= 2
+    for prompt in requeued:
+        arrays = [prompt.metadata["top"], prompt.metadata["nested"]["ids"]]
+        arrays.append(prompt.metadata["listed"][0])
+        for arr in arrays:
+            assert arr.tolist() == [0, 1, 2, 3]
+            owner = _owner(arr)
+            assert owner is arr, f"a view into a {type(owner).__name__} of {len(owner)} bytes"  # type: ignore[arg-type]

@@ -148,6 +148,7 @@ MATRIX: dict[str, list[tuple[Any, str]]] = {
     "max_buffer_groups": [(15, "refuse"), (16, "continue")],  # the checkpoint holds 16
     # "tight": just room for one batch of groups at their largest (smaller: no run can fill one)
     "max_buffer_bytes": [("tight", "continue"), (1 << 20, "continue")],
+    "max_extra_bytes": [(0, "continue")],  # the run's samples carry no extra
     "order": [("stalest", "continue")],
     "pause_mode": [("keep", "continue")],
     "generate_timeout_s": [(5.0, "continue")],

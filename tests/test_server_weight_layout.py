@@ -52,6 +52,10 @@ def _weights(**changes: tuple[int, ...] | None) -> list[tuple[str, torch.Tensor]
             _weights(model__extra__weight=(2,)), WeightMismatchError, "model.extra.weight",
             id="extra",
         ),
+        pytest.param(  # torch.compile's names: none would load; the prefix is named
+            [("_orig_mod." + n, t) for n, t in _weights()], WeightLayoutError, "'_orig_mod.'",
+            id="prefixed",
+        ),
     ],
 )  # fmt: skip
 async def test_weights_the_model_cannot_take_are_refused_before_anything_is_written(

@@ -172,6 +172,56 @@ def test_turn_loss_with_every_turn_scored_as_the_episode_is_the_episode_loss() -
     assert (logprobs.grad[index == 1] != 0).all() and (logprobs.grad[index != 1] == 0).all()
 
 
+def test_turn_loss_judges_a_sample_band_on_the_whole_sample() -> None:
+    """`seq-mask` drops a sample whose geometric-mean ratio leaves (0.5, 2): of the whole
+    sample, as `policy_loss` judges it. Turns of ratio 2.46 and 0.41 around one of 1.0 make a
+    sample of geometric mean 1.0, which is kept; judged turn by turn, turns 0 and 2 were each
+    dropped (the sample was all but lost) and the loss differed from `policy_loss`'s."""
+    torch = pytest.importorskip("torch")
+    from asyncroll.train import CORRECTIONS, behaviour_weights, policy_loss
+
+    groups = [scored_turn_group(4), scored_turn_group(4)]
+    batch = to_batch(groups)
+    index = torch.from_numpy(turn_index(groups, batch.input_ids.shape[1]))
+    shift = torch.zeros_like(batch.old_logprobs)
+    shift[index == 0], shift[index == 2] = 0.9, -0.9  # rho 2.46 on turn 0, 0.41 on turn 2
+    anchor = batch.old_logprobs + shift
+    noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(3))
+    logprobs = (anchor + 0.05 * noise).requires_grad_()
+    correction = CORRECTIONS["seq-mask"]
+    weights = behaviour_weights(anchor, batch, correction)
+    assert not weights.masked.any()  # every sample's geometric mean is 1.0: all kept
+
+    def same(group: RolloutGroup) -> np.ndarray:
+        return np.repeat(group.rewards()[:, None], 3, axis=1)
+
+    expected, _ = policy_loss(logprobs, batch, correction=correction, proximal_logprobs=anchor)
+    got = turn_loss(logprobs, batch, groups, same, correction, anchor)
+    assert float(got.detach()) == pytest.approx(float(expected.detach()), rel=1e-5, abs=1e-6)
+    got.backward()
+    assert logprobs.grad is not None and (logprobs.grad[index == 0] != 0).any()
+
+
+@pytest.mark.parametrize(("advantage", "std"), [("rloo", "population"), ("grpo", "sample")])
+def test_turn_loss_takes_the_batchs_advantage_settings(advantage: str, std: str) -> None:
+    """Each turn's advantages are computed as `to_batch`'s were: the same `advantage` and
+    `std`, so every turn scored as the sample gives `policy_loss` of that batch."""
+    torch = pytest.importorskip("torch")
+    from asyncroll.train import policy_loss
+
+    groups = [scored_turn_group(4), scored_turn_group(4)]
+    batch = to_batch(groups, advantage=advantage, std=std)  # type: ignore[arg-type]
+    noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(5))
+    logprobs = (batch.old_logprobs + 0.05 * noise).requires_grad_()
+
+    def same(group: RolloutGroup) -> np.ndarray:
+        return np.repeat(group.rewards()[:, None], 3, axis=1)
+
+    expected, _ = policy_loss(logprobs, batch)
+    got = turn_loss(logprobs, batch, groups, same, None, None, advantage=advantage, std=std)  # type: ignore[arg-type]
+    assert float(got.detach()) == pytest.approx(float(expected.detach()), rel=1e-5, abs=1e-6)
+
+
 def test_mean_entropy_is_of_the_distributions_that_sampled_the_trained_tokens() -> None:
     """The logits one position before each trained token give the distribution it was sampled
     from: uniform there (entropy log V) and a certain token everywhere else (entropy 0) must

@@ -140,3 +140,70 @@ def test_the_reload_report_catches_unloaded_layers_whatever_vllms_log_level() ->
         assert logger.level == logging.ERROR and not logger.filters
     finally:
         logger.setLevel(saved)
+
+
+def mistral_folder(tmp_path: Any, *, index: bool) -> Any:
+    """A model folder laid out as Mistral's repos are: the Hugging Face tensors (sharded, with
+    `model.safetensors.index.json`, or one file) and a second copy of them under Mistral's own
+    names in `consolidated.safetensors`. vLLM loads one copy, never both."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hf = {"model.embed_tokens.weight": torch.zeros(8, 3), "model.norm.weight": torch.zeros(3)}
+    if index:
+        save_file({"model.embed_tokens.weight": hf["model.embed_tokens.weight"]},
+                  str(tmp_path / "model-00001-of-00002.safetensors"))  # fmt: skip
+        save_file({"model.norm.weight": hf["model.norm.weight"]},
+                  str(tmp_path / "model-00002-of-00002.safetensors"))  # fmt: skip
+        weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                      "model.norm.weight": "model-00002-of-00002.safetensors"}  # fmt: skip
+        (tmp_path / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": weight_map})
+        )
+        save_file({"stale.weight": torch.zeros(1)}, str(tmp_path / "model-old.safetensors"))
+    else:
+        save_file(hf, str(tmp_path / "model.safetensors"))
+    save_file({"tok_embeddings.weight": torch.zeros(8, 3), "norm.weight": torch.zeros(3)},
+              str(tmp_path / "consolidated.safetensors"))  # fmt: skip
+    return tmp_path
+
+
+@pytest.mark.parametrize("index", [True, False], ids=["sharded-with-index", "one-file"])
+def test_a_mistral_layout_requires_the_copy_the_update_names(tmp_path: Any, index: bool) -> None:
+    """Coverage asked for the tensors of every *.safetensors file: both copies (and, with an
+    index, a file the index does not name), so an update of the served weights themselves
+    could never pass. It is the one copy in the names an update carries."""
+    folder = str(mistral_folder(tmp_path, index=index))
+    want = {"model.embed_tokens.weight", "model.norm.weight"}
+    assert weight_check.checkpoint_names(folder) == want
+    layout = weight_check.checkpoint_layout(folder)
+    assert layout is not None and set(layout) == want
+
+
+def test_a_consolidated_only_folder_is_its_own_copy(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"norm.weight": torch.zeros(3)}, str(tmp_path / "consolidated.safetensors"))
+    assert weight_check.checkpoint_names(str(tmp_path)) == {"norm.weight"}
+
+
+@pytest.mark.parametrize("prefix", ["_orig_mod.", "module.", "module._orig_mod."])
+def test_an_update_whose_names_all_miss_is_refused_naming_the_prefix(
+    tmp_path: Any, prefix: str
+) -> None:
+    """`torch.compile` (`_orig_mod.`) or DDP (`module.`) put a prefix on every name: nothing of
+    the update would load, and the engine would refuse to generate after it. Refused before
+    anything is sent, naming the prefix to strip."""
+    named = [(prefix + "q.weight", torch.zeros(4, 3)), (prefix + "norm.weight", torch.zeros(3))]
+    with pytest.raises(weight_check.WeightLayoutError) as refused:
+        weight_check.check_layout(named, served_layout(tmp_path), "engine X")
+    message = str(refused.value)
+    assert message.startswith("engine X: ") and "nothing was loaded" in message
+    assert f"start with {prefix!r}" in message and "'q.weight'" in message, message
+
+
+def test_names_that_miss_with_no_common_prefix_are_refused_too(tmp_path: Any) -> None:
+    named = [("encoder.q.weight", torch.zeros(4, 3)), ("other", torch.zeros(3))]
+    with pytest.raises(weight_check.WeightLayoutError, match="none of the 2 tensors"):
+        weight_check.check_layout(named, served_layout(tmp_path), "engine X")

@@ -185,7 +185,7 @@ class Admission:
         fails without reaching the engine."""
         core = self.core
         try:
-            _check_fields(prompt)
+            rollout.check_prompt_fields(prompt)
             tokens = rollout.prompt_array(
                 prompt.tokens, core.engine.vocab_size, core.engine.max_model_len
             )
@@ -268,13 +268,15 @@ class Admission:
 
     def stall(self) -> str | None:
         """Why no more groups can become ready until the caller acts, or None while they can.
-        Only a user's pause stalls; an update or a save in progress ends by itself, and so does
-        the gate's opening (in "keep" mode the last hold is gone while the engine resumes)."""
+        Only a user's pause stalls; an update or a save in progress ends by itself (an adapter
+        update with the gate open too), and so does the gate's opening (in "keep" mode the
+        last hold is gone while the engine resumes)."""
         core, holds = self.core, self.control.holds
         if holds[Hold.USER]:
             return "produce_batch while paused would wait forever: resume() first"
         if (
             self.control.gate is not Gate.OPEN  # a hold, or the gate still opening
+            or self.control.updating
             or core.inflight
             or self.scheduler is _Scheduler.DRAWING
             or self.drained()
@@ -335,19 +337,3 @@ class Admission:
             start_version=self.core.version,
             error=staged.error,
         )
-
-
-def _check_fields(prompt: Prompt) -> None:
-    """`RolloutError` unless the prompt's task, id and metadata have the types its group
-    holds. `Prompt` does not check them (nor does a mapping a source yields), and the codec
-    writes any msgpack type but reads a group back only with these: a group stored with an int
-    `prompt_id` would fail only when handed out, taking its batch out of the ledger with it."""
-    if not isinstance(prompt.task, str):
-        raise rollout.RolloutError(f"its task must be a str, got {type(prompt.task).__name__}")
-    if not isinstance(prompt.prompt_id, str | None):
-        raise rollout.RolloutError(
-            f"its prompt_id must be a str or None, got {type(prompt.prompt_id).__name__}"
-        )
-    metadata = prompt.metadata
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
-        raise rollout.RolloutError("its metadata must be a dict with str keys")

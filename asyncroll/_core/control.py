@@ -45,6 +45,7 @@ class Control:
         self.gate = Gate.OPEN
         self.holds: Counter[Hold] = Counter()
         self.guests: set[str] = set()  # request ids of guest requests in the engine
+        self.updating = 0  # `steady` blocks running (adapter updates without a pause)
         self._lock = asyncio.Lock()
 
     @property
@@ -54,7 +55,11 @@ class Control:
     def parking(self) -> Parking:
         """Where episodes wait while the gate is closed (or the producer stops)."""
         core = self.core
-        return Parking(lambda: self.gate is Gate.OPEN and core.phase is Phase.RUNNING, core.changed)
+        return Parking(
+            lambda: self.gate is Gate.OPEN and core.phase is Phase.RUNNING,
+            core.changed,
+            self.freezes,
+        )
 
     @contextlib.asynccontextmanager
     async def holding(self, hold: Hold) -> AsyncIterator[None]:
@@ -75,9 +80,32 @@ class Control:
         engine may freeze its replicas while they load it (`VLLMServerEngine`), and a pause
         sent meanwhile would wait inside its own `abort_timeout_s` for the whole load, then
         fail, and so would the resume that undoes it. A pause asked for during the block
-        waits for it here instead (the block has the update's deadline)."""
-        async with self._lock:
-            yield
+        waits for it here instead (the block has the update's deadline).
+
+        `updating` says the block runs: the gate stays open through it, so this is how a
+        waiting `produce_batch` knows an update is under way (it frees the staleness
+        capacity once it lands), as the closed gate of a full-weight update tells it.
+
+        The deadlines of the calls in the engine (and the episodes') are stopped for the
+        block, as a "keep"-mode pause stops them: an engine may freeze its requests while it
+        loads the adapter without the producer being told, and the load is the update's time
+        (it has `update_timeout_s`), not theirs. Unless a pause froze them already: its own
+        end restarts them, and the lock keeps that end out of this block."""
+        self.updating += 1
+        self.core.changed.notify()
+        try:
+            async with self._lock:
+                froze = not self.freezes.frozen
+                if froze:
+                    self.freezes.freeze()
+                try:
+                    yield
+                finally:
+                    if froze:
+                        self.freezes.thaw()
+        finally:
+            self.updating -= 1
+            self.core.changed.notify()
 
     async def acquire(self, hold: Hold) -> None:
         """Add a holder of the gate; the first closes it (drain, or freeze in "keep" mode).

@@ -25,15 +25,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from typing import Protocol
 
 from asyncroll.engines.base import Engine, EngineDeadError, GenerateRequest, SampleOutput
 from asyncroll.outcomes import NOT_ABSORBED, FailureReason, GroupFailure, cancelling
 
-__all__ = ["EngineCallError", "Freezes", "generate"]
+__all__ = ["EngineCallError", "Freezes", "Stoppable", "generate"]
 
 
 class EngineCallError(GroupFailure):
     """The engine call failed; `fatal` for a dead engine or a `BaseException` from it."""
+
+
+class Stoppable(Protocol):
+    """A deadline of its own kind that a freeze stops and a thaw restarts (`Parking`'s)."""
+
+    def stop(self) -> None: ...
+
+    def go(self) -> None: ...
 
 
 class Freezes:
@@ -43,6 +52,7 @@ class Freezes:
     def __init__(self) -> None:
         self.frozen = False
         self._live: dict[asyncio.Timeout, float | None] = {}  # deadline -> seconds left if frozen
+        self._watchers: set[Stoppable] = set()  # other deadlines: the episodes' (`Parking`)
 
     def freeze(self) -> None:
         if self.frozen:
@@ -54,6 +64,8 @@ class Freezes:
             if when is not None and not deadline.expired():
                 self._live[deadline] = when - now
                 deadline.reschedule(None)
+        for watcher in list(self._watchers):
+            watcher.stop()
 
     def thaw(self) -> None:
         if not self.frozen:
@@ -64,6 +76,20 @@ class Freezes:
             if left is not None and not deadline.expired():
                 deadline.reschedule(now + left)
             self._live[deadline] = None
+        for watcher in list(self._watchers):
+            watcher.go()
+
+    def watch(self, watcher: Stoppable) -> None:
+        """Stop `watcher` with every freeze (at once if frozen now) until `unwatch`."""
+        self._watchers.add(watcher)
+        if self.frozen:
+            watcher.stop()
+
+    def unwatch(self, watcher: Stoppable) -> None:
+        if watcher in self._watchers:
+            self._watchers.remove(watcher)
+            if self.frozen:
+                watcher.go()
 
     def enter(self, deadline: asyncio.Timeout, timeout_s: float) -> None:
         """Track an entered `deadline` of `timeout_s` (stopped at once if frozen)."""

@@ -110,6 +110,11 @@ class Flights:
         core = self.core
         group, reason = landing.group, landing.reason
         del core.inflight[group.uid]
+        if group.status in (Status.COMPLETED, Status.ABORTED):  # to be stored: within bound?
+            error = _extra_error(group, core.config.extra_bytes(episodes=core.episodes))
+            if error is not None:
+                reason = FailureReason.UNSTORABLE
+                group = msgspec.structs.replace(group, status=Status.FAILED, error=error)
         try:
             outcome = core.buffer.put(group, flight.reserved)
         except Exception as exc:  # put changed nothing: fail the group instead
@@ -173,7 +178,7 @@ class Flights:
                 tokens=group.prompt_tokens.tolist(),
                 task=group.task,
                 prompt_id=group.prompt_id,
-                metadata={k: _detached(v) for k, v in group.metadata.items()},
+                metadata=_detached(group.metadata),
             )
         )
 
@@ -222,7 +227,35 @@ class Flights:
         self.idle_since = None if self.core.inflight else now
 
 
+def _extra_error(group: RolloutGroup, limit: int) -> str | None:
+    """Why the group's samples carry more `extra` than each may (`max_extra_bytes`, reserved
+    with the group), or None. Extra that cannot be encoded is the buffer's to refuse."""
+    for i, sample in enumerate(group.samples):
+        if not sample.extra:
+            continue
+        try:
+            size = len(codec.encode_value(sample.extra))
+        except codec.CodecError:
+            return None
+        if size > limit:
+            keys = ", ".join(sorted(map(repr, sample.extra))[:5])
+            return (
+                f"the group could not be stored: sample {i}'s extra ({keys}) encodes to {size} "
+                f"B, over the {limit} B each sample may carry (max_extra_bytes, reserved with "
+                "its group within max_buffer_bytes): store less in extra, or raise "
+                "max_extra_bytes"
+            )
+    return None
+
+
 def _detached(value: Any) -> Any:
     """A copy of an array that may be a view into a decoded group's bytes (so keeping it does
-    not keep the whole group alive); anything else as is."""
-    return np.array(value) if isinstance(value, np.ndarray) else value
+    not keep the whole group alive), at any depth of the dicts and lists metadata may nest
+    (what the codec decodes); anything else as is."""
+    if isinstance(value, np.ndarray):
+        return np.array(value)
+    if type(value) is dict:
+        return {k: _detached(v) for k, v in value.items()}
+    if type(value) in (list, tuple):  # not a subclass: a namedtuple takes no iterable
+        return type(value)(_detached(v) for v in value)
+    return value

@@ -21,6 +21,7 @@ from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest,
 from asyncroll.types import (
     Float32Array,
     Int32Array,
+    Prompt,
     RolloutGroup,
     RolloutState,
     Status,
@@ -39,6 +40,10 @@ class RolloutError(ValueError):
 
 def prompt_array(tokens: Any, vocab_size: int, max_model_len: int | None) -> Int32Array:
     """The prompt as an int32 array, or `RolloutError` saying what is wrong with it."""
+    if isinstance(tokens, str | bytes):
+        raise RolloutError(
+            f"prompt tokens are a {type(tokens).__name__}, not token ids: tokenize text first"
+        )
     try:
         arr = np.asarray(tokens)
     except (ValueError, TypeError) as exc:
@@ -60,11 +65,39 @@ def prompt_array(tokens: Any, vocab_size: int, max_model_len: int | None) -> Int
     return arr.astype(np.int32)
 
 
+def check_prompt_fields(prompt: Prompt) -> None:
+    """`RolloutError` unless the prompt's task, id and metadata have the types its group
+    holds. `Prompt` does not check them (nor does a mapping a source yields), and the codec
+    writes any msgpack type but reads a group back only with these: a group stored with an int
+    `prompt_id` would fail only when handed out, taking its batch out of the ledger with it."""
+    if not isinstance(prompt.task, str):
+        raise RolloutError(f"its task must be a str, got {type(prompt.task).__name__}")
+    if not isinstance(prompt.prompt_id, str | None):
+        raise RolloutError(
+            f"its prompt_id must be a str or None, got {type(prompt.prompt_id).__name__}"
+        )
+    metadata = prompt.metadata
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) for k in metadata):
+        raise RolloutError("its metadata must be a dict with str keys")
+
+
 def token_budget(group: RolloutGroup, sampling: SamplingConfig, max_model_len: int | None) -> int:
     """Response tokens a sample of this group may have in all (prompt + response must fit)."""
     if max_model_len is None:
         return sampling.max_new_tokens
     return min(sampling.max_new_tokens, max_model_len - len(group.prompt_tokens))
+
+
+def budget_warning(sampling: SamplingConfig, max_model_len: int | None) -> str | None:
+    """What to say when no sample can get `max_new_tokens` (a prompt takes at least one of the
+    model's positions), or None: every budget is capped by `token_budget`, silently otherwise."""
+    if max_model_len is None or sampling.max_new_tokens < max_model_len:
+        return None
+    return (
+        f"max_new_tokens={sampling.max_new_tokens} does not fit the engine's max_model_len="
+        f"{max_model_len}: every sample gets at most max_model_len minus its prompt's length; "
+        "lower max_new_tokens or raise max_model_len"
+    )
 
 
 def fresh_samples(group_size: int) -> tuple[RolloutState, ...]:

@@ -22,8 +22,9 @@ to change, before any work is spent on it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 
@@ -161,9 +162,30 @@ class _RowPrompts:
         self._rows = rows
 
     def __iter__(self) -> Iterator[Prompt]:
-        build = self._builder.build
-        for index, row in enumerate(self._rows):
-            yield build(row, index)
+        return self.from_index(0)[1]
+
+    def from_index(self, start: int) -> tuple[int, Iterator[Prompt]]:
+        """The prompts from row `start` on, without rendering the rows before it (a resumed
+        producer skips its cursor so: `asyncroll.prompts.SkipsAhead`), and how many rows were
+        skipped (fewer than `start` when the rows run out first). Rows that can be indexed (a
+        list, a Hugging Face dataset) are not even read; others are read and dropped."""
+        rows, build = self._rows, self._builder.build
+        if start and _indexable(rows):
+            count = len(rows)
+            skipped = min(start, count)
+            return skipped, (build(rows[i], i) for i in range(skipped, count))
+        it = iter(rows)  # (from the start, iterating: a dataset's rows come faster that way)
+        skipped = sum(1 for _ in itertools.islice(it, start))
+        return skipped, (build(row, i) for i, row in enumerate(it, skipped))
+
+
+def _indexable(rows: Any) -> TypeGuard[Sequence[Mapping[str, Any]]]:
+    """Rows to index by position: a sequence, or what behaves as one (a `datasets.Dataset`)."""
+    if isinstance(rows, Sequence):
+        return not isinstance(rows, str | bytes)
+    return (
+        hasattr(rows, "__len__") and hasattr(rows, "__getitem__") and not isinstance(rows, Mapping)
+    )
 
 
 def chat_prompts(

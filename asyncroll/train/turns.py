@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from asyncroll.train.loss import TrainBatch
+from asyncroll.train.loss import Advantage, Std, TrainBatch
 from asyncroll.types import RolloutGroup
 
 TurnRewards = Callable[[RolloutGroup], npt.NDArray[np.float64]]
@@ -27,25 +27,44 @@ def turn_loss(
     turn_rewards: TurnRewards,
     correction: Any,
     anchor: Any,
+    *,
+    advantage: Advantage = "grpo",
+    std: Std = "population",
 ) -> Any:
-    """The policy loss with GRPO advantages per policy turn: the token-weighted sum of one
-    loss per turn index, each over that turn's tokens. It is the same mean over all trained
-    tokens as `policy_loss` of the batch, with each token's advantage its own turn's."""
+    """The policy loss with advantages per policy turn: the token-weighted sum of one loss per
+    turn index, each over that turn's tokens, its advantages from that turn's rewards (with
+    `advantage` and `std` as given to `to_batch`). It is the same mean over all trained tokens
+    as `policy_loss` of the batch, with each token's advantage its own turn's.
+
+    A `correction`'s weights are those of the whole batch: its `sequence_band` judges each
+    sample by the geometric mean of all its ratios, as `policy_loss` does, not each turn by
+    its own (a turn of ratio 2.46 and one of 0.41 are a sample of 1.0, which is kept). Each
+    turn's loss is therefore taken with the band off and the tokens the batch's band dropped
+    left out: those weigh 0 in `policy_loss` too, and every turn's share is of the batch's
+    trained tokens, so the sum is the same mean."""
     import torch
 
-    from asyncroll.train.loss import group_advantages, policy_loss
+    from asyncroll.train.loss import behaviour_weights, group_advantages, policy_loss
 
     rewards = np.stack([turn_rewards(g) for g in groups])  # [groups, samples, turns]
     turn = torch.from_numpy(turn_index(groups, batch.input_ids.shape[1]))
     total = batch.loss_mask.sum().clamp(min=1)
+    trained = batch.loss_mask
+    if correction is not None and correction.sequence_band is not None:
+        if anchor is None:
+            raise ValueError("a correction needs the proximal logprobs (anchor)")
+        trained = trained & ~behaviour_weights(anchor.detach(), batch, correction).masked
+        correction = msgspec.structs.replace(correction, sequence_band=None)
     loss = logprobs.new_zeros(())
     for k in range(rewards.shape[2]):
-        mask = batch.loss_mask & (turn == k)
+        mask = trained & (turn == k)
         if not bool(mask.any()):
             continue
-        advantages = group_advantages(rewards[:, :, k]).astype(np.float32).reshape(-1)
+        turn_advantages = group_advantages(rewards[:, :, k], advantage, std=std)
         part = msgspec.structs.replace(
-            batch, loss_mask=mask, advantages=torch.from_numpy(advantages)
+            batch,
+            loss_mask=mask,
+            advantages=torch.from_numpy(turn_advantages.astype(np.float32).reshape(-1)),
         )
         part_loss, _ = policy_loss(logprobs, part, correction=correction, proximal_logprobs=anchor)
         loss = loss + part_loss * mask.sum() / total

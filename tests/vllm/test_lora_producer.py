@@ -13,6 +13,7 @@ from asyncroll import Producer, RolloutGroup, SamplingConfig
 from asyncroll.engines import VLLMEngine
 from asyncroll.lora import LoraSlots
 from tests.vllm.conftest import DEADLINE_S, original_weights
+from tests.vllm.helpers import ids, request
 from tests.vllm.test_lora_parity import lora_ids, random_adapter
 
 
@@ -62,3 +63,52 @@ async def test_adapter_updates_without_a_pause(tiny_model: Path, lora_engine: VL
     assert max(int(np.max(s.versions)) for s in samples) == 3
     ids = (await lora_ids(engine))[0]
     assert 1 <= len(ids) <= 4 and max(ids) == 3
+
+
+async def test_a_request_started_as_a_full_update_begins_never_binds_the_retiring_adapter(
+    tiny_model: Path, lora_engine: VLLMEngine
+) -> None:
+    """A full-weight update retires the adapter policy: a request that starts once the update
+    has begun must not bind to that adapter (vLLM's reload drops it in the workers). The
+    update's steps are interleaved deterministically: the request starts inside the update's
+    own pause call, the await at which it used to bind (it was aborted, or served by the new
+    weights, or neither, by timing). Now it waits until the pause holds it, starts on the base
+    weights, and every token it gets is the new weights'."""
+    engine = lora_engine
+    base = dict(original_weights(tiny_model))
+    await engine.update_weights(random_adapter(base, seed=3), version=1)
+    adapters = engine._adapters
+    acquired: list[object] = []
+    reached = asyncio.Event()  # the request bound, or waits for admission
+    acquire, wait_admitting = adapters.acquire, engine._wait_admitting
+
+    def recording_acquire() -> object:
+        acquired.append(got := acquire())
+        reached.set()
+        return got
+
+    async def recording_wait(request_id: str) -> None:
+        reached.set()
+        await wait_admitting(request_id)
+
+    llm = engine._llm
+    pause = llm.pause_generation
+    late: list[asyncio.Future[object]] = []
+
+    async def pause_with_a_request_starting(*args: object, **kwargs: object) -> object:
+        if not late:  # the update has begun: a request starts here, and gets as far as it can
+            late.append(asyncio.ensure_future(engine.generate(request("late", ids(0, 9, 8), 1, 8))))
+            await asyncio.wait_for(reached.wait(), DEADLINE_S)
+        return await pause(*args, **kwargs)
+
+    adapters.acquire = recording_acquire  # type: ignore[method-assign]
+    engine._wait_admitting = recording_wait  # type: ignore[method-assign]
+    llm.pause_generation = pause_with_a_request_starting
+    try:
+        await asyncio.wait_for(engine.update_weights(list(base.items()), version=2), 4 * DEADLINE_S)
+        (sample,) = await asyncio.wait_for(late[0], DEADLINE_S)  # type: ignore[misc]
+    finally:
+        del adapters.acquire, engine._wait_admitting, llm.pause_generation
+    assert acquired == [None], "the request bound to the adapter the update retires"
+    assert sample.versions.tolist() == [2] * len(sample.tokens) and len(sample.tokens) == 8
+    assert await lora_ids(engine) == [[]]  # the retired adapter is unloaded

@@ -355,34 +355,55 @@ class VLLMEngine:
             await self._update_adapter(weights if weights is not None else policy, version)
             return
         named = None if weights is None else self._loader.fitting(weights)
-        async with self._control:
-            self._check_alive()
-            pause_here = not self._paused
-            if pause_here:
-                await self._call(self._llm.pause_generation(mode="keep", clear_cache=False))
-            had_policy = self._adapters.policy is not None
-            try:
-                # Before the load: vLLM's reload drops every adapter in the workers, and a
-                # request bound to one meanwhile would make a worker load it from its
-                # (unreadable) path and kill the engine core. From here requests start on
-                # the base weights, paused until the new ones serve.
-                await self._adapters.end_policy()
-                await self._end_adapter_requests()
-                if named is not None:
-                    await self._load_checked(named)
-                self._check_weights()
-                if not await self._call(self._llm.reset_prefix_cache(reset_running_requests=True)):
-                    raise RuntimeError("vLLM could not reset its prefix cache after the update")
-                await self._label(version)
-            except BaseException:
-                if had_policy:
-                    # The adapter the current label names no longer serves: refuse to
-                    # generate (its label on the base weights) until an update succeeds.
-                    self._loader.lost_adapter()
-                raise
-            finally:
-                if pause_here and not self._dead():
-                    await self._call(self._llm.resume_generation())
+        # The update has begun: before any await, the adapter policy retires and requests
+        # wait (`_retiring`): vLLM's reload drops every adapter in the workers, and a request
+        # bound to one would make a worker load it from its (unreadable) path and kill the
+        # engine core. By construction no request acquires it from here on.
+        had_policy = self._retiring()
+        try:
+            async with self._control:
+                had_policy |= self._retiring()  # one an adapter update registered meanwhile
+                self._check_alive()
+                pause_here = not self._paused
+                if pause_here:
+                    await self._call(self._llm.pause_generation(mode="keep", clear_cache=False))
+                # From here requests start on the base weights, paused until the new serve.
+                self._admit()
+                try:
+                    await self._adapters.unload_unused()
+                    await self._end_adapter_requests()
+                    if named is not None:
+                        await self._load_checked(named)
+                    self._check_weights()
+                    if not await self._call(
+                        self._llm.reset_prefix_cache(reset_running_requests=True)
+                    ):
+                        raise RuntimeError("vLLM could not reset its prefix cache after the update")
+                    await self._label(version)
+                finally:
+                    if pause_here and not self._dead():
+                        await self._call(self._llm.resume_generation())
+        except BaseException:
+            if had_policy:
+                # The adapter the current label names no longer serves: refuse to generate
+                # (its label on the base weights) until an update succeeds.
+                self._loader.lost_adapter()
+            raise
+        finally:
+            self._admit()
+
+    def _retiring(self) -> bool:
+        """Retire the adapter policy, if any, and then hold new requests until the update's
+        pause holds them (they would start on the base weights under the adapter's label);
+        True if there was one. Synchronous: nothing can start in between."""
+        had = self._adapters.retire_policy()
+        if had:
+            self._adapters.hold_admission()
+        return had
+
+    def _admit(self) -> None:
+        self._adapters.admit()
+        self._progress.notify()  # requests waiting for admission go on
 
     async def _label(self, version: int) -> None:
         """Have vLLM label later tokens `version`, then report it as `version`, as one step
@@ -576,13 +597,15 @@ class VLLMEngine:
 
     async def _wait_admitting(self, request_id: str) -> None:
         """Wait while an adapter update ends the policy's requests to make room for its
-        successor (`LoraSlots(slots=1)`): this request then starts under the successor."""
+        successor (`LoraSlots(slots=1)`): this request then starts under the successor; or
+        while a full-weight update retiring the policy pauses vLLM: it then starts on the
+        base weights, paused until the new ones serve."""
         try:
             await self.wait_progress(lambda: self._adapters.admitting, self.control_timeout_s)
         except TimeoutError:
             raise TimeoutError(
                 f"vLLM engine {self.model}: {request_id} waited control_timeout_s="
-                f"{self.control_timeout_s} for an adapter update to make room"
+                f"{self.control_timeout_s} for a weight update to let it start"
             ) from None
 
     async def _end_adapter_requests(self) -> None:

@@ -185,13 +185,14 @@ class AdapterSet:
             if adapter.state is AdapterState.RETIRED and adapter.unused:
                 await self.unload(adapter)
 
-    async def end_policy(self) -> None:
-        """Serve the base weights from now on (before a full-weight update): the policy
-        retires, and every adapter no request uses is unloaded."""
+    def retire_policy(self) -> bool:
+        """Serve the base weights from now on (a full-weight update begins): the policy
+        retires at once, so no request acquires it from here. True if there was one."""
+        had = self._policy is not None
         if self._policy is not None:
             self._policy.state = AdapterState.RETIRED
         self._policy = self._policy_tensors = None
-        await self.unload_unused()
+        return had
 
     async def unload(self, adapter: Adapter) -> None:
         """Remove `adapter` from vLLM (the policy too: then requests run on the base weights

@@ -54,12 +54,32 @@ Layout = tuple[tuple[int, ...], str]  # a checkpoint tensor's shape and safetens
 _FLOATS = frozenset({"F16", "BF16", "F32", "F64"})  # vLLM casts any of these to its dtype
 
 
+def served_files(folder: str) -> list[Path]:
+    """The safetensors files of `folder` that hold the served weights under the names an
+    update carries (Hugging Face's), as vLLM picks them: those `model.safetensors.index.json`
+    names when there is one (a folder may keep other files beside them), else every file but
+    Mistral's `consolidated*.safetensors`, a second copy of the same weights under Mistral's
+    own names that Mistral repos ship beside the Hugging Face files (vLLM loads one copy, never
+    both); a folder of consolidated files alone is its own copy. Empty when `folder` is not a
+    local folder (a hub id)."""
+    import json
+
+    path = Path(folder)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    index = path / "model.safetensors.index.json"
+    if files and index.is_file():
+        named = set(json.loads(index.read_text())["weight_map"].values())
+        return [f for f in files if f.name in named]
+    return [f for f in files if not f.name.startswith("consolidated")] or files
+
+
 def checkpoint_layout(folder: str) -> dict[str, Layout] | None:
     """Each tensor's shape and safetensors dtype ("F32", "BF16", ...) in the served
-    checkpoint's files (headers only); None when `folder` is not a local folder (a hub id)."""
+    checkpoint's files (`served_files`, headers only); None when `folder` is not a local
+    folder (a hub id)."""
     from safetensors import safe_open
 
-    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+    files = served_files(folder)
     if not files:
         return None
     layout: dict[str, Layout] = {}
@@ -79,9 +99,16 @@ def check_layout(
     to 64 bits for a float tensor, else the same dtype). vLLM's reload takes a wrong shape by
     resizing the parameter and then fails, without naming the tensor, and so does every later
     update: this runs before anything is sent. Names the checkpoint lacks are left to the
-    reload's own checks; `served` None (a hub id) checks nothing."""
+    reload's own checks, unless it lacks every one: then nothing would load, and the engine
+    would refuse to generate after the update, so that is refused too, naming the prefix the
+    names carry (`torch.compile`'s `_orig_mod.`, DDP's `module.`). `served` None (a hub id)
+    checks nothing."""
     if served is None:
         return
+    if named and not any(name in served for name, _ in named):
+        raise WeightLayoutError(
+            f"{where}: {_all_missing(named, served)}. Refused: nothing was loaded"
+        )
     problems = []
     for name, tensor in named:
         if name not in served:
@@ -99,6 +126,28 @@ def check_layout(
         shown = "; ".join(problems[:_SHOWN])
         more = f"; and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
         raise WeightLayoutError(f"{where}: {shown}{more}. Refused: nothing was loaded")
+
+
+def _all_missing(named: Sequence[tuple[str, Any]], served: dict[str, Layout]) -> str:
+    """Why an update none of whose names the checkpoint has would load nothing, with the
+    prefix to strip when its names are the checkpoint's behind one."""
+    prefixes: set[str | None] = set()
+    for name, _ in named:
+        cuts = [i + 1 for i, ch in enumerate(name) if ch == "."]
+        prefixes.add(next((name[:i] for i in cuts if name[i:] in served), None))
+    first = named[0][0]
+    prefix = prefixes.pop() if len(prefixes) == 1 else None
+    if prefix is not None:
+        return (
+            f"none of the {len(named)} tensors' names is the served checkpoint's: they all "
+            f"start with {prefix!r}, which its names lack ({first!r} is its "
+            f"{first[len(prefix) :]!r}); send the names without it (`torch.compile` adds "
+            "'_orig_mod.', DDP 'module.': take named_parameters() of the module inside)"
+        )
+    return (
+        f"none of the {len(named)} tensors' names is the served checkpoint's (e.g. {first!r}; "
+        f"it has e.g. {next(iter(served))!r}): send the model's own parameter names"
+    )
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -136,11 +185,12 @@ def required_names(model: Any, folder: str) -> set[str] | None:
 
 
 def checkpoint_names(model: str) -> set[str] | None:
-    """Names of the tensors in the served checkpoint's safetensors files (headers only), less
-    those vLLM computes; None when `model` is not a local folder (a hub id)."""
+    """Names of the tensors in the served checkpoint's safetensors files (`served_files`,
+    headers only), less those vLLM computes; None when `model` is not a local folder (a hub
+    id)."""
     from safetensors import safe_open
 
-    files = sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else []
+    files = served_files(model)
     if not files:
         return None
     names: set[str] = set()
