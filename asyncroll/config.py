@@ -51,6 +51,11 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # counts them by reason (a reward that always raises, a filter that rejects everything).
     # None: never stop.
     max_dropped_in_a_row: int | None = 1024
+    # Groups in a row whose reward function (or filter) may fail for one same reason before the
+    # run's first group is scored, before the run stops: a verifier broken from the start is
+    # said after 16 groups, not 1024. Failures of generation (which land before the slower
+    # successes) keep the bound above. None: only the bound above.
+    max_reward_failures_at_start: int | None = 16
     # Deadline of one call of an async `on_drop` callback (`asyncroll._core.drops` says what a late
     # one does), and the least time between two WARNING summaries of failed groups
     # (`asyncroll._core.logs`).
@@ -71,6 +76,9 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
         _at_least("reward_workers", self.reward_workers, 1, "use one thread at least")
         if self.max_dropped_in_a_row is not None:
             _at_least("max_dropped_in_a_row", self.max_dropped_in_a_row, 1, "or None for no limit")
+        if self.max_reward_failures_at_start is not None:
+            early = self.max_reward_failures_at_start
+            _at_least("max_reward_failures_at_start", early, 1, "or None for no limit")
         if self.batch_size is not None:
             _at_least("batch_size", self.batch_size, 1, "or None")
             if self.batch_size > self.max_buffer_groups:

@@ -393,6 +393,7 @@ class Producer:
             window_s=window_s,
             latency_p50_s=LatencyHistogram.quantile(latency, 0.5),
             latency_p99_s=LatencyHistogram.quantile(latency, 0.99),
+            failure_causes=core.progress.take_causes(),
         )
 
     async def batches(self, n: int | None = None) -> AsyncIterator[ProduceBatchResult]:

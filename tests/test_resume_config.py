@@ -158,6 +158,7 @@ MATRIX: dict[str, list[tuple[Any, str]]] = {
     "reward_workers": [(1, "continue")],
     "reward_in_thread": [(False, "continue")],
     "max_dropped_in_a_row": [(2, "continue"), (None, "continue")],
+    "max_reward_failures_at_start": [(2, "continue"), (None, "continue")],
     "on_drop_timeout_s": [(1.0, "continue")],
     "failure_log_interval_s": [(0.0, "continue")],
     "max_turns": [(1, "continue")],

@@ -41,7 +41,8 @@ RewardFn = Callable[[RolloutGroup], Sequence[float] | Awaitable[Sequence[float]]
 
 
 class RewardDeadline(Exception):
-    """The reward function ran longer than its deadline (queue time not included)."""
+    """The reward function ran longer than its deadline (queue time not included); its text
+    says so in words that follow the function's name ("took longer than ...")."""
 
 
 class _Call(enum.Enum):
@@ -97,14 +98,17 @@ class RewardRunner:
                 if inspect.isawaitable(result):  # a sync function that returned a coroutine
                     return await self._deadline(self._awaited(result))
                 if time.monotonic() - start > self.timeout_s:
-                    raise RewardDeadline
+                    raise RewardDeadline(self._late())
                 return result
+
+    def _late(self) -> str:
+        return f"took longer than reward_timeout_s={self.timeout_s}"
 
     async def _deadline(self, call: Awaitable[Any]) -> Any:
         with anyio.move_on_after(self.timeout_s) as scope:
             return await call
         if scope.cancelled_caught:
-            raise RewardDeadline
+            raise RewardDeadline(self._late())
         raise AssertionError("unreachable: the call neither returned nor timed out")
 
     @staticmethod
