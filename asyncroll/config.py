@@ -47,6 +47,12 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
     prompt_timeout_s: float = 300.0
     reward_workers: int = 4  # threads for synchronous reward functions
     reward_in_thread: bool = True  # False: call sync reward functions on the event loop
+    # Where sync reward functions run: "thread" (a hung call keeps its thread) or "process"
+    # (worker processes, killed and replaced at reward_timeout_s or when they crash; recycled
+    # after reward_worker_max_calls calls or past reward_worker_max_mib of resident memory).
+    reward_executor: Literal["thread", "process"] = "thread"
+    reward_worker_max_calls: int | None = 1000
+    reward_worker_max_mib: float | None = None
     # Groups in a row that may fail or be filtered before the run stops with an error that
     # counts them by reason (a reward that always raises, a filter that rejects everything).
     # None: never stop.
@@ -111,6 +117,18 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"failure_log_interval_s={self.failure_log_interval_s}: must be a number >= 0 "
                 "(0 logs every failed group)"
             )
+        if self.reward_executor not in ("thread", "process"):
+            raise ValueError(f"reward_executor={self.reward_executor!r}: use 'thread' or 'process'")
+        if self.reward_executor == "process" and not self.reward_in_thread:
+            raise ValueError(
+                "reward_executor='process' with reward_in_thread=False: a reward runs either in "
+                "a worker process or on the event loop; drop one of them"
+            )
+        if self.reward_worker_max_calls is not None:
+            _at_least("reward_worker_max_calls", self.reward_worker_max_calls, 1, "or None")
+        mib = self.reward_worker_max_mib
+        if mib is not None and not (math.isfinite(mib) and mib > 0):
+            raise ValueError(f"reward_worker_max_mib={mib}: must be a positive number, or None")
         if self.order not in ("fifo", "stalest"):
             raise ValueError(f"order={self.order!r}: use 'fifo' or 'stalest'")
         if self.pause_mode not in ("abort", "keep"):

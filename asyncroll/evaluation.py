@@ -31,15 +31,16 @@ import math
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 import msgspec
 import numpy as np
 
 from asyncroll._core import rollout
+from asyncroll._core.causes import described
 from asyncroll._core.engine_call import EngineCallError
-from asyncroll._core.rewards import RewardDeadline, RewardFn, RewardRunner
+from asyncroll._core.rewards import RewardDeadline, RewardFailure, RewardFn, RewardRunner
 from asyncroll.engines.base import GenerateRequest, SampleOutput, SampleRequest, SamplingConfig
 from asyncroll.outcomes import NOT_ABSORBED, cancelling
 from asyncroll.prompts import PromptLike, as_prompt
@@ -151,7 +152,10 @@ class Evaluator:
     down by (besides the task). At most `concurrency` prompts are in the engine at once, each
     request within the producer's `generate_timeout_s` and each reward within its
     `reward_timeout_s`; the whole evaluation within `timeout_s` (waiting for a pause included).
-    `name` prefixes the metrics ("eval": `eval/pass@1`)."""
+    `name` prefixes the metrics ("eval": `eval/pass@1`). `reward_executor` ("thread" or
+    "process"; default: the producer's) says where a sync `reward_fn` runs: in worker
+    processes, a hung or crashing verifier is killed at its deadline and costs its prompt
+    alone; the processes end with each `run()`."""
 
     def __init__(
         self,
@@ -168,6 +172,7 @@ class Evaluator:
         timeout_s: float = 600.0,
         max_reruns: int = 3,
         name: str = "eval",
+        reward_executor: Literal["thread", "process"] | None = None,
     ) -> None:
         self.prompts: list[Prompt] = [
             as_prompt(p, "default", i) for i, p in enumerate(prompts)
@@ -212,11 +217,17 @@ class Evaluator:
         self.timeout_s = timeout_s
         self.max_reruns = max_reruns
         self.name = name
+        executor = cfg.reward_executor if reward_executor is None else reward_executor
+        if executor not in ("thread", "process"):
+            raise ValueError(f"reward_executor={executor!r}: use 'thread' or 'process'")
         self._rewards = RewardRunner(
             reward_fn,
             timeout_s=cfg.reward_timeout_s,
             workers=cfg.reward_workers,
-            in_thread=cfg.reward_in_thread,
+            in_thread=cfg.reward_in_thread or executor == "process",
+            executor=executor,
+            max_calls=cfg.reward_worker_max_calls,
+            max_rss_mib=cfg.reward_worker_max_mib,
         )
         self._runs = 0
 
@@ -245,6 +256,9 @@ class Evaluator:
                 if self._stopped():
                     error = "the producer stopped during the evaluation"
                     break
+                if (stuck := self._rewards.stuck_error()) is not None:
+                    error = stuck
+                    break
         if deadline.cancelled_caught:
             error = f"the evaluation did not finish within timeout_s={self.timeout_s}"
         return self._result(outcomes, reruns, error, time.monotonic() - start)
@@ -272,9 +286,12 @@ class Evaluator:
                     return
                 outcomes[i] = await self._one(i, f"{tag}-{i}")
 
-        async with anyio.create_task_group() as tg:
-            for i in todo:
-                tg.start_soon(one, i)
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in todo:
+                    tg.start_soon(one, i)
+        finally:
+            self._rewards.close()  # no reward worker process outlives a round
 
     async def _one(self, i: int, request_id: str) -> _Outcome:
         """Sample and score prompt `i` once."""
@@ -327,8 +344,10 @@ class Evaluator:
         )
         try:
             rewards = rollout.check_rewards(await self._rewards.score(group), self.samples)
-        except RewardDeadline:
-            return _Failed(f"reward_deadline: no reward within {self._rewards.timeout_s} s")
+        except RewardDeadline as exc:
+            return _Failed(f"reward_deadline: reward function {self._rewards.name!r} {exc}")
+        except RewardFailure as exc:  # raised in, or crashed, its worker; or every worker hung
+            return _Failed(f"reward_error: reward function {self._rewards.name!r} {exc}")
         except asyncio.CancelledError:
             if cancelling():
                 raise
@@ -338,7 +357,9 @@ class Evaluator:
         except rollout.RolloutError as exc:
             return _Failed(f"reward_error: {exc}")
         except Exception as exc:
-            return _Failed(f"reward_error: {type(exc).__name__}: {exc}")
+            return _Failed(
+                f"reward_error: reward function {self._rewards.name!r} raised {described(exc)}"
+            )
         scored = msgspec.structs.replace(group, samples=rollout.with_rewards(states, rewards))
         return _Scored(scored, version)
 

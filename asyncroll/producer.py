@@ -171,11 +171,14 @@ class Producer:
         cfg.check_fits(payload, episodes=episodes)
         self.engine = engine
         self.reward_fn = reward_fn
-        rewards = RewardRunner(
+        self._rewards = rewards = RewardRunner(
             reward_fn,
             timeout_s=cfg.reward_timeout_s,
             workers=cfg.reward_workers,
             in_thread=cfg.reward_in_thread,
+            executor=cfg.reward_executor,
+            max_calls=cfg.reward_worker_max_calls,
+            max_rss_mib=cfg.reward_worker_max_mib,
         )
         self.filter = filters.resolve(filter)
         if self.filter is filters.nonzero_std and cfg.group_size < 2:
@@ -321,6 +324,7 @@ class Producer:
                         await asyncio.wait([runner])
                 runner = None
             self._admission.unstage()
+            self._rewards.close()  # no worker process outlives the run
             if self.config.pause_mode == "keep" and self._control.gate is not Gate.OPEN:
                 await self._control.unfreeze("the producer stopped while paused")
             if core.phase is Phase.STOPPING:

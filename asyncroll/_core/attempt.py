@@ -24,7 +24,7 @@ from asyncroll._core import engine_call, rollout
 from asyncroll._core.causes import described
 from asyncroll._core.engine_call import EngineCallError
 from asyncroll._core.lifecycle import Stage, move
-from asyncroll._core.rewards import RewardDeadline, RewardRunner
+from asyncroll._core.rewards import RewardDeadline, RewardFailure, RewardRunner
 from asyncroll.config import ProducerConfig
 from asyncroll.engines.base import Engine, GenerateRequest, SampleOutput
 from asyncroll.episode import EpisodeError, EpisodeRun, Parking, RolloutFn
@@ -194,6 +194,12 @@ class Attempts:
                 group, flight, FailureReason.REWARD_DEADLINE, error, samples,
                 fatal=self.rewards.stuck_error(),
             )  # fmt: skip
+        except RewardFailure as exc:  # raised in, or crashed, its worker process
+            error = f"reward function {name!r} {exc}"
+            fatal = self.rewards.stuck_error() if exc.fatal else None
+            return self.failed(
+                group, flight, FailureReason.REWARD_ERROR, error, samples, fatal=fatal
+            )
         except rollout.RolloutError as exc:
             error = f"{exc} (reward function {name!r})"
             return self.failed(group, flight, FailureReason.REWARD_ERROR, error, samples)
