@@ -83,10 +83,11 @@ def _die_with_parent() -> None:
     with contextlib.suppress(ImportError, AttributeError, OSError, TypeError):
         from multiprocessing import forkserver
 
-        alive = forkserver._forkserver._forkserver_alive_fd
+        server: Any = forkserver._forkserver
+        alive = server._forkserver_alive_fd
         if alive is not None:
             os.close(alive)
-            forkserver._forkserver._forkserver_alive_fd = None
+            server._forkserver_alive_fd = None
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             import ctypes
