@@ -15,8 +15,10 @@ one sampled before a newer version that other prompts of the same evaluation rea
 `max_reruns` such rounds the result says the policy kept moving (`EvalResult.error`) instead.
 
 Failures are the result's, never the run's: a bad prompt, an engine error or deadline, a reward
-function that raises or hangs fail that prompt (counted, with the reason); a deadline for the
-whole evaluation, or a producer that stopped, end it with `error` set. Nothing raises except
+function that raises or hangs fail that prompt (counted, with the reason, and logged as one
+WARNING per evaluation with the first reason); a deadline for the whole evaluation, a producer
+that stopped, every reward worker hung, or every prompt failed (scores that would only read
+NaN) end it with `error` set. Nothing raises except
 misuse at the call (`RuntimeError`: the producer is not running) and a cancellation.
 
 Run it between training steps (`await evaluator.run()`; the producer keeps generating
@@ -27,6 +29,7 @@ meanwhile, within its staleness bound) or alongside training (in a task of its o
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import uuid
@@ -50,6 +53,8 @@ if TYPE_CHECKING:
     from asyncroll.producer import Producer
 
 __all__ = ["EvalResult", "Evaluator", "Scores", "pass_at_k"]
+
+log = logging.getLogger("asyncroll.evaluation")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -261,6 +266,15 @@ class Evaluator:
                     break
         if deadline.cancelled_caught:
             error = f"the evaluation did not finish within timeout_s={self.timeout_s}"
+        failures = [o.reason for o in outcomes.values() if isinstance(o, _Failed)]
+        if error is None and failures and len(failures) == len(self.prompts):
+            n = len(failures)
+            error = f"every prompt failed ({n} of {n}); the first: {failures[0]}"
+        if failures:  # the scores alone would read as NaN, or as fewer prompts, without a word
+            log.warning(
+                "%s: %d of %d prompts failed; the first: %s (EvalResult.failed has each reason)",
+                self.name, len(failures), len(self.prompts), failures[0][:300],
+            )  # fmt: skip
         return self._result(outcomes, reruns, error, time.monotonic() - start)
 
     def _stopped(self) -> bool:

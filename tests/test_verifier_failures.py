@@ -6,6 +6,7 @@ the producer's logic, not an engine's, is under test)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -148,3 +149,45 @@ async def test_failures_are_counted_by_reason_with_their_most_frequent_message()
     assert "flaky judge (refused)" in cause.message and cause.message_groups >= 2
     assert "(at test_verifier_failures.py:" in cause.message
     assert batch.metrics()["rollout/failed_groups_by_reason/reward_error"] == cause.groups
+
+
+# -- the evaluator says when prompts fail ---------------------------------------------------------
+
+
+async def test_an_evaluation_whose_every_prompt_fails_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """48 of 48 prompts failing gave eval/pass@1 = NaN, no log line and no error."""
+    from asyncroll.evaluation import Evaluator
+
+    producer = producer_for(ones)
+    evaluator = Evaluator(producer, [[1, 2 + i] for i in range(48)], three)
+    with caplog.at_level(logging.WARNING, logger="asyncroll"):
+        async with producer:
+            result = await evaluator.run()
+    assert len(result.failed) == 48 and result.metrics()["eval/failed_prompts"] == 48
+    assert result.error is not None and result.metrics()["eval/error"] == 1.0
+    assert result.error.startswith("every prompt failed (48 of 48); the first: reward_error: ")
+    assert "returned 3 rewards for 1 samples" in result.error
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("48 of 48 prompts failed" in w and "returned 3 rewards" in w for w in warnings)
+
+
+async def test_an_evaluation_with_some_failed_prompts_warns_without_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from asyncroll.evaluation import Evaluator
+
+    def odd_fails(group: RolloutGroup) -> list[float]:
+        if int(group.prompt_id.rpartition("/")[2]) % 2:
+            raise ValueError("no verifier for this one")
+        return ones(group)
+
+    producer = producer_for(ones)
+    evaluator = Evaluator(producer, [[1, 2 + i] for i in range(6)], odd_fails)
+    with caplog.at_level(logging.WARNING, logger="asyncroll"):
+        async with producer:
+            result = await evaluator.run()
+    assert result.error is None and len(result.failed) == 3 and result.scores.prompts == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("3 of 6 prompts failed" in w and "no verifier" in w for w in warnings), warnings
