@@ -4,7 +4,7 @@ executor was measured against before writing it on `multiprocessing`).
 
 - **overhead**: ms per call, one call at a time, of a group of 8 samples x 1,024 tokens, with
   a cheap verifier (on token ids) and with math-verify on the decoded text
-  (`asyncroll.chat.math.math_reward`; its texts end in ``\\boxed{42}``).
+  (`asyncroll.chat.answers.math_reward`; its texts end in ``\\boxed{42}``).
 - **hangs**: groups/s through `Producer` on `SimEngine` (a simulation whose groups take about
   what a small model's do: 8 x 256 tokens at 1 ms a token) when 10% of the reward calls never
   return, against the same run without hangs; threads stop the run once every worker hangs.
@@ -140,7 +140,7 @@ def pebble_call_ms(fn: Any, group: RolloutGroup, calls: int) -> float | None:
 
 
 async def bench_overhead(calls: int) -> list[dict[str, Any]]:
-    from asyncroll.chat.math import math_reward
+    from asyncroll.chat.answers import math_reward
 
     rows = []
     ids, text = make_group(), make_group(math_text())
@@ -246,7 +246,7 @@ def pebble_kill_ms(deadline: float, calls: int) -> list[float] | None:
 
 
 async def bench_memory(calls: int, math_calls: int) -> list[dict[str, Any]]:
-    from asyncroll.chat.math import math_reward
+    from asyncroll.chat.answers import math_reward
 
     rows = []
     small = make_group()

@@ -1,4 +1,4 @@
-"""`asyncroll.chat.math.math_reward`: math-verify on GSM8K / MATH-style answers, run in reward
+"""`asyncroll.chat.answers.math_reward`: math-verify on GSM8K / MATH-style answers, run in reward
 worker processes, where its SIGALRM timeouts work. The completions are fixed texts (a
 character tokenizer, `tests/verifiers.py`); the engine side is not involved."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from asyncroll._core.rewards import RewardFailure, RewardRunner
 from asyncroll.chat import text_reward
-from asyncroll.chat.math import gold_answer, math_reward
+from asyncroll.chat.answers import gold_answer, math_reward
 from tests.factories import make_group
 from tests.verifiers import CharTokenizer
 
