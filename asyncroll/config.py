@@ -45,7 +45,7 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
     abort_timeout_s: float = 30.0
     update_timeout_s: float = 600.0
     prompt_timeout_s: float = 300.0
-    reward_workers: int = 4  # threads for synchronous reward functions
+    reward_workers: int = 4  # threads (or processes) for synchronous reward functions
     reward_in_thread: bool = True  # False: call sync reward functions on the event loop
     # Where sync reward functions run: "thread" (a hung call keeps its thread) or "process"
     # (worker processes, killed and replaced at reward_timeout_s or when they crash; recycled
@@ -79,7 +79,7 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
         _at_least("group_size", self.group_size, 1, "generate at least one sample per prompt")
         _at_least("max_inflight_groups", self.max_inflight_groups, 1, "allow one group at least")
         _at_least("max_buffer_groups", self.max_buffer_groups, 1, "hold one group at least")
-        _at_least("reward_workers", self.reward_workers, 1, "use one thread at least")
+        _at_least("reward_workers", self.reward_workers, 1, "use one worker at least")
         if self.max_dropped_in_a_row is not None:
             _at_least("max_dropped_in_a_row", self.max_dropped_in_a_row, 1, "or None for no limit")
         if self.max_reward_failures_at_start is not None:

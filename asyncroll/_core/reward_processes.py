@@ -44,8 +44,10 @@ from asyncroll._core import reward_worker
 
 START_TIMEOUT_S = 120.0  # a worker imports the reward function's module (torch, sympy...)
 # Imported once by multiprocessing's fork server, so a worker starts as a fork of it in
-# milliseconds instead of importing asyncroll anew (most of a fresh interpreter's start).
-_PRELOAD = ["asyncroll", "asyncroll._core.reward_worker"]
+# milliseconds instead of importing asyncroll anew (most of a fresh interpreter's start), and
+# the trainer's script (`__main__`, where a reward function may live: each worker would import
+# it, torch and all, again) is imported there once too.
+_PRELOAD = ["__main__", "asyncroll", "asyncroll._core.reward_worker"]
 
 
 def _context() -> Any:
@@ -101,8 +103,9 @@ class _Worker:
         if pid is not None:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+            if self.process.exitcode is None:  # not reaped yet: the pid is still the worker's
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
         self.conn.close()
         self.process.join(timeout=5.0)  # a SIGKILLed process is reaped at once
 
