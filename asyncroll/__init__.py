@@ -9,6 +9,7 @@ counted on the producer (`ProduceProgress`).
 from importlib import metadata as _metadata
 
 from asyncroll import codec, filters
+from asyncroll._core.causes import FailureCause
 from asyncroll._core.progress import ProduceBatchResult, ProduceProgress, ProgressCounters
 from asyncroll._core.state import CheckpointError, ProducerState
 from asyncroll.buffer import BufferStats, PutOutcome, RolloutBuffer
@@ -52,6 +53,7 @@ __all__ = [
     "EpisodeError",
     "EvalResult",
     "Evaluator",
+    "FailureCause",
     "Ledger",
     "LedgerError",
     "ProduceBatchResult",

@@ -52,12 +52,23 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
     abort_timeout_s: float = 30.0
     update_timeout_s: float = 600.0
     prompt_timeout_s: float = 300.0
-    reward_workers: int = 4  # threads for synchronous reward functions
+    reward_workers: int = 4  # threads (or processes) for synchronous reward functions
     reward_in_thread: bool = True  # False: call sync reward functions on the event loop
+    # Where sync reward functions run: "thread" (a hung call keeps its thread) or "process"
+    # (worker processes, killed and replaced at reward_timeout_s or when they crash; recycled
+    # after reward_worker_max_calls calls or past reward_worker_max_mib of resident memory).
+    reward_executor: Literal["thread", "process"] = "thread"
+    reward_worker_max_calls: int | None = 1000
+    reward_worker_max_mib: float | None = None
     # Groups in a row that may fail or be filtered before the run stops with an error that
     # counts them by reason (a reward that always raises, a filter that rejects everything).
     # None: never stop.
     max_dropped_in_a_row: int | None = 1024
+    # Groups in a row whose reward function (or filter) may fail for one same reason before the
+    # run's first group is scored, before the run stops: a verifier broken from the start is
+    # said after 16 groups, not 1024. Failures of generation (which land before the slower
+    # successes) keep the bound above. None: only the bound above.
+    max_reward_failures_at_start: int | None = 16
     # Deadline of one call of an async `on_drop` callback (`asyncroll._core.drops` says what a late
     # one does), and the least time between two WARNING summaries of failed groups
     # (`asyncroll._core.logs`).
@@ -75,9 +86,12 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
         _at_least("group_size", self.group_size, 1, "generate at least one sample per prompt")
         _at_least("max_inflight_groups", self.max_inflight_groups, 1, "allow one group at least")
         _at_least("max_buffer_groups", self.max_buffer_groups, 1, "hold one group at least")
-        _at_least("reward_workers", self.reward_workers, 1, "use one thread at least")
+        _at_least("reward_workers", self.reward_workers, 1, "use one worker at least")
         if self.max_dropped_in_a_row is not None:
             _at_least("max_dropped_in_a_row", self.max_dropped_in_a_row, 1, "or None for no limit")
+        if self.max_reward_failures_at_start is not None:
+            early = self.max_reward_failures_at_start
+            _at_least("max_reward_failures_at_start", early, 1, "or None for no limit")
         if self.batch_size is not None:
             _at_least("batch_size", self.batch_size, 1, "or None")
             if self.batch_size > self.max_buffer_groups:
@@ -112,6 +126,18 @@ class ProducerConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"failure_log_interval_s={self.failure_log_interval_s}: must be a number >= 0 "
                 "(0 logs every failed group)"
             )
+        if self.reward_executor not in ("thread", "process"):
+            raise ValueError(f"reward_executor={self.reward_executor!r}: use 'thread' or 'process'")
+        if self.reward_executor == "process" and not self.reward_in_thread:
+            raise ValueError(
+                "reward_executor='process' with reward_in_thread=False: a reward runs either in "
+                "a worker process or on the event loop; drop one of them"
+            )
+        if self.reward_worker_max_calls is not None:
+            _at_least("reward_worker_max_calls", self.reward_worker_max_calls, 1, "or None")
+        mib = self.reward_worker_max_mib
+        if mib is not None and not (math.isfinite(mib) and mib > 0):
+            raise ValueError(f"reward_worker_max_mib={mib}: must be a positive number, or None")
         if self.order not in ("fifo", "stalest"):
             raise ValueError(f"order={self.order!r}: use 'fifo' or 'stalest'")
         if self.pause_mode not in ("abort", "keep"):

@@ -19,8 +19,10 @@ would fail (bad ids or metadata, token ids outside the vocabulary, versions the 
 had) fails the prompt before any reward sees it.
 
 Failures are the result's, never the run's: a bad prompt, an engine error or deadline, a reward
-function that raises or hangs fail that prompt (counted, with the reason); a deadline for the
-whole evaluation, or a producer that stopped, end it with `error` set. Nothing raises except
+function that raises or hangs fail that prompt (counted, with the reason, and logged as one
+WARNING per evaluation with the first reason); a deadline for the whole evaluation, a producer
+that stopped, every reward worker hung, or every prompt failed (scores that would only read
+NaN) end it with `error` set. Nothing raises except
 misuse at the call (`RuntimeError`: the producer is not running) and a cancellation.
 
 Run it between training steps (`await evaluator.run()`; the producer keeps generating
@@ -36,15 +38,16 @@ import math
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 import msgspec
 import numpy as np
 
 from asyncroll._core import rollout
+from asyncroll._core.causes import described
 from asyncroll._core.engine_call import EngineCallError
-from asyncroll._core.rewards import RewardDeadline, RewardFn, RewardRunner
+from asyncroll._core.rewards import RewardDeadline, RewardFailure, RewardFn, RewardRunner
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.outcomes import NOT_ABSORBED, cancelling
 from asyncroll.prompts import PromptLike, as_prompt
@@ -159,7 +162,10 @@ class Evaluator:
     break the scores down by (besides the task). At most `concurrency` prompts are in the
     engine at once, each request within the producer's `generate_timeout_s` and each reward
     within its `reward_timeout_s`; the whole evaluation within `timeout_s` (waiting for a
-    pause included). `name` prefixes the metrics ("eval": `eval/pass@1`)."""
+    pause included). `name` prefixes the metrics ("eval": `eval/pass@1`). `reward_executor`
+    ("thread" or "process"; default: the producer's) says where a sync `reward_fn` runs: in
+    worker processes, a hung or crashing verifier is killed at its deadline and costs its
+    prompt alone; the processes end with each `run()`."""
 
     def __init__(
         self,
@@ -176,6 +182,7 @@ class Evaluator:
         timeout_s: float = 600.0,
         max_reruns: int = 3,
         name: str = "eval",
+        reward_executor: Literal["thread", "process"] | None = None,
     ) -> None:
         self.prompts: list[Prompt] = [
             as_prompt(p, "default", i) for i, p in enumerate(prompts)
@@ -226,11 +233,17 @@ class Evaluator:
         self.timeout_s = timeout_s
         self.max_reruns = max_reruns
         self.name = name
+        executor = cfg.reward_executor if reward_executor is None else reward_executor
+        if executor not in ("thread", "process"):
+            raise ValueError(f"reward_executor={executor!r}: use 'thread' or 'process'")
         self._rewards = RewardRunner(
             reward_fn,
             timeout_s=cfg.reward_timeout_s,
             workers=cfg.reward_workers,
-            in_thread=cfg.reward_in_thread,
+            in_thread=cfg.reward_in_thread or executor == "process",
+            executor=executor,
+            max_calls=cfg.reward_worker_max_calls,
+            max_rss_mib=cfg.reward_worker_max_mib,
         )
         self._runs = 0
 
@@ -259,8 +272,20 @@ class Evaluator:
                 if self._stopped():
                     error = "the producer stopped during the evaluation"
                     break
+                if (stuck := self._rewards.stuck_error()) is not None:
+                    error = stuck
+                    break
         if deadline.cancelled_caught:
             error = f"the evaluation did not finish within timeout_s={self.timeout_s}"
+        failures = [o.reason for o in outcomes.values() if isinstance(o, _Failed)]
+        if error is None and failures and len(failures) == len(self.prompts):
+            n = len(failures)
+            error = f"every prompt failed ({n} of {n}); the first: {failures[0]}"
+        if failures:  # the scores alone would read as NaN, or as fewer prompts, without a word
+            log.warning(
+                "%s: %d of %d prompts failed; the first: %s (EvalResult.failed has each reason)",
+                self.name, len(failures), len(self.prompts), failures[0][:300],
+            )  # fmt: skip
         return self._result(outcomes, reruns, error, time.monotonic() - start)
 
     def _stopped(self) -> bool:
@@ -286,9 +311,12 @@ class Evaluator:
                     return
                 outcomes[i] = await self._one(i, f"{tag}-{i}")
 
-        async with anyio.create_task_group() as tg:
-            for i in todo:
-                tg.start_soon(one, i)
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in todo:
+                    tg.start_soon(one, i)
+        finally:
+            self._rewards.close()  # no reward worker process outlives a round
 
     async def _one(self, i: int, request_id: str) -> _Outcome:
         """Sample and score prompt `i` once."""
@@ -340,8 +368,10 @@ class Evaluator:
         )
         try:
             rewards = rollout.check_rewards(await self._rewards.score(group), self.samples)
-        except RewardDeadline:
-            return _Failed(f"reward_deadline: no reward within {self._rewards.timeout_s} s")
+        except RewardDeadline as exc:
+            return _Failed(f"reward_deadline: reward function {self._rewards.name!r} {exc}")
+        except RewardFailure as exc:  # raised in, or crashed, its worker; or every worker hung
+            return _Failed(f"reward_error: reward function {self._rewards.name!r} {exc}")
         except asyncio.CancelledError:
             if cancelling():
                 raise
@@ -351,7 +381,9 @@ class Evaluator:
         except rollout.RolloutError as exc:
             return _Failed(f"reward_error: {exc}")
         except Exception as exc:
-            return _Failed(f"reward_error: {type(exc).__name__}: {exc}")
+            return _Failed(
+                f"reward_error: reward function {self._rewards.name!r} raised {described(exc)}"
+            )
         scored = msgspec.structs.replace(group, samples=rollout.with_rewards(states, rewards))
         return _Scored(scored, version)
 

@@ -173,11 +173,14 @@ class Producer:
         cfg.check_fits(payload, episodes=episodes)
         self.engine = engine
         self.reward_fn = reward_fn
-        rewards = RewardRunner(
+        self._rewards = rewards = RewardRunner(
             reward_fn,
             timeout_s=cfg.reward_timeout_s,
             workers=cfg.reward_workers,
             in_thread=cfg.reward_in_thread,
+            executor=cfg.reward_executor,
+            max_calls=cfg.reward_worker_max_calls,
+            max_rss_mib=cfg.reward_worker_max_mib,
         )
         self.filter = filters.resolve(filter)
         if self.filter is filters.nonzero_std and cfg.group_size < 2:
@@ -323,6 +326,7 @@ class Producer:
                         await asyncio.wait([runner])
                 runner = None
             self._admission.unstage()
+            self._rewards.close()  # no worker process outlives the run
             if self.config.pause_mode == "keep" and self._control.gate is not Gate.OPEN:
                 await self._control.unfreeze("the producer stopped while paused")
             if core.phase is Phase.STOPPING:
@@ -403,6 +407,7 @@ class Producer:
             window_s=window_s,
             latency_p50_s=LatencyHistogram.quantile(latency, 0.5),
             latency_p99_s=LatencyHistogram.quantile(latency, 0.99),
+            failure_causes=core.progress.take_causes(),
         )
 
     def _exhausted(self) -> str:

@@ -300,9 +300,9 @@ def _reward_cases() -> list[tuple[Any, str]]:
         raise asyncio.CancelledError  # the judge's client session was closed under it
 
     return [
-        (raises, "reward function raised RuntimeError: judge is down"),
-        (sync_raises, "reward function raised KeyError"),
-        (torn_down, "reward function raised CancelledError though nothing cancelled it"),
+        (raises, "'_reward_cases.<locals>.raises' raised RuntimeError: judge is down"),
+        (sync_raises, "reward function '_reward_cases.<locals>.sync_raises' raised KeyError"),
+        (torn_down, "raised CancelledError though nothing cancelled it"),
         (lambda g: [math.nan] * g.num_samples, "not finite"),
         (lambda g: [math.inf] * g.num_samples, "not finite"),
         (lambda g: ["1"] * g.num_samples, "not a number"),
@@ -340,7 +340,8 @@ async def test_async_reward_timeout_fails_the_group() -> None:
         with pytest.raises(ProducerExhausted):
             await producer.produce_batch(1)
     assert [d.error for d in drops] == [
-        "reward function took longer than reward_timeout_s=0.05"
+        "reward function 'test_async_reward_timeout_fails_the_group.<locals>.slow' took longer "
+        "than reward_timeout_s=0.05"
     ] * 3
 
 
@@ -385,9 +386,8 @@ async def test_a_reward_thread_that_cannot_start_gives_its_worker_back(
     async with producer:
         batch = await producer.produce_batch(2, timeout=30)  # a guard: it hung before
     assert len(batch.groups) == 2
-    assert [d.error for d in drops] == [
-        "reward function raised RuntimeError: can't start new thread"
-    ]
+    assert len(drops) == 1
+    assert "' raised RuntimeError: can't start new thread (at " in (drops[0].error or "")
 
 
 async def test_inline_sync_reward_runs_on_the_loop() -> None:

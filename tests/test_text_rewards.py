@@ -268,7 +268,7 @@ async def test_a_text_reward_that_raises_fails_its_group_with_the_reason(
     assert len(batch.groups) == 7 and len(drops) == 1
     (drop,) = drops
     assert drop.prompt_id == "default/2" and drop.outcome.name == "DROPPED_FAILED"
-    assert "reward function raised KeyError" in (drop.error or "")
+    assert "broken)' raised KeyError" in (drop.error or "")
     assert "no verifier for 3" in (drop.error or "")
 
 

@@ -21,9 +21,10 @@ from typing import NamedTuple
 import msgspec
 
 from asyncroll._core import engine_call, rollout
+from asyncroll._core.causes import described
 from asyncroll._core.engine_call import EngineCallError
 from asyncroll._core.lifecycle import Stage, move
-from asyncroll._core.rewards import RewardDeadline, RewardRunner
+from asyncroll._core.rewards import RewardDeadline, RewardFailure, RewardRunner
 from asyncroll.config import ProducerConfig
 from asyncroll.engines.base import Engine, GenerateRequest, SampleOutput
 from asyncroll.episode import EpisodeError, EpisodeRun, Parking, RolloutFn
@@ -182,31 +183,38 @@ class Attempts:
         )
 
     async def _score(self, group: RolloutGroup, flight: Flight, samples: Samples) -> Landing:
-        cfg = self.config
         scored = msgspec.structs.replace(group, samples=samples, status=Status.COMPLETED)
+        name = self.rewards.name
         try:
             values = await self.rewards.score(scored)
             rewards = rollout.check_rewards(values, len(samples))
-        except RewardDeadline:
-            error = f"reward function took longer than reward_timeout_s={cfg.reward_timeout_s}"
+        except RewardDeadline as exc:
+            error = f"reward function {name!r} {exc}"
             return self.failed(
                 group, flight, FailureReason.REWARD_DEADLINE, error, samples,
                 fatal=self.rewards.stuck_error(),
             )  # fmt: skip
+        except RewardFailure as exc:  # raised in, or crashed, its worker process
+            error = f"reward function {name!r} {exc}"
+            fatal = self.rewards.stuck_error() if exc.fatal else None
+            return self.failed(
+                group, flight, FailureReason.REWARD_ERROR, error, samples, fatal=fatal
+            )
         except rollout.RolloutError as exc:
-            return self.failed(group, flight, FailureReason.REWARD_ERROR, str(exc), samples)
+            error = f"{exc} (reward function {name!r})"
+            return self.failed(group, flight, FailureReason.REWARD_ERROR, error, samples)
         except Exception as exc:
-            error = f"reward function raised {type(exc).__name__}: {exc}"
+            error = f"reward function {name!r} raised {described(exc)}"
             return self.failed(group, flight, FailureReason.REWARD_ERROR, error, samples)
         except asyncio.CancelledError:
             if cancelling():
                 raise
-            error = "reward function raised CancelledError though nothing cancelled it"
+            error = f"reward function {name!r} raised CancelledError though nothing cancelled it"
             return self.failed(group, flight, FailureReason.REWARD_ERROR, error, samples)
         except NOT_ABSORBED:
             raise
         except BaseException as exc:
-            error = f"reward function raised {type(exc).__name__}: {exc}"
+            error = f"reward function {name!r} raised {described(exc)}"
             return self.failed(
                 group, flight, FailureReason.REWARD_ERROR, error, samples, fatal=error
             )

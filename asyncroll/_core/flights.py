@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 
 from asyncroll import codec
 from asyncroll._core.attempt import Attempts, Flight, Landing
+from asyncroll._core.causes import Causes
 from asyncroll._core.core import Core
 from asyncroll._core.drops import DropCallback
 from asyncroll._core.logs import FailureWarnings
@@ -69,7 +69,8 @@ class Flights:
         self.run_id = run_id  # request ids stay unique on a shared engine
         self.tasks = Tasks()  # one per group in flight, owned by the producer's runner
         self.idle_since: float | None = None  # when the last group in flight landed
-        self.dropped_in_a_row: Counter[str] = Counter()
+        self.dropped_in_a_row = Causes()  # since the last group that became ready
+        self.scored_once = False  # a group of this run was scored (ready, filtered, expired)
 
     def start(self, group: RolloutGroup, reserved: int, *, resumed: bool = False) -> None:
         """Put `group` in flight (one synchronous step with its counters) and run its attempt."""
@@ -135,40 +136,61 @@ class Flights:
             self._requeue(group)
         if landing.fatal is not None:
             core.fail(landing.fatal)
-        self._track_drops(outcome, reason)
+        self._track_drops(outcome, reason, group.error)
         if outcome not in (PutOutcome.STORED_READY, PutOutcome.STORED_RESUME):
             self._report_drop(group, outcome, reason)
         core.changed.notify()
 
-    def _track_drops(self, outcome: PutOutcome, reason: FailureReason | None) -> None:
+    def _track_drops(
+        self, outcome: PutOutcome, reason: FailureReason | None, error: str | None
+    ) -> None:
         """Stop the run when `max_dropped_in_a_row` groups in a row fail, are filtered or
         expire on arrival: an endless source would otherwise burn compute forever without a
         word. (Groups that expire at an update are the trainer's pace, not a storm: they are
-        not counted. One that is already too stale when it lands never can be ready.)"""
-        cfg = self.core.config
-        limit = cfg.max_dropped_in_a_row
+        not counted. One that is already too stale when it lands never can be ready.) Before
+        the run's first group is scored, `max_reward_failures_at_start` failures of the reward
+        function or filter for one reason stop it sooner: they strike after generation, in the
+        order groups finish, so a verifier that fails that many before it scores once is
+        broken, and every further group would fail alike. (An engine's failures land before
+        the slower successes of the groups beside them: they keep the larger bound.)"""
         match outcome:
             case PutOutcome.STORED_READY:
                 self.dropped_in_a_row.clear()
+                self.scored_once = True
                 return
             case PutOutcome.DROPPED_FAILED:
-                self.dropped_in_a_row[f"failed ({reason.value if reason else 'unknown'})"] += 1
+                label = (reason or FailureReason.INTERNAL).value
             case PutOutcome.DROPPED_FILTERED:
-                self.dropped_in_a_row["filtered"] += 1
+                label, error = "filtered", None
             case PutOutcome.DROPPED_EXPIRED:
-                self.dropped_in_a_row["expired on arrival"] += 1
+                label, error = "expired on arrival", None
             case _:
                 return
-        total = self.dropped_in_a_row.total()
-        if limit is not None and total >= limit:
-            counts = ", ".join(f"{k}: {v}" for k, v in self.dropped_in_a_row.most_common())
+        if outcome is not PutOutcome.DROPPED_FAILED:
+            self.scored_once = True
+        streak = self.dropped_in_a_row
+        streak.add(label, error)
+        cfg = self.core.config
+        early = cfg.max_reward_failures_at_start
+        if (
+            not self.scored_once
+            and early is not None
+            and label in _VERIFIER_FAILURES
+            and streak.counts[label] >= early
+        ):
             self.core.fail(
-                f"{total} groups in a row failed, were filtered or expired on arrival ({counts}) "
-                "and none completed: check the reward function, the filter and the engine (a "
-                "group expires on arrival when the engine stamps versions older than "
-                f"version - max_staleness={cfg.max_staleness}: was its version label "
-                "set back by another producer on it?) (max_dropped_in_a_row="
-                f"{limit}; raise it, or None, if this is expected)"
+                f"the run's first {streak.total()} groups failed and none was scored: most "
+                f"frequent cause: {streak.summary()}. {_hints(streak, cfg.max_staleness)} "
+                f"(max_reward_failures_at_start={early}; None to go on to max_dropped_in_a_row)"
+            )
+            return
+        limit = cfg.max_dropped_in_a_row
+        if limit is not None and streak.total() >= limit:
+            self.core.fail(
+                f"{streak.total()} groups in a row failed, were filtered or expired on arrival "
+                f"and none completed: most frequent cause: {streak.summary()}. "
+                f"{_hints(streak, cfg.max_staleness)} (max_dropped_in_a_row={limit}; raise "
+                "it, or None, if this is expected)"
             )
 
     def _requeue(self, group: RolloutGroup) -> None:
@@ -259,3 +281,49 @@ def _detached(value: Any) -> Any:
     if type(value) in (list, tuple):  # not a subclass: a namedtuple takes no iterable
         return type(value)(_detached(v) for v in value)
     return value
+
+
+_VERIFIER_FAILURES = frozenset(
+    r.value
+    for r in (FailureReason.REWARD_ERROR, FailureReason.REWARD_DEADLINE, FailureReason.FILTER_ERROR)
+)
+_HINTS = {
+    "reward": "Fix the reward function: call it on one group by hand to see the error.",
+    "filter": "Check the filter: one that rejects every group (or DAPO-style filtering early "
+    "in training) drops this many; raise max_dropped_in_a_row if that is expected.",
+    "engine": "Check the engine: its log says why it failed or gave no answer.",
+    "prompt": "Check the prompts: each failed group's error names what is wrong with it.",
+    "episode": "Check the rollout function: each failed group's error names what it did.",
+}
+_HINT_OF = {
+    FailureReason.REWARD_ERROR.value: "reward",
+    FailureReason.REWARD_DEADLINE.value: "reward",
+    FailureReason.FILTER_ERROR.value: "filter",
+    "filtered": "filter",
+    FailureReason.ENGINE_ERROR.value: "engine",
+    FailureReason.ENGINE_DEADLINE.value: "engine",
+    FailureReason.ENGINE_DEAD.value: "engine",
+    FailureReason.MALFORMED_OUTPUT.value: "engine",
+    FailureReason.BAD_PROMPT.value: "prompt",
+    FailureReason.ENVIRONMENT_ERROR.value: "episode",
+    FailureReason.EPISODE_DEADLINE.value: "episode",
+}
+
+
+def _hints(streak: Causes, max_staleness: int | None) -> str:
+    """The hints that fit the labels of a streak, most frequent first, each once."""
+    hints: list[str] = []
+    for label, _ in streak.counts.most_common():
+        if label == "expired on arrival":
+            hint = (
+                "A group expires on arrival when the engine stamps versions older than "
+                f"version - max_staleness={max_staleness}: was its version label set back by "
+                "another producer on it?"
+            )
+        elif label in _HINT_OF:
+            hint = _HINTS[_HINT_OF[label]]
+        else:
+            continue
+        if hint not in hints:
+            hints.append(hint)
+    return " ".join(hints)

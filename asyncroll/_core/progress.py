@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from asyncroll._core.causes import Causes, FailureCause
 from asyncroll.buffer import PutOutcome
 from asyncroll.outcomes import FailureReason
 from asyncroll.types import RolloutGroup, Status
@@ -138,6 +139,9 @@ class ProduceBatchResult(msgspec.Struct, kw_only=True):
     window_s: float  # wall time since the previous batch
     latency_p50_s: float
     latency_p99_s: float
+    # The groups that failed in the window by `FailureReason`, each with its most frequent
+    # error message: what to log beside `metrics()` (whose values are numbers only).
+    failure_causes: dict[str, FailureCause] = {}
 
     def staleness_tokens(self) -> dict[int, int]:
         """Policy tokens of the batch counted by staleness (`version` - the token's version);
@@ -222,6 +226,7 @@ class ProduceProgress:
         self._mark_counters = ProgressCounters()
         self._mark_latency = self.latency.snapshot()
         self._mark_time = time.monotonic()
+        self._causes = Causes()  # failed groups of the window, with their messages
 
     def count_start(self, group: RolloutGroup, *, resumed: bool) -> None:
         c = self.counters
@@ -269,6 +274,7 @@ class ProduceProgress:
                 c.failed_samples += group.num_samples
                 c.wasted_tokens_failed += tokens
                 _add(c.failed_groups_by_reason, (reason or FailureReason.INTERNAL).value, 1)
+                self._causes.add((reason or FailureReason.INTERNAL).value, group.error)
                 _add(c.failed_groups_by_task, task, 1)
                 self.latency.record(group.latency_s)
             case PutOutcome.DROPPED_FILTERED:
@@ -323,6 +329,12 @@ class ProduceProgress:
                now - self._mark_time)  # fmt: skip
         self._mark_counters, self._mark_latency, self._mark_time = totals, latency, now
         return out
+
+    def take_causes(self) -> dict[str, FailureCause]:
+        """The failure causes since the previous call (`ProduceBatchResult.failure_causes`)."""
+        causes = self._causes.causes()
+        self._causes.clear()
+        return causes
 
     def restore(self, counters: ProgressCounters, latency_counts: list[int]) -> None:
         """Continue from a checkpoint's totals (whose histogram layout the caller checked);

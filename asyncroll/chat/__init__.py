@@ -4,13 +4,15 @@
   through the model's tokenizer and chat template, rendered once; the row rides along as
   metadata.
 * `text_reward`: a reward function on decoded completions (TRL's `reward_funcs` convention),
-  sync or async, as the producer's `RewardFn`.
+  sync or async, as the producer's `RewardFn`; `math_reward`, one for GSM8K / MATH answers
+  with math-verify (the ``math`` extra; run with ``reward_executor="process"``).
 * `TINY_CHAT_TEMPLATE` / `tiny_chat_tokenizer`: a small chat template for the tiny test model.
 * `ChatFormat` / `ChatEpisode`: multi-turn chat over the exact sampled token stream: each turn
   adds only the new messages' ids (the bridge), never re-rendering what was sampled; replies
   are parsed (`RenderersParser`) into content, reasoning and tool calls.
 """
 
+from asyncroll.chat.answers import gold_answer, math_reward
 from asyncroll.chat.episode import ChatEpisode, Continuation
 from asyncroll.chat.parse import (
     RenderersParser,
@@ -64,6 +66,8 @@ __all__ = [
     "batch_decoder",
     "chat_prompts",
     "decode_completions",
+    "gold_answer",
+    "math_reward",
     "text_reward",
     "tiny_chat_tokenizer",
 ]

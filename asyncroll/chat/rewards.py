@@ -35,6 +35,7 @@ measures both).
 from __future__ import annotations
 
 import inspect
+import pickle
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -170,31 +171,14 @@ class _TextCall:
         return fn(**kwargs)
 
     def combined(self, results: list[Any], n: int) -> Any:
-        """One function's result as it is (the producer checks it); several functions' as their
-        weighted sum per sample, where a None (the function does not apply to that sample, as
-        in TRL) adds nothing."""
-        if len(results) == 1 and self.weights is None:
-            return results[0]
-        weights = self.weights or [1.0] * len(results)
-        total = [0.0] * n
-        scored = [False] * n
-        for name, weight, values in zip(self.names, weights, results, strict=True):
-            values = list(values)
-            if len(values) != n:
-                raise ValueError(f"reward function {name} returned {len(values)} rewards for {n}")
-            for i, value in enumerate(values):
-                if value is not None:
-                    total[i] += weight * float(value)
-                    scored[i] = True
-        if not all(scored):
-            raise ValueError(
-                f"no reward function scored sample {scored.index(False)} (each returned None)"
-            )
-        return total
+        """The rewards of the functions' `results` (see `_combined`)."""
+        return _combined(self.names, self.weights, results, n)
 
 
 class _SyncTextReward(_TextCall):
-    """Sync text rewards: the producer runs them (decode included) in a reward worker thread."""
+    """Sync text rewards: the producer runs them (decode included) in a reward worker thread,
+    or, with ``reward_executor="process"``, decodes in a thread and sends the text (never the
+    tokenizer) to a worker process that calls the functions (`split_for_processes`)."""
 
     def __call__(self, group: RolloutGroup) -> Any:
         kwargs = self.arguments(group)
@@ -203,12 +187,48 @@ class _SyncTextReward(_TextCall):
             return self._awaited(results, group.num_samples)
         return self.combined(results, group.num_samples)
 
+    def split_for_processes(
+        self,
+    ) -> tuple[Callable[[RolloutGroup], dict[str, Any]], Callable[[dict[str, Any]], Any]]:
+        """(the decode, run here; the functions on its keyword arguments, run in a worker).
+        `ValueError` naming a function that cannot be pickled."""
+        for fn, name in zip(self.fns, self.names, strict=True):
+            try:
+                pickle.dumps(fn[0])
+            except Exception as exc:
+                raise ValueError(
+                    f"reward_executor='process' sends text_reward's function {name!r} (not the "
+                    f"tokenizer: the text is decoded here) to worker processes, and it cannot "
+                    f"be pickled ({type(exc).__name__}: {exc}): define it at module level, or "
+                    "keep reward_executor='thread'"
+                ) from None
+        return self.arguments, _RemoteText(self.fns, self.weights, self.names)
+
     async def _awaited(self, results: list[Any], n: int) -> Any:
         for i, result in enumerate(results):
             while inspect.isawaitable(result):
                 result = await result
             results[i] = result
         return self.combined(results, n)
+
+
+class _RemoteText:
+    """The text functions of a `_SyncTextReward` in a worker process: called on the keyword
+    arguments decoded in the trainer's process, their rewards added up as there."""
+
+    def __init__(
+        self,
+        fns: list[tuple[TextRewardFn, frozenset[str] | None]],
+        weights: list[float] | None,
+        names: list[str],
+    ) -> None:
+        self.fns = fns
+        self.weights = weights
+        self.names = names
+
+    def __call__(self, kwargs: dict[str, Any]) -> Any:
+        results = [_TextCall.call(fn, takes, kwargs) for fn, takes in self.fns]
+        return _combined(self.names, self.weights, results, len(kwargs["completion_ids"]))
 
 
 class _AsyncTextReward(_TextCall):
@@ -266,6 +286,30 @@ def text_reward(
         skip_special_tokens=skip_special_tokens,
         thread_min_tokens=thread_min_tokens,
     )
+
+
+def _combined(names: list[str], weights: list[float] | None, results: list[Any], n: int) -> Any:
+    """One function's result as it is (the producer checks it); several functions' as their
+    weighted sum per sample, where a None (the function does not apply to that sample, as in
+    TRL) adds nothing."""
+    if len(results) == 1 and weights is None:
+        return results[0]
+    weights = weights or [1.0] * len(results)
+    total = [0.0] * n
+    scored = [False] * n
+    for name, weight, values in zip(names, weights, results, strict=True):
+        values = list(values)
+        if len(values) != n:
+            raise ValueError(f"reward function {name} returned {len(values)} rewards for {n}")
+        for i, value in enumerate(values):
+            if value is not None:
+                total[i] += weight * float(value)
+                scored[i] = True
+    if not all(scored):
+        raise ValueError(
+            f"no reward function scored sample {scored.index(False)} (each returned None)"
+        )
+    return total
 
 
 def _is_async(fn: Any) -> bool:
