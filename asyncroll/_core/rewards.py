@@ -184,9 +184,17 @@ class RewardRunner:
             raise RewardFailure(_STUCK, fatal=True)
 
     def _abandoned(self) -> None:
-        """One more call hung: if that was the last free worker, wake every queued call."""
+        """One more call hung: if that was the last free worker, wake every queued call, one
+        deadline later. The producer stops first, when the group of the call that just hung
+        lands as `reward_deadline` (`stuck_error`); woken at once, a queued call's failure
+        could land before it and the stop would count that group as interrupted. An
+        evaluation, which has no such stop, gets its queued calls back then."""
         self._hung += 1
         if self._hung >= self.workers:
+            asyncio.get_running_loop().call_later(self.timeout_s, self._wake_waiting)
+
+    def _wake_waiting(self) -> None:
+        if self.stuck_error() is not None:
             for scope in list(self._waiting):
                 scope.cancel()
 
