@@ -42,6 +42,8 @@ from types import FrameType
 
 import psutil
 
+from asyncroll.launcher_env import without_launcher_variables
+
 __all__ = ["REAP_GRACE_S", "Tie", "tie"]
 
 REAP_GRACE_S = 10.0
@@ -74,6 +76,7 @@ class _Owner:
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,  # a signal to this process's group must not end it
+            env=without_launcher_variables(os.environ),  # no rank of the trainer's job either
         )
         self._send = threading.Lock()
         self.ties = 0
