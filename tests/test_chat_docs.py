@@ -13,7 +13,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "chat-data.md"
 
 def test_the_example_runs(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (example,) = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), re.DOTALL | re.MULTILINE)
-    exec(compile(example, str(DOC), "exec"), {"__name__": "chat_data_example"})
+    exec(compile(example, str(DOC), "exec"), {"__name__": "__main__"})  # it runs as a script
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4  # one per group of the batch: its answer and its 8 rewards
     for line in lines:

@@ -15,9 +15,10 @@ def test_the_page_quotes_the_example() -> None:
     example = {
         line.rstrip() for line in (ROOT / "examples" / "chat_grpo.py").read_text().splitlines()
     }
-    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
-    assert len(blocks) >= 4
-    for block in blocks:
+    blocks = re.findall(r"(<!-- docs-test: [^\n]*-->)\n```python\n(.*?)```", page, flags=re.S)
+    quoted = [block for marker, block in blocks if "piece of examples/chat_grpo.py" in marker]
+    assert len(quoted) >= 4
+    for block in quoted:
         for line in block.splitlines():
             if line.strip() and line.strip() != "...":
                 assert line.rstrip() in example, line
