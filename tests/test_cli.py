@@ -30,6 +30,7 @@ def test_help_says_what_each_command_does(capsys: pytest.CaptureFixture[str]) ->
         cli.main(["--help"])
     top = capsys.readouterr().out
     assert "demo" in top and "GRPO" in top and "simulate" in top and "SimEngine" in top
+    assert "report" in top and "HTML" in top
     with pytest.raises(SystemExit):
         cli.main(["demo", "--help"])
     demo = capsys.readouterr().out
@@ -116,11 +117,12 @@ def test_every_option_has_help() -> None:
             assert action.help, (name, action.dest)
 
 
-def test_py_typed_ships_with_the_package() -> None:
+def test_py_typed_and_the_reports_page_ship_with_the_package() -> None:
     package = Path(asyncroll.__file__).parent
     assert (package / "py.typed").exists()
+    assert (package / "report" / "assets" / "report.js").exists()
     pyproject = (package.parent / "pyproject.toml").read_text()
-    assert 'asyncroll = ["py.typed"]' in pyproject
+    assert 'asyncroll = ["py.typed", "report/assets/*"]' in pyproject
 
 
 CHILD = "import sys; print('child stdout'); print('child stderr', file=sys.stderr)"

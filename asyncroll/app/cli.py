@@ -1,7 +1,8 @@
 """`asyncroll` command line.
 
 `demo` trains the tiny local model with GRPO on CPU with real vLLM rollouts; `simulate` runs the
-producer against SimEngine (a simulation: random tokens, no model) to show its accounting.
+producer against SimEngine (a simulation: random tokens, no model) to show its accounting;
+`report` turns a run's record into a static HTML report.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from asyncroll.app.demo import LORA_DEFAULTS, DemoConfig, demo_config, run_demo
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.engines.sim import SimConfig, SimEngine
 from asyncroll.producer import Producer
+from asyncroll.record.format import RecordError
+from asyncroll.report import STEPS_PER_CHUNK, build_report
 from asyncroll.types import RolloutGroup
 
 DESCRIPTION = """\
@@ -48,6 +51,13 @@ metrics.jsonl, summary.txt, demo.png and engine.log to --out.
 
 The terminal shows the progress bar and the summary; vLLM's and the library's logs (and anything
 else the engine's processes print) go to OUT/engine.log. --verbose prints everything instead.
+"""
+
+REPORT_DESCRIPTION = """\
+Turn a run's record (RUN_DIR/record/) into a static HTML report, RUN_DIR/report/index.html by
+default, that opens from disk with no server and no network: the curves of the step metrics,
+the steps and their groups, and any sample token by token, coloured by loss mask, policy version
+or the gap between the trainer's and the sampler's logprobs; searchable by prompt id and reward.
 """
 
 SIMULATE_DESCRIPTION = """\
@@ -99,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_path = Path(config.out) / "engine.log"
         with engine_output(log_path, verbose=args.verbose) as console:
             asyncio.run(run_demo(config, console=console))
+    elif args.command == "report":
+        _report(parser, args)
     else:
         asyncio.run(_simulate(args))
 
@@ -211,6 +223,21 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print vLLM's and the library's logs on the terminal instead of OUT/engine.log",
     )
+    report = sub.add_parser(
+        "report",
+        help="turn a run's record into a static HTML report (opens from disk)",
+        description=REPORT_DESCRIPTION,
+        formatter_class=formatter,
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (holds record/)")
+    report.add_argument("--out", help="folder of the report (default RUN_DIR/report)")
+    report.add_argument(
+        "--steps-per-chunk",
+        type=int,
+        default=STEPS_PER_CHUNK,
+        help="steps per data file the page loads when one of their groups is opened "
+        "(default %(default)s)",
+    )
     sim = sub.add_parser(
         "simulate",
         help="run the producer against SimEngine, a simulation (random tokens, no model)",
@@ -231,6 +258,19 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--filter", default="nonzero_std", help="'nonzero_std' or 'none'")
     sim.add_argument("--seed", type=int, default=0, help="seed of the simulation")
     return parser
+
+
+def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    start = time.perf_counter()
+    try:
+        index = build_report(args.run_dir, args.out, steps_per_chunk=args.steps_per_chunk)
+    except (RecordError, ValueError) as exc:
+        parser.exit(1, f"asyncroll report: {exc}\n")
+    size = sum(p.stat().st_size for p in index.parent.rglob("*") if p.is_file())
+    print(
+        f"report: {index} ({size / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s); "
+        "open it in a browser"
+    )
 
 
 def _defaults(name: str, default: object) -> str:
