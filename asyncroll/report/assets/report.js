@@ -8,6 +8,7 @@
   var R = {
     data: null, chunks: {}, pending: {}, waiters: {}, uidIndex: {}, byStep: {}, steps: [],
     state: { page: 0, step: null, group: null, sample: null, mode: "mask" },
+    busy: Promise.resolve(),
   };
   var PAGE_ROWS = 20;
   var MAX_RESULTS = 200;
@@ -45,6 +46,15 @@
       });
       R.chunks[n] = byUid;
       if (R.waiters[n]) { R.waiters[n](byUid); }
+    },
+    // A promise that settles when the view has drawn what it was last asked for (a group
+    // waits for its chunk's script): what a script driving the page (the browser test) awaits.
+    settled: function () { return R.busy; },
+    // The sample on screen as the page decoded it (NaN: none).
+    view: function () {
+      var s = R.sample, a = R.arrays;
+      return s ? { index: s.index, tokens: s.tokens, logprobs: Array.from(a.logprobs),
+        trainer: a.trainer ? Array.from(a.trainer) : null } : null;
     },
   };
 
@@ -363,12 +373,14 @@
     $("group-title").textContent = "Group " + uid + " (loading data/chunk " + R.data.groups.chunk[i] + ")";
     $("group").replaceChildren();
     writeHash();
-    return loadChunk(R.data.groups.chunk[i]).then(function (groups) {
+    R.busy = loadChunk(R.data.groups.chunk[i]).then(function (groups) {
       renderGroup(groups[uid]);
       if (sample !== null && sample !== undefined) { openSample(sample); }
     }, function (err) {
       $("group-title").textContent = "Group " + uid + ": " + err.message;
+      console.error(err.message);
     });
+    return R.busy;
   }
 
   function renderGroup(g) {
