@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -238,9 +241,11 @@ async def test_a_blocked_disk_never_stalls_the_producer_and_the_lines_left_out_a
 
 
 async def test_the_budget_holds_on_disk_and_every_step_line_is_kept(tmp_path: Path) -> None:
-    budget = 300_000  # 30 step lines take ~135 kB; groups and train lines get the last 50 kB
+    # Unbounded, the 30 steps write ~295 kB: ~135 kB of step lines, the rest groups and
+    # train lines, which get the 50 kB the steps leave.
+    budget = 200_000
     config = RecordConfig(
-        dir=str(tmp_path), max_bytes=budget, step_bytes=250_000, file_bytes=40_000
+        dir=str(tmp_path), max_bytes=budget, step_bytes=150_000, file_bytes=40_000
     )
     p = producer(config)
     async with p:
@@ -253,6 +258,52 @@ async def test_the_budget_holds_on_disk_and_every_step_line_is_kept(tmp_path: Pa
     assert p.record.stats.skipped_budget > 0
     assert [s.step for s in step_lines] == list(range(1, 31))
     assert len([g for g in groups if g.step is not None]) < 60
+
+
+KILLED_RUN = """
+import asyncio, sys
+import anyio
+from tests.test_record import producer, run_steps
+
+async def main():
+    p = producer(sys.argv[1])
+    async with p:
+        await run_steps(p, 3)
+        await p.pause()  # no more groups land: nothing pushes the lines out but the flush
+        p.record.step_metrics(4, {"eval/accuracy": 0.5})  # a short line, last before the kill
+        await anyio.to_thread.run_sync(p.record.flush, 30.0)
+        print("flushed", flush=True)
+        await anyio.sleep(60)  # killed in here: what the writer flushed is on disk
+
+asyncio.run(main())
+"""
+
+
+def test_a_killed_run_leaves_a_readable_record(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_RUN, str(tmp_path)],
+        cwd=root, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == "flushed\n"
+    finally:
+        child.kill()
+        child.wait(DEADLINE_S)
+    _, groups, trains, step_lines = lines(tmp_path)
+    assert [s.step for s in step_lines] == [1, 2, 3, 4]  # all flushed, the short one too
+    assert {1, 2, 3} <= {g.step for g in groups}
+    assert len([t for t in trains if t.step <= 3]) == 3 * 2 * 4
+    # A line cut anywhere (the kill came in the middle of a write) costs that line alone.
+    before = len(list(read_record(tmp_path)))
+    last = record_files(tmp_path)[-1]
+    data = last.read_bytes()
+    data = data[: data.rfind(b"\n") + 1]  # its whole lines (the kill may have cut one)
+    start = data.rfind(b"\n", 0, len(data) - 1) + 1  # the last whole line, cut in two
+    last.write_bytes(data[: (start + len(data)) // 2])
+    assert len(list(read_record(tmp_path))) == before - 1
 
 
 def test_a_folder_that_cannot_be_written_is_refused_when_the_producer_is_built(
