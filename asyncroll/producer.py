@@ -64,6 +64,7 @@ from asyncroll.engines.base import (
 from asyncroll.episode import RolloutFn
 from asyncroll.lora import LoraAdapter
 from asyncroll.prompts import PromptSource, PromptStream, TaskMix
+from asyncroll.record.writer import Record, RecordOption
 
 __all__ = [
     "DropRecord",
@@ -116,6 +117,11 @@ class Producer:
     `async def`: then it is awaited off the landing path, in order, each call within
     `on_drop_timeout_s` (`asyncroll._core.drops` says what a callback that raises or hangs does).
 
+    `record` (a run folder, or an `asyncroll.record.RecordConfig`) writes every handed-out
+    group token by token, a sample of the dropped ones and each step's metrics to
+    `<folder>/record/`, off the event loop (`asyncroll.record.writer`); the trainer adds its
+    logprobs and metrics through `producer.record`.
+
     `rollout_fn` (`async def rollout_fn(episode: Episode) -> None`) makes each sample a
     multi-turn episode driven by user code (see `asyncroll.episode`); without it each group is
     one engine call, which is what `rollout_fn=single_turn` does one sample at a time.
@@ -136,6 +142,7 @@ class Producer:
         filter: str | filters.GroupFilter | None = None,
         on_drop: OnDrop[DropRecord] | None = None,
         rollout_fn: RolloutFn | None = None,
+        record: RecordOption = None,
         **options: Any,
     ) -> None:
         # Required members checked and optional ones read (or defaulted) once: an engine
@@ -202,13 +209,14 @@ class Producer:
             payload=payload, group_bytes=group_bytes, episodes=episodes,
         )  # fmt: skip
         self._drops = DropCallback(on_drop, timeout_s=cfg.on_drop_timeout_s)
+        self.record = Record(record)  # a folder it cannot write is refused here
         self._failure_log = FailureWarnings(log, cfg.failure_log_interval_s)
         freezes = engine_call.Freezes()  # keep-mode pauses stop the generate deadlines
         self._control = Control(core, freezes, rewards.stuck_error)
         attempts = Attempts(engine, cfg, rewards, self.filter, rollout_fn, freezes)
         self._flights = Flights(
             core, attempts, self._drops, self._failure_log, reporting=on_drop is not None,
-            parking=self._control.parking, run_id=uuid.uuid4().hex[:12],
+            parking=self._control.parking, run_id=uuid.uuid4().hex[:12], record=self.record,
         )  # fmt: skip
         self._admission = Admission(core, self._control, self._flights.start)
         self._update_lock = asyncio.Lock()
@@ -261,6 +269,13 @@ class Producer:
                 "of the producer that set it would look stale. Continue that run from its "
                 "checkpoint (load(path, weights=...)), or give this producer an engine of its own"
             )
+        self.record.start(resumed=self._loaded, model=_model_name(self.engine), settings={
+            "group_size": self.config.group_size,
+            "batch_size": self.config.batch_size,
+            "max_staleness": self.config.max_staleness,
+            "max_new_tokens": self.config.sampling.max_new_tokens,
+            "engine": type(self.engine).__name__,
+        })  # fmt: skip
         core.phase = move(core.phase, Phase.RUNNING)
         weights, self._entry_weights = self._entry_weights, None
         self._flights.idle_since = time.monotonic()
@@ -272,6 +287,7 @@ class Producer:
             )
         except BaseException:
             core.phase = move(move(core.phase, Phase.STOPPING), Phase.STOPPED)
+            self.record.close(0)  # nothing but its run line can wait: the thread ends alone
             raise
         del weights
         self._runner = asyncio.create_task(self._run(), name="asyncroll-producer")
@@ -327,6 +343,8 @@ class Producer:
                 runner = None
             self._admission.unstage()
             self._rewards.close()  # no worker process outlives the run
+            if self.record.enabled:  # the last lines written and flushed, off the loop
+                await anyio.to_thread.run_sync(self.record.close, self.config.abort_timeout_s)
             if self.config.pause_mode == "keep" and self._control.gate is not Gate.OPEN:
                 await self._control.unfreeze("the producer stopped while paused")
             if core.phase is Phase.STOPPING:
@@ -399,7 +417,7 @@ class Producer:
         core.changed.notify()
         self._flights.count_idle()
         delta, totals, latency, window_s = core.progress.consume()
-        return ProduceBatchResult(
+        result = ProduceBatchResult(
             groups=groups,
             version=core.version,
             delta=delta,
@@ -409,6 +427,8 @@ class Producer:
             latency_p99_s=LatencyHistogram.quantile(latency, 0.99),
             failure_causes=core.progress.take_causes(),
         )
+        self.record.handed_out(result)
+        return result
 
     def _exhausted(self) -> str:
         """Why there is nothing left: a run that never had a group ready says what became of
@@ -626,6 +646,12 @@ class Producer:
                 if phase is Phase.NEW
                 else "the producer has stopped"
             )
+
+
+def _model_name(engine: Engine) -> str | None:
+    """The engine's model (a path or name), when it says: for the record's header."""
+    model = getattr(engine, "model", None)
+    return model if isinstance(model, str) else None
 
 
 def _check_adapter_slots(engine: Engine, slots: int | None, max_staleness: int | None) -> None:

@@ -27,6 +27,7 @@ from asyncroll._core.tasks import Tasks
 from asyncroll.buffer import PutOutcome
 from asyncroll.episode import Parking
 from asyncroll.outcomes import FailureReason
+from asyncroll.record.writer import Record
 from asyncroll.types import Prompt, RolloutGroup, Status
 
 log = logging.getLogger("asyncroll.producer")
@@ -59,6 +60,7 @@ class Flights:
         reporting: bool,
         parking: Callable[[], Parking],
         run_id: str,
+        record: Record,
     ) -> None:
         self.core = core
         self.attempts = attempts
@@ -67,6 +69,7 @@ class Flights:
         self.reporting = reporting  # an `on_drop` is set: build a `DropRecord` per drop
         self.parking = parking
         self.run_id = run_id  # request ids stay unique on a shared engine
+        self.record = record  # the run record: it samples the dropped groups
         self.tasks = Tasks()  # one per group in flight, owned by the producer's runner
         self.idle_since: float | None = None  # when the last group in flight landed
         self.dropped_in_a_row = Causes()  # since the last group that became ready
@@ -212,6 +215,8 @@ class Flights:
             self.failure_log.record(
                 (reason or FailureReason.INTERNAL).value, group.task, group.error
             )
+        if self.record.enabled:
+            self.record.dropped(group, _drop_label(outcome, reason), self.core.version)
         if not self.reporting:
             return
         record = DropRecord(
@@ -247,6 +252,13 @@ class Flights:
         if self.idle_since is not None:
             self.core.progress.counters.idle_s += now - self.idle_since
         self.idle_since = None if self.core.inflight else now
+
+
+def _drop_label(outcome: PutOutcome, reason: FailureReason | None) -> str:
+    """A dropped group's reason as the record names it: the failure's, or the outcome's."""
+    if outcome is PutOutcome.DROPPED_FAILED:
+        return (reason or FailureReason.INTERNAL).value
+    return "filtered" if outcome is PutOutcome.DROPPED_FILTERED else "expired"
 
 
 def _extra_error(group: RolloutGroup, limit: int) -> str | None:

@@ -36,7 +36,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 import zlib
@@ -48,6 +47,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from asyncroll.distributed import folder
 from asyncroll.distributed.gather import GatherStats
 
 if TYPE_CHECKING:
@@ -171,7 +171,22 @@ class Ranks:
             signal.signal(signal.SIGTERM, handler)
 
     def _fail(self, exc: BaseException | None) -> None:
-        """Raise what ended the run, named (see the module docstring)."""
+        """Raise what ended the run, named, and remove the job's folder if this rank is the
+        last one out (`asyncroll.distributed.folder`). A rank that fails first goes at once:
+        its exit is what the others see; one that fails for another rank looks a moment for
+        the others to end."""
+        try:
+            self._name_failure(exc)
+        except RankFailed as failure:
+            self._leave(wait_s=0.0 if failure.rank == self.rank else 2.0)
+            raise
+        self._leave(wait_s=0.0)
+
+    def _leave(self, wait_s: float) -> None:
+        if self._folder is not None:
+            folder.remove_if_last(self._folder, os.getpid(), wait_s)
+
+    def _name_failure(self, exc: BaseException | None) -> None:
         if self._terminated:
             if isinstance(exc, RankFailed):
                 raise exc  # it already names the rank that failed first
@@ -206,7 +221,7 @@ class Ranks:
     def _share_folder(self) -> str:
         """A folder of the job's, made by rank 0 (ranks share one machine): where a failing
         rank writes its error for the others to read."""
-        path = tempfile.mkdtemp(prefix="asyncroll-ranks-") if self.rank == 0 else ""
+        path = str(folder.make(self._pids)) if self.rank == 0 else ""
         return _broadcast_bytes(path.encode(), self._control).decode()
 
     def _report(self, exc: BaseException) -> None:

@@ -13,12 +13,17 @@ from asyncroll.record.format import (
     read_record,
     record_files,
 )
+from asyncroll.record.writer import Record, RecordConfig, RecordOption, RecordStats
 
 __all__ = [
     "FORMAT",
     "GroupLine",
     "Line",
+    "Record",
+    "RecordConfig",
     "RecordError",
+    "RecordOption",
+    "RecordStats",
     "RunLine",
     "SampleLine",
     "StepLine",

@@ -124,6 +124,12 @@ class VLLMEngine:
     KV cache and refuse reloads short of memory; `asyncroll.engines.vllm.compat`).
     `data_parallel_size > 1` and `VLLM_RELOAD_MODE=direct` are refused (`compat`).
 
+    `devices` (GPU only): the GPUs vLLM's processes use, as the machine numbers them (e.g.
+    `[4, 5, 6, 7]` beside a trainer launched on GPUs 0-3); None: the ones this process sees.
+    vLLM's workers are processes of their own, so they can use GPUs this process does not
+    see; the GPU this process's torch already works on is refused (`startup.visible_devices`).
+    The memory settings above assume the machine's GPUs are alike.
+
     `lora`: serve LoRA adapters (`update_weights` with a `asyncroll.lora.LoraAdapter`), with
     `LoraSlots(max_rank=, slots=)` as vLLM's `max_lora_rank` and `max_loras` (None: no LoRA,
     and an adapter update raises `LoraError`). Each adapter update registers the adapter in
@@ -154,6 +160,7 @@ class VLLMEngine:
         lora: LoraSlots | None = None,
         trainer_headroom_bytes: int = 0,
         reload_headroom_bytes: int | None = None,
+        devices: Sequence[int | str] | None = None,
         **engine_args: Any,
     ) -> None:
         from vllm import __version__ as vllm_version
@@ -166,6 +173,7 @@ class VLLMEngine:
         compat.check_environment()
         compat.refuse_data_parallel(engine_args)
         on_cpu = current_platform.is_cpu()
+        visible = startup.visible_devices(devices, engine_args, on_cpu=on_cpu)
         if on_cpu and (trainer_headroom_bytes or reload_headroom_bytes is not None):
             raise ValueError("trainer_headroom_bytes and reload_headroom_bytes are for GPUs")
         if not on_cpu:
@@ -194,7 +202,7 @@ class VLLMEngine:
         # vLLM's processes end with this one, however it ends (`asyncroll.lifetime`)
         self._tie = lifetime.tie()
         try:
-            with startup.child_environment(on_cpu), self._tie.starting():
+            with startup.child_environment(on_cpu, visible), self._tie.starting():
                 self._llm: Any = AsyncLLM.from_engine_args(args)
         except BaseException:
             self._tie.release()

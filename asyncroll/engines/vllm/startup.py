@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -75,6 +75,61 @@ def engine_arguments(
     return engine_args
 
 
+def visible_devices(
+    devices: Sequence[int | str] | None, engine_args: dict[str, Any], *, on_cpu: bool
+) -> str | None:
+    """`CUDA_VISIBLE_DEVICES` for vLLM's processes from the engine's `devices` (None: they see
+    what this process sees), refused when it cannot be what the caller meant: on a CPU build,
+    an id twice, fewer GPUs than the engine's parallelism needs, or the GPU this process's own
+    torch uses (a trainer's rank and vLLM on one GPU compete for its memory: give the engine
+    the others, or leave `devices` unset and set `trainer_headroom_bytes`)."""
+    if devices is None:
+        return None
+    if isinstance(devices, (str, int)):
+        raise ValueError(f"devices={devices!r}: give a list of GPU ids, e.g. devices=[4, 5]")
+    names = [str(d).strip() for d in devices]
+    if on_cpu:
+        raise ValueError(
+            f"devices={list(devices)}: GPU ids, and this vLLM runs on the CPU; leave devices unset"
+        )
+    bad = [n for n in names if not (n.isdigit() or n.startswith(("GPU-", "MIG-")))]
+    if not names or bad or len(set(names)) != len(names):
+        raise ValueError(
+            f"devices={list(devices)}: give distinct GPU indices as the machine numbers them "
+            "(nvidia-smi), or GPU-/MIG- UUIDs"
+        )
+    needed = int(engine_args.get("tensor_parallel_size", 1)) * int(
+        engine_args.get("pipeline_parallel_size", 1)
+    )
+    if len(names) < needed:
+        raise ValueError(
+            f"devices={list(devices)}: {len(names)} GPU(s) for tensor_parallel_size x "
+            f"pipeline_parallel_size = {needed}; give {needed}"
+        )
+    own = own_device()
+    if own is not None and own in names:
+        raise ValueError(
+            f"devices={list(devices)}: GPU {own} is the one this process's torch uses (its "
+            "trainer's); give vLLM the GPUs the trainer does not use"
+        )
+    return ",".join(names)
+
+
+def own_device() -> str | None:
+    """The machine's id of the GPU this process's torch works on, once it has started CUDA
+    (a trainer rank's `torch.cuda.set_device`); None before, or without CUDA."""
+    import torch
+
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return None
+    index = torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(index)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    return ids[index] if index < len(ids) else None
+
+
 def require_vllm(version: str) -> None:
     major, minor = (int(x) for x in version.split(".")[:2])
     if (major, minor) < (0, 32):
@@ -94,7 +149,7 @@ def experts_row_bytes(config: Any) -> int:
 
 
 @contextlib.contextmanager
-def child_environment(on_cpu: bool) -> Iterator[None]:
+def child_environment(on_cpu: bool, devices: str | None = None) -> Iterator[None]:
     """Environment for the processes vLLM starts while the engine is built, restored after.
 
     The workers import `asyncroll.engines.vllm.in_worker`. An installed asyncroll is found by any
@@ -107,14 +162,18 @@ def child_environment(on_cpu: bool) -> Iterator[None]:
 
     A launcher's variables (`launcher_env`: torchrun's RANK, WORLD_SIZE, MASTER_PORT, ...) are
     taken out while vLLM starts its processes and put back afterwards: vLLM would read them as
-    its own rank and rendezvous.
+    its own rank and rendezvous. `devices` (from `visible_devices`) becomes their
+    `CUDA_VISIBLE_DEVICES`: vLLM's checks in this process read it there too.
     """
     root = str(Path(__file__).resolve().parents[3])
     installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
     hidden = launcher_variables(os.environ)
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TORCH_COMPILE_DISABLE", *hidden)}
+    names = ("PYTHONPATH", "TORCH_COMPILE_DISABLE", "CUDA_VISIBLE_DEVICES", *hidden)
+    saved = {k: os.environ.get(k) for k in names}
     for name in hidden:
         del os.environ[name]
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
     paths = [p for p in (saved["PYTHONPATH"] or "").split(os.pathsep) if p]
     if root not in paths and root not in installed:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
