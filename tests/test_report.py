@@ -187,3 +187,29 @@ def test_the_report_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         main(["report", str(tmp_path / "nothing")])
     assert exit_.value.code == 1
     assert f"no record in {tmp_path / 'nothing' / 'record'}" in capsys.readouterr().err
+
+
+async def test_a_producers_record_is_reported_as_the_groups_it_handed_out(tmp_path: Path) -> None:
+    """A real producer's record (on SimEngine, a simulation; multi-turn episodes whose tool
+    tokens are untrained): the report's arrays are the handed-out groups', token by token."""
+    from tests.test_record import producer, run_steps
+
+    p = producer(tmp_path, episodes=True)
+    async with p:
+        steps = await run_steps(p, 4)
+    data = chunks(build_report(tmp_path, steps_per_chunk=2))
+    by_uid = {g["uid"]: g for groups, _ in data.values() for g in groups}
+    compared = 0
+    for step, groups in enumerate(steps, 1):
+        for group in groups:
+            shown = by_uid[group.uid]
+            assert (shown["step"], shown["near"]) == (step, step)
+            for sample, page in zip(group.samples, shown["samples"], strict=True):
+                assert page["tokens"] == sample.tokens.tolist()
+                assert decode_floats(page["logprobs"]) == sample.logprobs.tolist()
+                assert page["versions"] == sample.versions.tolist()
+                mask = None if sample.loss_mask is None else sample.loss_mask.tolist()
+                assert page["loss_mask"] == mask
+                compared += len(sample.tokens)
+    assert compared > 0
+    assert any(0 in (s["loss_mask"] or []) for g in by_uid.values() for s in g["samples"])

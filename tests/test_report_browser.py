@@ -8,13 +8,14 @@ navigation.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from asyncroll.record.format import GroupLine, Line, TrainLine
+from asyncroll.record.format import GroupLine, Line, TrainLine, read_record
 from asyncroll.report import build_report
 from tests.browser import SAMPLE_FACTS, Chromium, chromium, find_chromium
 from tests.report_records import make_run
@@ -126,3 +127,41 @@ async def test_a_missing_data_file_is_an_error_the_page_and_the_test_see(
     assert "could not load data/chunk-00000.js" in title
     assert any("chunk-00000.js" in e for e in browser.errors), browser.errors
     assert await browser.evaluate("window.reportErrors.length") >= 1
+
+
+async def test_a_producers_report_shows_its_samples(browser: Chromium, tmp_path: Path) -> None:
+    """The report of a record a real producer wrote (SimEngine, a simulation; multi-turn
+    episodes): the page shows a handed-out sample as the producer handed it out."""
+    from tests.test_record import producer, run_steps
+
+    p = producer(tmp_path, episodes=True)
+    async with p:
+        steps = await run_steps(p, 3)
+    group = steps[-1][0]
+    sample = next(i for i, s in enumerate(group.samples) if s.loss_mask is not None)
+    facts = await check_sample(browser, tmp_path, list(read_record(tmp_path)), group.uid, sample)
+    handed = group.samples[sample]
+    assert facts["tokens"] == handed.tokens.tolist()
+    assert facts["mask"] == handed.loss_mask.tolist() and 0 in facts["mask"]
+    assert facts["versions"] == handed.versions.tolist()
+    assert facts["logprobs"] == handed.logprobs.tolist()
+
+
+@pytest.fixture
+def demo_run() -> Path:
+    """The folder of a demo run with a record: $ASYNCROLL_DEMO_RUN (the demo does not write
+    its record by default yet; point this at a run's folder, or at the demo test's)."""
+    folder = os.environ.get("ASYNCROLL_DEMO_RUN")
+    if not folder or not (Path(folder) / "record").is_dir():
+        pytest.skip("no demo run with a record: set ASYNCROLL_DEMO_RUN to its folder")
+    return Path(folder)
+
+
+async def test_the_demos_report(browser: Chromium, demo_run: Path) -> None:
+    """The demo's report (`asyncroll demo` writes the record to its folder by default): its
+    first handed-out chat-like sample and its first single-turn one, as its record holds them."""
+    lines = list(read_record(demo_run))
+    handed = [x for x in lines if isinstance(x, GroupLine) and x.step is not None]
+    assert handed, f"{demo_run}'s record holds no handed-out group"
+    await check_sample(browser, demo_run, lines, handed[0].uid, 0)
+    await check_sample(browser, demo_run, lines, handed[-1].uid, 0, mode="mask")
