@@ -50,6 +50,11 @@
     // A promise that settles when the view has drawn what it was last asked for (a group
     // waits for its chunk's script): what a script driving the page (the browser test) awaits.
     settled: function () { return R.busy; },
+    // Show sample `sample` of group `uid` (and its step): a promise, settled once drawn.
+    open: function (uid, sample) {
+      openStep(R.data.groups.near[R.uidIndex[uid]]);
+      return openGroup(uid, sample);
+    },
     // The sample on screen as the page decoded it (NaN: none).
     view: function () {
       var s = R.sample, a = R.arrays;
