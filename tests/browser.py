@@ -7,7 +7,7 @@ Every wait has a deadline (`DEADLINE_S`), and `close()` ends the browser's whole
 
 As a command, it saves the screenshot the docs show (docs/report.md):
 
-    python -m tests.browser RUN_DIR OUT.png [--group UID --sample I --mode mask]
+    python -m tests.browser [--example] RUN_DIR OUT.png [--group UID --sample I --mode mask]
 """
 
 from __future__ import annotations
@@ -269,7 +269,14 @@ def main() -> None:
     parser.add_argument("--group", type=int, help="uid of the group to open")
     parser.add_argument("--sample", type=int, default=0)
     parser.add_argument("--mode", default="mask", choices=("mask", "version", "gap"))
+    parser.add_argument(
+        "--example", action="store_true", help="first write a synthetic record to RUN_DIR"
+    )
     args = parser.parse_args()
+    if args.example:
+        from tests.report_records import make_run
+
+        make_run(args.run_dir, steps=30, groups=4, samples=4, tokens=40)
     hash_ = f"mode={args.mode}"
     if args.group is not None:
         hash_ += f"&group={args.group}&sample={args.sample}"
