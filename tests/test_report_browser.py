@@ -21,11 +21,14 @@ from tests.browser import SAMPLE_FACTS, Chromium, chromium, find_chromium
 from tests.report_records import make_run
 
 CHROMIUM = find_chromium()
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="no chromium on PATH: `make browser` installs Debian's package (as root with "
-    "apt-get), or set ASYNCROLL_CHROMIUM to a Chromium or Chrome",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="no chromium on PATH: `make browser` installs Debian's package (as root with "
+        "apt-get), or set ASYNCROLL_CHROMIUM to a Chromium or Chrome",
+    ),
+    pytest.mark.xdist_group("report_browser"),  # one worker, so one browser start
+]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -145,6 +148,14 @@ async def test_a_producers_report_shows_its_samples(browser: Chromium, tmp_path:
     assert facts["mask"] == handed.loss_mask.tolist() and 0 in facts["mask"]
     assert facts["versions"] == handed.versions.tolist()
     assert facts["logprobs"] == handed.logprobs.tolist()
+    charts = await browser.evaluate(
+        "[...document.querySelectorAll('#charts .chart')].filter(c => c.querySelector('svg'))"
+        ".map(c => c.dataset.title)"
+    )  # the producer's own metric names find their curves (no evaluation ran)
+    assert charts == [
+        "reward", "staleness (versions behind)", "dropped groups per step, by reason",
+        "generated tokens/s", "trainer's waiting share",
+    ]  # fmt: skip
 
 
 @pytest.fixture
