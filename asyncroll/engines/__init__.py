@@ -13,6 +13,7 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
+from asyncroll.engines.refusals import EnginePausedError
 from asyncroll.engines.sim import SimConfig, SimEngine, SimEngineError
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ __all__ = [
     "Engine",
     "EngineDeadError",
     "EngineDefaults",
+    "EnginePausedError",
     "GenerateRequest",
     "ReplicaError",
     "SampleOutput",
