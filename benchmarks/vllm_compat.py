@@ -945,6 +945,15 @@ HAZARDS: list[Hazard] = [
         "VLLMEngine must set GPU memory explicitly",
     ),
     Hazard(
+        "asyncroll/engines/vllm/weight_check.py",
+        "PROBE_SCRATCH_BYTES = ",
+        "vllm.v1.worker.extensible_kv_cache",
+        "kv_cache_lent_for_weight_update",
+        "the extensible KV cache caps torch's GPU memory (set_per_process_memory_fraction) "
+        "and lifts the cap only inside vLLM's reload: verify_weights, which runs after it, "
+        "must keep its device scratch bounded",
+    ),
+    Hazard(
         "asyncroll/engines/vllm/compat.py",
         "data_parallel_size",
         "vllm.v1.engine.core_client",
