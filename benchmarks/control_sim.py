@@ -12,7 +12,7 @@ caller deadlines and aborts, a trainer loop of keep-mode pauses, updates from fr
 rewritten ("latest") folders, relabels and updates cut at random points, and faults: crashes,
 restarts (vLLM's label "default", its own weights), wedged engine cores, slow reloads,
 refused loads; with `--paused-elsewhere` also pauses by another client of the replica (mode
-"wait": vLLM >= 0.33 refuses every new request until the resume, `asyncroll.engines.refusals`).
+"wait": vLLM >= 0.33 refuses every new request until the resume, `asyncroll.engines.vllm.refusals`).
 The invariants (`_check`, after every request and control call, and at the end):
 
 * every token's label names the weights that sampled it (a token id encodes its weights);
@@ -58,8 +58,8 @@ from asyncroll.engines import (
     SamplingConfig,
     VLLMServerEngine,
 )
-from asyncroll.engines.refusals import RETRY_MAX_S, EnginePausedError
 from asyncroll.engines.server.replicas import NoReplicaError
+from asyncroll.engines.vllm.refusals import RETRY_MAX_S, EnginePausedError
 from asyncroll.engines.vllm.weight_check import WeightMismatchError
 
 STRIDE = 16  # token id = weights * STRIDE + noise: which weights sampled it

@@ -13,8 +13,8 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
-from asyncroll.engines.refusals import EnginePausedError
 from asyncroll.engines.sim import SimConfig, SimEngine, SimEngineError
+from asyncroll.engines.vllm.refusals import EnginePausedError
 
 if TYPE_CHECKING:
     from asyncroll.engines.server.engine import VLLMServerEngine

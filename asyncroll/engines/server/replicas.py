@@ -167,9 +167,9 @@ is a replica answering garbage."""
 
 
 class PausedRefusal(Exception):
-    """The replica refused a generate because its vLLM is paused (`asyncroll.engines.refusals`):
-    nothing ran, so it is neither the request's fault nor the replica's (no `ReplicaError`);
-    the request is sent again after the pause. `message`: vLLM's."""
+    """The replica refused a generate because its vLLM is paused (`vllm.refusals`): nothing
+    ran, so it is neither the request's fault nor the replica's (no `ReplicaError`); the
+    request is sent again after the pause. `message`: vLLM's."""
 
     def __init__(self, url: str, message: str) -> None:
         super().__init__(f"replica {url}: refused as paused: {message}")

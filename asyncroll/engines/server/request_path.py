@@ -21,7 +21,7 @@ rotation, as if never sent (`RequestPath._lost`); anything wrong in what a repli
 that replica's failure, which fails the group. A request a paused replica refused
 (`PausedRefusal`: someone else paused its vLLM in mode "abort" or "wait") ran nothing and is
 nobody's failure: it is sent again after a backoff until its deadline (`RequestPath._refused`,
-`asyncroll.engines.refusals`), and its group then fails with `EnginePausedError`.
+`asyncroll.engines.vllm.refusals`), and its group then fails with `EnginePausedError`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import aiohttp
 
 from asyncroll._core.tasks import Tasks
 from asyncroll._core.wakeup import Signal
-from asyncroll.engines import refusals
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -57,6 +56,7 @@ from asyncroll.engines.server.replicas import (
     UnsyncedReplicaError,
 )
 from asyncroll.engines.vllm import groups as vllm_groups
+from asyncroll.engines.vllm import refusals
 
 _HOMES = frozenset({ReplicaState.UP, ReplicaState.UNSYNCED})  # where a session may live
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate

@@ -46,7 +46,6 @@ from typing import Any
 from asyncroll import lifetime
 from asyncroll._core.tasks import finish
 from asyncroll._core.wakeup import Signal
-from asyncroll.engines import refusals
 from asyncroll.engines.base import (
     EngineDeadError,
     GenerateRequest,
@@ -55,7 +54,7 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
-from asyncroll.engines.vllm import compat, startup, streams, weight_check
+from asyncroll.engines.vllm import compat, refusals, startup, streams, weight_check
 from asyncroll.engines.vllm import groups as vllm_groups
 from asyncroll.engines.vllm.loading import WEIGHTS_DIR, WeightLoader, WeightsState
 from asyncroll.engines.vllm.lora import Adapter, AdapterSet, AdapterState
@@ -213,7 +212,7 @@ class VLLMEngine:
         self._recent = RecentIds()
         self._generated = 0
         # requests vLLM refused since the start because someone else paused it (each sent
-        # again: `asyncroll.engines.refusals`), read as `pause_refusals`
+        # again: `asyncroll.engines.vllm.refusals`), read as `pause_refusals`
         self._pause_refusals = 0
         self._progress = Signal()
         self._paused = False
@@ -466,7 +465,7 @@ class VLLMEngine:
     @property
     def pause_refusals(self) -> int:
         """Requests vLLM refused since the engine started because someone else paused it in
-        mode "abort" or "wait" (each was sent again: `asyncroll.engines.refusals`)."""
+        mode "abort" or "wait" (each was sent again: `asyncroll.engines.vllm.refusals`)."""
         return self._pause_refusals
 
     @property
@@ -509,7 +508,7 @@ class VLLMEngine:
     async def _stream(self, live: LiveGroup, part: GroupPart, sampling: SamplingConfig) -> None:
         """Stream one vLLM request of the group (`_generate`). One that vLLM refuses because
         someone else paused it (`RetryableRequestError`, vLLM >= 0.33: a pause in mode "abort"
-        or "wait"; `asyncroll.engines.refusals`) ran nothing: it is sent again after a
+        or "wait"; `asyncroll.engines.vllm.refusals`) ran nothing: it is sent again after a
         backoff, ended by its abort, within `generate_timeout_s`."""
         while True:
             try:
