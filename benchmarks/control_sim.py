@@ -11,11 +11,16 @@ Each seed draws a schedule (`_Schedule`): replicas (1-3), requests of several se
 caller deadlines and aborts, a trainer loop of keep-mode pauses, updates from fresh or
 rewritten ("latest") folders, relabels and updates cut at random points, and faults: crashes,
 restarts (vLLM's label "default", its own weights), wedged engine cores, slow reloads,
-refused loads. The invariants (`_check`, after every request and control call, and at the end):
+refused loads; with `--paused-elsewhere` also pauses by another client of the replica (mode
+"wait": vLLM >= 0.33 refuses every new request until the resume, `asyncroll.engines.vllm.refusals`).
+The invariants (`_check`, after every request and control call, and at the end):
 
 * every token's label names the weights that sampled it (a token id encodes its weights);
 * no prompt is lost or sent twice (each request id reaches at most one replica, once);
 * no caller waits past its deadline (its own, or `request_timeout_s` / `pause_bound_s`);
+* a request refused by a replica paused elsewhere fails only once the pause outlasted its
+  deadline (`EnginePausedError`, within one backoff of a refusal), never as the replica's
+  failure, and the replica stays in the rotation;
 * the run stops only when no replica can ever serve (`EngineDeadError` never, unclosed);
 * once faults heal, every replica is back within its bound, unpaused, under the engine's
   label (a replica the engine counts up but left paused fails here).
@@ -54,6 +59,7 @@ from asyncroll.engines import (
     VLLMServerEngine,
 )
 from asyncroll.engines.server.replicas import NoReplicaError
+from asyncroll.engines.vllm.refusals import RETRY_MAX_S, EnginePausedError
 from asyncroll.engines.vllm.weight_check import WeightMismatchError
 
 STRIDE = 16  # token id = weights * STRIDE + noise: which weights sampled it
@@ -197,6 +203,9 @@ class SimReplica:
         self.aborted: set[str] = set()
         self.arrivals: list[str] = []
         self.faulty = False  # a fault was injected: it may leave the rotation
+        # paused by another client in mode "wait" (vLLM >= 0.33): new requests are refused
+        self.refusing = False
+        self.refused_at = -1.0  # loop time of its last refusal
 
     def poke(self) -> None:
         self.changed.set()
@@ -225,12 +234,12 @@ class SimReplica:
         route = path.split("?")[0]
         if route == "/health":
             return 200, b""
-        if route == "/pause":
-            self.paused = True
+        if route == "/pause":  # keep mode, which takes new requests again (vLLM: core.py
+            self.paused, self.refusing = True, False  # reject_new_requests = mode != "keep")
             self.poke()
             return 200, b"{}"
         if route == "/resume":
-            self.paused = False
+            self.paused, self.refusing = False, False
             self.poke()
             return 200, b"{}"
         if route == "/update_weight_version":
@@ -266,6 +275,19 @@ class SimReplica:
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
         rid = "generate-tokens-" + body["request_id"]
         live = body["request_id"].startswith("asyncroll-liveness")
+        if self.refusing:  # vLLM 0.33/0.34's refusal in a stream: nothing runs
+            self.refused_at = asyncio.get_running_loop().time()
+            if self.world.verbose:
+                self.world.log(f"  {self.name} <- generate {rid}: refused, paused elsewhere")
+            error = {
+                "message": "Generation is paused. Please retry after it resumes.",
+                "type": "ServiceUnavailableError",
+                "param": None,
+                "code": 503,
+            }
+            yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            return
         if not live:
             self.arrivals.append(rid)
         if self.world.verbose:
@@ -451,10 +473,16 @@ class Run:
     """One seed's schedule and its invariant checks."""
 
     def __init__(
-        self, seed: int, root: Path, verbose: bool = False, sluggish: bool = False
+        self,
+        seed: int,
+        root: Path,
+        verbose: bool = False,
+        sluggish: bool = False,
+        paused_elsewhere: bool = False,
     ) -> None:
         self.seed = seed
         self.sluggish = sluggish  # draw the sluggish fault too (`--sluggish`)
+        self.paused_elsewhere = paused_elsewhere  # and pauses by others (`--paused-elsewhere`)
         self.rng = random.Random(seed)
         self.world = World(root, verbose)
         self.n = self.rng.choice([1, 2, 2, 3])
@@ -567,7 +595,16 @@ class Run:
         async def call() -> Any:
             try:
                 return await self.engine.generate(request)
+            except EnginePausedError:
+                now = loop.time()
+                late = min(now - r.refused_at for r in self.replicas.values())
+                self.check(late <= RETRY_MAX_S + SLACK_S, f"{rid}: paused error {late:.3f} s late")
+                self.world.log(f"{rid}: failed: paused elsewhere past its deadline")
+                return None
             except (ReplicaError, NoReplicaError, WeightMismatchError) as exc:
+                if isinstance(exc, ReplicaError):  # only a faulty replica fails a request
+                    sim = self.replicas[exc.url.removeprefix("http://")]
+                    self.check(sim.faulty, f"{rid} failed on {sim.name}, never faulty: {exc}")
                 self.world.log(f"{rid}: failed: {type(exc).__name__}")
                 return None
 
@@ -640,8 +677,18 @@ class Run:
             await asyncio.sleep(rng.uniform(0, 1.5))
             replica = self.replicas[rng.choice(list(self.replicas))]
             kinds = ["crash", "restart", "wedge", "slow", "refuse"]
-            kind = rng.choice([*kinds, "sluggish"] if self.sluggish else kinds)
+            kinds += ["sluggish"] if self.sluggish else []
+            kinds += ["paused elsewhere"] if self.paused_elsewhere else []
+            kind = rng.choice(kinds)
             self.world.log(f"fault: {replica.name} {kind}")
+            if kind == "paused elsewhere":  # no fault of the replica's: it must stay in
+                replica.refusing = True
+
+                def resumed(replica: SimReplica = replica) -> None:  # by the one who paused
+                    replica.refusing = False
+
+                asyncio.get_running_loop().call_later(rng.uniform(0.05, 4.0), resumed)
+                continue
             replica.faulty = True
             if kind == "crash":
                 replica.crashed = True
@@ -680,6 +727,7 @@ class Run:
             if replica.crashed or replica.wedged:
                 replica.restart()
             replica.reload_s, replica.refuse, replica.sluggish = 0.05, False, False
+            replica.refusing = False
         version = self.next_version
         self.version_weights[version] = 999
         folder = self.world.folder(f"v{version}", 999)
@@ -714,10 +762,16 @@ async def _drain(tasks: set[asyncio.Task[Any]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def run_seed(seed: int, root: Path, verbose: bool = False, sluggish: bool = False) -> list[str]:
+def run_seed(
+    seed: int,
+    root: Path,
+    verbose: bool = False,
+    sluggish: bool = False,
+    paused_elsewhere: bool = False,
+) -> list[str]:
     """Run one seed; its trace. A broken invariant raises `Violation` (or `Stuck`)."""
     loop = VirtualLoop()
-    run = Run(seed, root, verbose, sluggish)
+    run = Run(seed, root, verbose, sluggish, paused_elsewhere)
     run.world.loop = loop
     try:
         loop.run_until_complete(run.run())
@@ -742,16 +796,16 @@ def _scratch() -> tempfile.TemporaryDirectory[str]:
     return tempfile.TemporaryDirectory(prefix="control-sim-", dir=shm if memory else None)
 
 
-def _slice(args: tuple[int, int, int, bool]) -> tuple[list[tuple[int, str]], float]:
+def _slice(args: tuple[int, int, int, bool, bool]) -> tuple[list[tuple[int, str]], float]:
     """Run seeds `first`, `first + step`, ... below `stop` in one process: its failures, and
     the CPU seconds it took (on a shared machine wall time says more of the neighbours)."""
-    first, step, stop, sluggish = args
+    first, step, stop, sluggish, paused_elsewhere = args
     failures = []
     cpu = time.process_time()
     with _scratch() as tmp:
         for seed in range(first, stop, step):
             try:
-                run_seed(seed, Path(tmp), sluggish=sluggish)
+                run_seed(seed, Path(tmp), sluggish=sluggish, paused_elsewhere=paused_elsewhere)
             except Exception as exc:  # a broken invariant, anything that escaped the run
                 failures.append((seed, f"{exc!r:.400}"))
             except asyncio.CancelledError as exc:
@@ -771,14 +825,29 @@ def main() -> None:
         help="also draw replicas whose control calls take up to 0.45 s, within every"
         " deadline (.ci/run runs 2,000 such seeds after the 10,000 without)",
     )
+    p.add_argument(
+        "--paused-elsewhere",
+        action="store_true",
+        help="also draw pauses by another client of a replica (mode 'wait', which vLLM >= 0.33"
+        " answers new requests with a refusal; .ci/run runs 2,000 such seeds)",
+    )
     args = p.parse_args()
     if args.replay is not None:
         with _scratch() as tmp:
-            run_seed(args.replay, Path(tmp), verbose=True, sluggish=args.sluggish)
+            run_seed(
+                args.replay,
+                Path(tmp),
+                verbose=True,
+                sluggish=args.sluggish,
+                paused_elsewhere=args.paused_elsewhere,
+            )
         print(f"seed {args.replay}: every invariant held")
         return
     stop = args.start + args.seeds
-    slices = [(args.start + j, args.jobs, stop, args.sluggish) for j in range(args.jobs)]
+    slices = [
+        (args.start + j, args.jobs, stop, args.sluggish, args.paused_elsewhere)
+        for j in range(args.jobs)
+    ]
     start = time.perf_counter()
     if args.jobs == 1:
         results = [_slice(slices[0])]

@@ -213,3 +213,40 @@ def test_an_optional_import_and_a_use_of_older_releases_only_are_not_checked(
 def test_a_use_that_moved_in_asyncroll_fails_instead_of_checking_nothing() -> None:
     use = vllm_compat.EnvVar("asyncroll/engines/vllm/startup.py", "NOT THERE", "VLLM_X")
     assert "is not there any more" in str(use.place())
+
+
+def test_a_paused_refusal_in_another_shape_fails_naming_both_sides(tmp_path: Path) -> None:
+    """What the engines recognise as a paused vLLM's refusal: `RetryableRequestError` in
+    process, `{"error": {"type": "ServiceUnavailableError", "code": 503, ...}}` from `vllm
+    serve`. A vLLM that renamed the class, the error type or the code field fails the check
+    with the asyncroll line that reads it; a version with `engine_paused` needs the re-send on
+    both engines (the hazards), which asyncroll has."""
+    tree = _tree(
+        tmp_path,
+        {
+            "vllm/exceptions.py": "class RequestRefusedError(Exception):\n    pass\n",
+            "vllm/entrypoints/serve/engine/protocol.py": (
+                "class ErrorInfo:\n    message: str\n    type: str\n    status: int\n"
+            ),
+            "vllm/entrypoints/serve/exception_handling/error_response.py": 'T = "Unavailable"\n',
+            "vllm/v1/engine/core.py": 'E = dict(code="engine_paused")\n',
+        },
+    )
+    uses = [u for u in vllm_compat.USES if u.where == "asyncroll/engines/server/replicas.py"]
+    hazards = [h for h in vllm_compat.HAZARDS if h.marker == "engine_paused"]
+    assert len(hazards) == 2 and vllm_compat.check(tree, hazards=hazards, imports=False) == []
+    failures = vllm_compat.check(tree, uses, imports=False)
+    code = _line("asyncroll/engines/server/replicas.py", 'error.get("code") != 503')
+    assert any(
+        f.startswith(f"asyncroll/engines/server/replicas.py:{code}: vllm 9.9.0: ")
+        and "ErrorInfo" in f
+        and "code" in f
+        for f in failures
+    ), failures
+    assert any("no longer says 'ServiceUnavailableError'" in f for f in failures), failures
+    refused = [
+        f
+        for f in vllm_compat.check(tree)
+        if "RetryableRequestError" in f and f.startswith("asyncroll/engines/vllm/engine.py:")
+    ]
+    assert refused and "vllm/exceptions.py:1 defines no RetryableRequestError" in refused[0]

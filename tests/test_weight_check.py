@@ -37,6 +37,15 @@ def test_a_digest_is_of_the_bytes() -> None:
     assert weight_check.digest(torch.ones(3)) != weight_check.digest(torch.ones(3).double())
 
 
+def test_a_bfloat16_tensor_has_a_digest() -> None:
+    """A GPU model serves bfloat16, which numpy has no type for: the digest raised TypeError
+    ("Got unsupported ScalarType BFloat16"), in the trainer's process and in the worker."""
+    one = torch.ones(3, dtype=torch.bfloat16)
+    assert weight_check.digest(one) == weight_check.digest(one.clone())
+    assert weight_check.digest(one) != weight_check.digest(one * 2)
+    assert weight_check.digest(one) != weight_check.digest(one.half())
+
+
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
@@ -207,3 +216,74 @@ def test_names_that_miss_with_no_common_prefix_are_refused_too(tmp_path: Any) ->
     named = [("encoder.q.weight", torch.zeros(4, 3)), ("other", torch.zeros(3))]
     with pytest.raises(weight_check.WeightLayoutError, match="none of the 2 tensors"):
         weight_check.check_layout(named, served_layout(tmp_path), "engine X")
+
+
+class _Watched(torch.Tensor):  # type: ignore[misc]
+    """A received tensor that records the largest float32 tensor any operation on it (or on
+    what was made from it) produced: the served-value probe's scratch."""
+
+    largest = 0
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+            _Watched.largest = max(_Watched.largest, out.nelement() * 4)
+        return out
+
+
+class _Linear(torch.nn.Module):
+    """A served linear layer whose kernel (`quant_method.apply`) computes with `served`."""
+
+    def __init__(self, served: Any) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(served, requires_grad=False)
+        self.quant_method = self
+
+    def apply(self, layer: Any, x: Any, bias: Any) -> Any:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def test_the_probe_holds_a_bounded_block_of_float32_weight_not_the_whole_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.34 caps torch's GPU memory beside its extensible KV cache, and the check runs
+    after the reload, under the cap: it made a float32 copy of each probed layer, 4 bytes per
+    parameter (twice that while the shards were joined), 2.2 GB for a 7B model's output
+    head. Now the reference runs a block of rows at a time, within `PROBE_SCRATCH_BYTES`, and
+    still tells a served layer that computes what was sent from one that does not."""
+    monkeypatch.setattr(weight_check, "PROBE_SCRATCH_BYTES", 4 * 64 * 8, raising=False)  # 8 rows
+    generator = torch.Generator().manual_seed(1)
+    shards = [torch.randn(rows, 64, generator=generator).bfloat16() for rows in (40, 24)]
+    served = torch.cat(shards).float()
+    watched = [s.as_subclass(_Watched) for s in shards]
+    _Watched.largest = 0
+    ok = weight_check._probe(_Linear(served), watched, [], torch.float32, torch.Generator())
+    assert ok is None
+    assert _Watched.largest <= 4 * 64 * 8, _Watched.largest  # a block, not 4 * 64 * 64 bytes
+    stale = served.clone()
+    stale[30] += 0.05  # one row a training step off
+    off = weight_check._probe(_Linear(stale), watched, [], torch.float32, torch.Generator())
+    assert off is not None and off.startswith("output off by")
+
+
+def test_a_parameter_is_compared_after_a_cast_on_the_host() -> None:
+    """The received tensor is cast to the served dtype on the host, not beside the model."""
+    model = torch.nn.Linear(4, 3, bias=False).to(torch.bfloat16)
+    sent = model.weight.detach().float().as_subclass(_Watched)
+    _Watched.largest = 0
+    casts: list[str] = []
+    original = _Watched.to
+
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        casts.append(str(args[0] if args else kwargs))
+        return original(self, *args, **kwargs)
+
+    _Watched.to = to  # type: ignore[method-assign]
+    try:
+        mismatched, _ = weight_check.served_mismatches(
+            model, {"weight": sent}.get, {"weight"}, {}, 2
+        )
+    finally:
+        _Watched.to = original  # type: ignore[method-assign]
+    assert mismatched == [] and casts[0] == "cpu"

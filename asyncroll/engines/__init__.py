@@ -14,6 +14,7 @@ from asyncroll.engines.base import (
     Weights,
 )
 from asyncroll.engines.sim import SimConfig, SimEngine, SimEngineError
+from asyncroll.engines.vllm.refusals import EnginePausedError
 
 if TYPE_CHECKING:
     from asyncroll.engines.server.engine import VLLMServerEngine
@@ -24,6 +25,7 @@ __all__ = [
     "Engine",
     "EngineDeadError",
     "EngineDefaults",
+    "EnginePausedError",
     "GenerateRequest",
     "ReplicaError",
     "SampleOutput",

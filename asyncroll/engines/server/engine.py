@@ -25,8 +25,9 @@ what the code keeps, and why:
 * **One replica cannot take the others down.** Any error in what a replica sends is that
   replica's failure and fails only the requests it had; its owner (`supervisor`) alone
   probes, re-syncs and readmits it. A stream whose connection is lost is one request's
-  failure: sent again once the replica's liveness check passed (`request_path`). No replica
-  up is a state, not death: a request waits for one within its own deadline
+  failure: sent again once the replica's liveness check passed (`request_path`); so is one
+  a replica refused because someone else paused its vLLM (`vllm.refusals`). No replica up
+  is a state, not death: a request waits for one within its own deadline
   (`NoReplicaError`); `EngineDeadError` only once closed.
 * **Deadlines that compose.** Every wait a caller makes is bounded by its own deadline and
   ends on its abort; a pause or resume takes at most `pause_bound_s`, to keep under the
@@ -449,6 +450,13 @@ class VLLMServerEngine:
     def held_requests(self) -> int:
         """Requests waiting for admission (the engine is paused or updating weights)."""
         return self._requests.held
+
+    @property
+    def pause_refusals(self) -> int:
+        """Requests a replica refused since the engine started because someone else paused its
+        vLLM in mode "abort" or "wait" (each was sent again after a backoff:
+        `asyncroll.engines.vllm.refusals`)."""
+        return self._requests.pause_refusals
 
     @property
     def generated_tokens(self) -> int:

@@ -166,6 +166,42 @@ REPLY_BYTES = 64 << 20
 is a replica answering garbage."""
 
 
+class PausedRefusal(Exception):
+    """The replica refused a generate because its vLLM is paused (`vllm.refusals`): nothing
+    ran, so it is neither the request's fault nor the replica's (no `ReplicaError`); the
+    request is sent again after the pause. `message`: vLLM's."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(f"replica {url}: refused as paused: {message}")
+        self.url = url
+        self.message = message
+
+
+def refusal(error: Any) -> str | None:
+    """vLLM's message when `error` (an error event's or error reply's `error` object) is its
+    retryable refusal, which from 0.33 a pause in mode "abort" or "wait" answers every new
+    request with: `RetryableRequestError`, sent as `{"type": "ServiceUnavailableError", "code":
+    503, ...}` (vllm/entrypoints/serve/exception_handling/error_response.py). None otherwise."""
+    if not isinstance(error, dict):
+        return None
+    if error.get("code") != 503 or error.get("type") != "ServiceUnavailableError":
+        return None
+    return str(error.get("message"))
+
+
+def refused_reply(status: int, text: str) -> str | None:
+    """`refusal` of an HTTP error reply (vLLM's 503 to a request that does not stream): its
+    body `{"error": {...}}`; None for any other status or body (a proxy's 503 page is the
+    replica's failure)."""
+    if status != 503:
+        return None
+    try:
+        body = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return None
+    return refusal(body.get("error")) if isinstance(body, dict) else None
+
+
 class Rejected(ValueError):
     """The replica refused a request as malformed (HTTP 4xx on a generate): the request is at
     fault, not the replica, so this is no `ReplicaError`."""
@@ -293,9 +329,13 @@ async def liveness(
         ):
             if reply.status != 200:
                 text = (await read_at_most(reply, ERROR_BODY_BYTES)).decode(errors="replace")
+                if refused_reply(reply.status, text) is not None:
+                    return  # its engine core answered: refused as paused, it is alive
                 raise ReplicaError(replica.url, f"liveness generate -> HTTP {reply.status}: {text}")
             async for _ in events(reply, replica.url, 1):
                 pass
+    except PausedRefusal:
+        return  # the engine core refused it itself (paused by someone else): it is alive
     except Exception as exc:
         if session.closed:
             raise
@@ -348,10 +388,11 @@ async def events(
     reply: aiohttp.ClientResponse, url: str, max_tokens: int
 ) -> AsyncIterator[StreamEvent]:
     """The events of a generate stream of at most `max_tokens` tokens until `[DONE]`. An error
-    event (the engine core died mid-request, vLLM's own errors) raises `ReplicaError`; so does a
-    malformed event; a stream that ends without `[DONE]` raises `StreamLost`. One event
-    can carry every token of the request (aiohttp's default line limit, 512 KiB, is ~4,000
-    tokens), so lines may be as long as `max_tokens` tokens can make them."""
+    event (the engine core died mid-request, vLLM's own errors) raises `ReplicaError`, except
+    a paused vLLM's refusal (`PausedRefusal`); so does a malformed event; a stream that ends
+    without `[DONE]` raises `StreamLost`. One event can carry every token of the request
+    (aiohttp's default line limit, 512 KiB, is ~4,000 tokens), so lines may be as long as
+    `max_tokens` tokens can make them."""
     limit = EVENT_OVERHEAD_BYTES + EVENT_BYTES_PER_TOKEN * max_tokens
     while raw := await _line(reply, url, limit):
         line = raw.strip()
@@ -365,6 +406,8 @@ async def events(
         except msgspec.DecodeError as exc:  # not JSON, or not the shape of an event
             raise ReplicaError(url, f"generate stream: malformed event: {exc}") from None
         if event.error is not None:
+            if (message := refusal(event.error)) is not None:
+                raise PausedRefusal(url, message)
             raise ReplicaError(url, f"generate stream error: {event.error.get('message')}")
         yield event
     raise StreamLost(url, "it ended without [DONE]")

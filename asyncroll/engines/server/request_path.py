@@ -18,7 +18,10 @@ Errors are classified by where they came from (`replicas.stream_failure`). A str
 connection is lost (`StreamLost`: disconnected, reset, truncated) is one request's failure: it
 is sent again from scratch once its replica's liveness generate kept the replica in the
 rotation, as if never sent (`RequestPath._lost`); anything wrong in what a replica sent is
-that replica's failure, which fails the group.
+that replica's failure, which fails the group. A request a paused replica refused
+(`PausedRefusal`: someone else paused its vLLM in mode "abort" or "wait") ran nothing and is
+nobody's failure: it is sent again after a backoff until its deadline (`RequestPath._refused`,
+`asyncroll.engines.vllm.refusals`), and its group then fails with `EnginePausedError`.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from asyncroll.engines.server.replicas import (
     UnsyncedReplicaError,
 )
 from asyncroll.engines.vllm import groups as vllm_groups
+from asyncroll.engines.vllm import refusals
 
 _HOMES = frozenset({ReplicaState.UP, ReplicaState.UNSYNCED})  # where a session may live
 _SERVER_PREFIX = "generate-tokens-"  # vLLM's id for a request to /inference/v1/generate
@@ -104,6 +108,7 @@ class RequestPath:
         self.generated = 0  # tokens received since the engine started
         self.open_streams = 0  # HTTP generate requests sent, not ended
         self.held = 0  # requests waiting for admission
+        self.pause_refusals = 0  # requests a paused replica refused (each sent again)
         self._closing: set[asyncio.Task[Any]] = set()  # streams `abort` closes (`_stream`)
 
     async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
@@ -129,6 +134,13 @@ class RequestPath:
         except TimeoutError:
             self._check_open()
             replica = live.replica
+            refused = [p for p in parts if p.refusals and not p.started]
+            if live.refused is not None and refused:  # a pause, not its replica, held it
+                times = sum(p.refusals for p in refused)
+                deadline = f"request_timeout_s={self.request_timeout_s}"
+                where = f"replica {live.refused.url}"
+                reason = refusals.paused_too_long(rid, where, live.refused.message, times, deadline)
+                raise refusals.EnginePausedError(reason) from None
             if replica is None or not any(p.started for p in parts):
                 raise NoReplicaError(
                     f"{rid}: no replica took it within request_timeout_s="
@@ -313,11 +325,13 @@ class RequestPath:
         (`StreamLost`) is sent again, from scratch, once the replica's liveness check kept
         it in the rotation (`_lost`; its group is routed again when the replica left and
         nothing else of the group was sent), at most `MAX_RESENDS` times: then the replica
-        fails it."""
+        fails it. One a paused replica refused is sent again after a backoff (`_refused`)."""
         while True:
             try:
                 await self._send(live, part, samples, sampling)
                 return
+            except rp.PausedRefusal as exc:
+                await self._refused(live, part, samples, exc)
             except rp.StreamLost as exc:
                 self._lost(live, part, samples, exc)
                 if part.resends > MAX_RESENDS:
@@ -348,6 +362,26 @@ class RequestPath:
         part.resends += 1
         self._control.failed(replica, exc)
         self._progress.notify()
+
+    async def _refused(
+        self, live: ss.Live, part: ss.Part, samples: list[ss.Sample], exc: rp.PausedRefusal
+    ) -> None:
+        """`part` was refused by its paused replica: vLLM turned it away on arrival, so it is
+        as if never sent (its adapter released: it binds the policy of its next send; the same
+        id may be sent again, as vLLM finished the refused one) and nobody's failure (no
+        check of the replica). It waits `refusals.retry_delay_s` (ended by its abort or the
+        engine's close), for `_stream` to send it again, within the group's deadline."""
+        for i in part.indices:
+            samples[i].clear()
+        if part.adapter is not None:
+            self._lora.release(part.adapter)
+            part.adapter = None
+        part.started = False
+        part.refusals += 1
+        self.pause_refusals += 1
+        live.refused = exc
+        self._progress.notify()
+        await self._wait(live, lambda: False, timeout=refusals.retry_delay_s(part.refusals))
 
     async def _send(
         self, live: ss.Live, part: ss.Part, samples: list[ss.Sample], sampling: SamplingConfig
@@ -396,6 +430,8 @@ class RequestPath:
                 if reply.status != 200:
                     head = await rp.read_at_most(reply, rp.ERROR_BODY_BYTES)
                     text = head.decode(errors="replace")
+                    if (message := rp.refused_reply(reply.status, text)) is not None:
+                        raise rp.PausedRefusal(replica.url, message)
                     error = ReplicaError(replica.url, f"generate -> HTTP {reply.status}: {text}")
                     if reply.status == 404 and adapter is not None and adapter.name in text:
                         raise UnsyncedReplicaError(
@@ -418,6 +454,7 @@ class RequestPath:
                         sample = samples[part.indices[choice.index]]
                         got = ss.append(sample, choice, replica.url, self._vocab_size)
                         self.generated += got
+                    part.refusals = 0  # taken: a later refusal starts the backoff anew
                     self._progress.notify()
                     if first and _aborted(live):  # the abort may have beaten the request there
                         # not awaited: the stream ends on the replica's answer to either abort
@@ -430,7 +467,7 @@ class RequestPath:
             for i in part.indices:
                 if samples[i].finish is None:
                     samples[i].finish = "abort"
-        except (rp.Rejected, EngineDeadError):
+        except (rp.Rejected, rp.PausedRefusal, EngineDeadError):
             raise
         except Exception as exc:  # the connection's (`StreamLost`), or else the replica's
             self._check_open()  # `close()` closed the session under this stream

@@ -22,7 +22,12 @@ import numpy as np
 from asyncroll.engines.base import SampleOutput, SamplingConfig
 from asyncroll.engines.server import replicas as rp
 from asyncroll.engines.server.lora import ServedAdapter
-from asyncroll.engines.server.replicas import Replica, ReplicaError, UnsyncedReplicaError
+from asyncroll.engines.server.replicas import (
+    PausedRefusal,
+    Replica,
+    ReplicaError,
+    UnsyncedReplicaError,
+)
 from asyncroll.engines.vllm import groups as vllm_groups
 
 IN_FLIGHT_BYTES_PER_TOKEN = 10  # a token id and a logprob, 4 B each, and the arrays' growth
@@ -68,7 +73,16 @@ class Sample:
 class Part:
     """One HTTP request of a group: `n` samples continuing the same prompt + prefix."""
 
-    __slots__ = ("adapter", "indices", "max_tokens", "name", "prompt", "resends", "started")
+    __slots__ = (
+        "adapter",
+        "indices",
+        "max_tokens",
+        "name",
+        "prompt",
+        "refusals",
+        "resends",
+        "started",
+    )
 
     def __init__(self, name: str, prompt: list[int], max_tokens: int, indices: list[int]):
         self.name = name  # its id in the group ("<request id>/<sample>"); seeds its sampling
@@ -78,6 +92,7 @@ class Part:
         self.started = False  # sent to the replica (so an abort has to reach it there)
         self.adapter: ServedAdapter | None = None  # the LoRA adapter it was sent with
         self.resends = 0  # times sent again after its stream was lost (`request_path`)
+        self.refusals = 0  # times refused in a row by a paused replica (`refusals`)
 
     @property
     def server_id(self) -> str:
@@ -90,13 +105,14 @@ class Live:
     """A running group: its replica (None until routed), its requests and the tasks
     streaming them."""
 
-    __slots__ = ("aborted", "parts", "replica", "samples", "tasks")
+    __slots__ = ("aborted", "parts", "refused", "replica", "samples", "tasks")
 
     def __init__(self, parts: list[Part], replica: Replica | None, samples: list[Sample]) -> None:
         self.parts = parts
         self.samples = samples
         self.replica = replica
         self.aborted = False
+        self.refused: PausedRefusal | None = None  # the last refusal of a paused replica
         self.tasks: list[asyncio.Task[None]] = []
 
 

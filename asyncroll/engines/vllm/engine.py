@@ -54,7 +54,7 @@ from asyncroll.engines.base import (
     SamplingConfig,
     Weights,
 )
-from asyncroll.engines.vllm import compat, startup, streams, weight_check
+from asyncroll.engines.vllm import compat, refusals, startup, streams, weight_check
 from asyncroll.engines.vllm import groups as vllm_groups
 from asyncroll.engines.vllm.loading import WEIGHTS_DIR, WeightLoader, WeightsState
 from asyncroll.engines.vllm.lora import Adapter, AdapterSet, AdapterState
@@ -219,6 +219,9 @@ class VLLMEngine:
         self._live: dict[str, LiveGroup] = {}
         self._recent = RecentIds()
         self._generated = 0
+        # requests vLLM refused since the start because someone else paused it (each sent
+        # again: `asyncroll.engines.vllm.refusals`), read as `pause_refusals`
+        self._pause_refusals = 0
         self._progress = Signal()
         self._paused = False
         self._control = asyncio.Lock()
@@ -304,6 +307,13 @@ class VLLMEngine:
                 await self._run_parts(live, request.sampling)
         except TimeoutError:
             self._check_alive()
+            refused = [p.refusals for p in parts if p.refusals]
+            if live.refused is not None and refused:  # a pause elsewhere held it, no failure
+                deadline = f"generate_timeout_s={self.generate_timeout_s}"
+                reason = refusals.paused_too_long(
+                    rid, f"vLLM engine {self.model}", live.refused, sum(refused), deadline
+                )
+                raise refusals.EnginePausedError(reason) from None
             raise TimeoutError(
                 f"vLLM did not finish {rid} within generate_timeout_s={self.generate_timeout_s}"
                 " (its requests were aborted)"
@@ -330,6 +340,7 @@ class VLLMEngine:
             return
         live = vllm_groups.claim_abort(self._live, self._recent, request_id)
         if live is not None:
+            self._progress.notify()  # ends a part's wait to be sent again (`_stream`)
             await self._call(self._llm.abort([p.vllm_id for p in live.parts]))
 
     async def pause_generation(self) -> None:
@@ -460,6 +471,12 @@ class VLLMEngine:
         return 0 if self._closed else int(self._llm.get_num_unfinished_requests())
 
     @property
+    def pause_refusals(self) -> int:
+        """Requests vLLM refused since the engine started because someone else paused it in
+        mode "abort" or "wait" (each was sent again: `asyncroll.engines.vllm.refusals`)."""
+        return self._pause_refusals
+
+    @property
     def generated_tokens(self) -> int:
         """Tokens received from vLLM since the engine started (all requests)."""
         return self._generated
@@ -497,6 +514,27 @@ class VLLMEngine:
             raise self._translate(error)
 
     async def _stream(self, live: LiveGroup, part: GroupPart, sampling: SamplingConfig) -> None:
+        """Stream one vLLM request of the group (`_generate`). One that vLLM refuses because
+        someone else paused it (`RetryableRequestError`, vLLM >= 0.33: a pause in mode "abort"
+        or "wait"; `asyncroll.engines.vllm.refusals`) ran nothing: it is sent again after a
+        backoff, ended by its abort, within `generate_timeout_s`."""
+        while True:
+            try:
+                await self._generate(live, part, sampling)
+                return
+            except Exception as exc:
+                if not _refused_as_paused(exc) or any(live.samples[i].tokens for i in part.indices):
+                    raise
+                part.refusals += 1
+                self._pause_refusals += 1
+                live.refused = str(exc)
+                self._progress.notify()
+            with contextlib.suppress(TimeoutError):
+                await self._progress.wait_until(
+                    lambda: live.aborted or self._dead(), refusals.retry_delay_s(part.refusals)
+                )
+
+    async def _generate(self, live: LiveGroup, part: GroupPart, sampling: SamplingConfig) -> None:
         from vllm.inputs import TokensPrompt
 
         if live.aborted:
@@ -515,6 +553,7 @@ class VLLMEngine:
         )
         first = True
         async for out in stream:
+            part.refusals = 0  # taken: a later refusal starts the backoff anew
             for completion in out.outputs:
                 sample = live.samples[part.indices[completion.index]]
                 streams.append(sample, completion)
@@ -649,3 +688,13 @@ class VLLMEngine:
         if isinstance(exc, VLLMDeadError) or self._dead():
             return EngineDeadError(f"vLLM engine died: {type(exc).__name__}: {exc}")
         return exc
+
+
+def _refused_as_paused(exc: BaseException) -> bool:
+    """Whether `exc` is vLLM's refusal of a new request while paused: `RetryableRequestError`
+    (vllm/exceptions.py, in every supported release; raised for a pause from 0.33, by
+    `AsyncLLM.generate` once the engine core refused the request on arrival). 0.32 raised it
+    only for a multimodal cache miss, which asyncroll never has, and which is retried alike."""
+    from vllm.exceptions import RetryableRequestError
+
+    return isinstance(exc, RetryableRequestError)

@@ -35,13 +35,14 @@ class StreamedSample:
 class GroupPart:
     """One vLLM request of a group: `n` samples continuing the same prompt + prefix."""
 
-    __slots__ = ("indices", "max_tokens", "prompt", "vllm_id")
+    __slots__ = ("indices", "max_tokens", "prompt", "refusals", "vllm_id")
 
     def __init__(self, vllm_id: str, prompt: list[int], max_tokens: int, indices: list[int]):
         self.vllm_id = vllm_id
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.indices = indices  # positions in the group's request.samples
+        self.refusals = 0  # times in a row a paused vLLM refused it (`refusals`)
 
 
 class LiveGroup:
@@ -49,7 +50,7 @@ class LiveGroup:
     streaming them (which `close` cancels, so that no `generate` outlives the engine), and
     the adapter it runs under (None: the base weights)."""
 
-    __slots__ = ("aborted", "adapter", "parts", "samples", "tasks")
+    __slots__ = ("aborted", "adapter", "parts", "refused", "samples", "tasks")
 
     def __init__(
         self, parts: list[GroupPart], samples: list[StreamedSample], adapter: Adapter | None
@@ -59,6 +60,7 @@ class LiveGroup:
         self.adapter = adapter
         self.aborted = False
         self.tasks: list[asyncio.Task[None]] = []
+        self.refused: str | None = None  # what a paused vLLM last said refusing a part
 
 
 def aborted(live: LiveGroup) -> bool:

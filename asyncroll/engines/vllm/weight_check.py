@@ -24,6 +24,15 @@ What a checksum of vLLM's parameters can prove is limited, so the worker checks 
 
 Tensor-parallel workers hold shards: their linear layers are not probed (reported as
 unchecked), arrival and coverage still hold.
+
+The check allocates little on the device: a received tensor is cast to the served dtype on the
+host before it is hashed, and the probe's float32 reference runs a block of at most
+`PROBE_SCRATCH_BYTES` of weight rows at a time. vLLM 0.34's extensible KV cache caps what
+torch may allocate on a GPU once the cache is sized (`set_per_process_memory_fraction`, lifted
+only inside vLLM's own reload, `kv_cache_lent_for_weight_update`), and the check runs after the
+reload, under that cap: a float32 copy of a large output head (2.2 GB for a 7B model's
+152,064 x 3,584) would not fit the headroom left beside the cache (`reload_headroom_bytes`,
+1 GiB by default).
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from typing import Any
 # Tensors some checkpoints carry that vLLM computes itself and never loads.
 _COMPUTED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 _PROBE_ROWS = 2
+PROBE_SCRATCH_BYTES = 64 << 20
+"""The most float32 weight the probe's reference holds on the device at once."""
 _SHOWN = 8  # names listed per problem in an error
 
 
@@ -164,9 +175,12 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def digest(tensor: Any) -> str:
-    """sha256 of a tensor's bytes (its dtype and shape as they are)."""
+    """sha256 of a tensor's bytes (its dtype and shape as they are). Read as bytes by torch:
+    numpy has no bfloat16 (nor float8), which a GPU model serves."""
+    import torch
+
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(-1).numpy().view("uint8")).hexdigest()
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
 
 
 def digests(named: Iterable[tuple[str, Any]]) -> dict[str, str]:
@@ -220,7 +234,7 @@ def served_mismatches(
             and tuple(param.shape) == tuple(received(name).shape)
         ):
             checked.add(name)
-            if digest(param) != digest(received(name).to(param.dtype)):
+            if digest(param) != digest(received(name).to("cpu").to(param.dtype)):  # on the host
                 mismatched.append(f"{name} (parameter differs)")
     if tensor_parallel > 1:
         return mismatched, sorted(names - checked)
@@ -276,18 +290,36 @@ def _probe(
     computes what the received tensors compute, else how far off it is."""
     import torch
 
-    weight = torch.cat([w.float() for w in weights]).to(_device(module))
-    bias = torch.cat([b.float() for b in biases]).to(weight.device) if biases else None
-    x = torch.randn(_PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, dtype)
+    device = _device(module)
+    x = torch.randn(_PROBE_ROWS, weights[0].shape[1], generator=generator).to(device, dtype)
     with torch.no_grad():
         served = module.quant_method.apply(module, x, getattr(module, "bias", None)).float()
-        expected = torch.nn.functional.linear(x.float(), weight, bias)
+        expected = _reference(x.float(), weights, biases, device)
     if served.shape != expected.shape:
         return f"serves shape {tuple(served.shape)}, sent {tuple(expected.shape)}"
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     error = float((served - expected).abs().max())
     scale = float(expected.abs().max()) or 1.0
     return None if error <= tolerance * scale else f"output off by {error / scale:.2e} of its scale"
+
+
+def _reference(x: Any, weights: Sequence[Any], biases: Sequence[Any], device: Any) -> Any:
+    """`F.linear(x, cat(weights), cat(biases))` in float32, one block of weight rows at a time
+    (each output column is the same dot product either way): at most `PROBE_SCRATCH_BYTES` of
+    float32 weight on `device` at once, wherever the received tensors live."""
+    import torch
+
+    columns = []
+    for weight in weights:
+        rows = max(1, PROBE_SCRATCH_BYTES // (4 * max(int(weight.shape[1]), 1)))
+        for start in range(0, int(weight.shape[0]), rows):
+            block = weight[start : start + rows].to(device=device, dtype=torch.float32)
+            columns.append(x @ block.T)
+            del block
+    out = torch.cat(columns, dim=1)
+    if biases:
+        out += torch.cat([b.to(device=device, dtype=torch.float32) for b in biases])
+    return out
 
 
 def _device(module: Any) -> Any:
