@@ -63,8 +63,10 @@ def engine_uses(item: pytest.Item) -> tuple[set[str], set[str]]:
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks into its work units
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Put each module that uses a session engine in its lane, except its tests that use only
-    the plain in-process engine where the module's lane is the server's: they go to the
-    in-process lane, so that the plain engine starts once (not once for the server's lane).
+    the plain in-process engine where the module's lane is the server's (they go to the
+    in-process lane) and its tests that use only the server where the module's lane is the
+    in-process one (they go to the server's lane), so that the plain engine and the session's
+    `vllm serve` start once each (not once more for the other lane).
     Keep every other module under tests/vllm (and the benchmark smoke runs) together, so that
     a module's own engines and subprocesses start once; the rest is spread test by test."""
     modules: dict[Path, list[pytest.Item]] = {}
