@@ -7,6 +7,7 @@ import pytest_asyncio
 
 from asyncroll.app.models import build_tiny_model
 from asyncroll.engines import VLLMEngine
+from asyncroll.lora import LoraSlots
 from asyncroll.types import RolloutGroup
 from tests.factories import make_group
 from tests.vllm.server import (  # noqa: F401
@@ -28,6 +29,8 @@ LORA_FIXTURES = frozenset({"vllm_lora_engine", "lora_engine", "lora_cases"})
 IN_PROCESS_FIXTURES = frozenset({"vllm_engine", "engine", "engine_to_kill"})
 SERVER_FIXTURES = frozenset({"vllm_server", "server_engine", "server_weights_dir"})
 QWEN3_FIXTURES = frozenset({"qwen3_model", "qwen3_engine"})
+# The two lanes a module may be split between, test by test (`pytest_collection_modifyitems`).
+SPLIT_LANES = frozenset({"in-process", "serve"})
 
 
 def lane(fixtures: set[str], params: set[str]) -> str | None:
@@ -60,8 +63,10 @@ def engine_uses(item: pytest.Item) -> tuple[set[str], set[str]]:
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks into its work units
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Put each module that uses a session engine in its lane, except its tests that use only
-    the plain in-process engine where the module's lane is the server's: they go to the
-    in-process lane, so that the plain engine starts once (not once for the server's lane).
+    the plain in-process engine where the module's lane is the server's (they go to the
+    in-process lane) and its tests that use only the server where the module's lane is the
+    in-process one (they go to the server's lane), so that the plain engine and the session's
+    `vllm serve` start once each (not once more for the other lane).
     Keep every other module under tests/vllm (and the benchmark smoke runs) together, so that
     a module's own engines and subprocesses start once; the rest is spread test by test."""
     modules: dict[Path, list[pytest.Item]] = {}
@@ -80,8 +85,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if group is None:
             continue
         for item, (fixtures, params) in zip(module_items, uses, strict=True):
-            own = lane(fixtures, params) if group == "serve" else None
-            item.add_marker(pytest.mark.xdist_group(own if own == "in-process" else group))
+            own = lane(fixtures, params) if group in SPLIT_LANES else None
+            item.add_marker(pytest.mark.xdist_group(own if own in SPLIT_LANES else group))
 
 
 VLLM_MAX_MODEL_LEN = 256
@@ -96,6 +101,27 @@ def group() -> RolloutGroup:
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     return build_tiny_model()
+
+
+# The session's LoRA engine: the largest rank and the most slots any LoRA test asks for (the
+# producer test: a slot per update in flight).
+LORA_SLOTS = LoraSlots(max_rank=8, slots=4)
+closing_first: list[VLLMEngine] = []  # shared engines `engine_to_kill` closes before its test
+
+
+@pytest_asyncio.fixture(scope="session")
+async def vllm_lora_engine(tiny_model: Path) -> AsyncIterator[VLLMEngine]:
+    """The session's in-process engine with LoRA (`LORA_SLOTS`) on the tied tiny model, for
+    tests/vllm's LoRA tests; then the engine that the conformance suite's closed-engine test
+    closes (marked `closes_the_lora_engine`: it runs after every test that uses it), so that
+    closing costs no engine start of its own. Here, not in tests/vllm/conftest.py, so that the
+    conformance suite sees it."""
+    engine = VLLMEngine(tiny_model, max_model_len=VLLM_MAX_MODEL_LEN, seed=0, lora=LORA_SLOTS)
+    closing_first.append(engine)
+    try:
+        yield engine
+    finally:
+        await asyncio.wait_for(engine.close(), VLLM_DEADLINE_S)
 
 
 @pytest_asyncio.fixture(scope="session")

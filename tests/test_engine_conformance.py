@@ -20,7 +20,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -255,7 +254,10 @@ async def subject(new_subject: Subject, engine_kind: str) -> AsyncIterator[Subje
 
 @pytest_asyncio.fixture
 async def own_subject(request: pytest.FixtureRequest, engine_kind: str) -> AsyncIterator[Subject]:
-    """An engine of the test's own, for tests that close it (vLLM: a second engine start)."""
+    """An engine the test may close: SimEngine's own; a client of its own on the shared
+    server; for vLLM in process, the session's LoRA engine, which the closing test ends after
+    every test that uses it (`closes_the_lora_engine`: tests/vllm/conftest.py's
+    `closing_order`), rather than an engine started for it alone."""
     if engine_kind == "sim":
         yield make_subject("sim")
         return
@@ -270,15 +272,7 @@ async def own_subject(request: pytest.FixtureRequest, engine_kind: str) -> Async
         finally:
             await asyncio.wait_for(client.close(), DEADLINE_S)
         return
-    from asyncroll.engines import VLLMEngine
-
-    model = request.getfixturevalue("tiny_model")
-    assert isinstance(model, Path)
-    engine = VLLMEngine(model, max_model_len=VLLM_MAX_MODEL_LEN, dtype="float32", seed=0)
-    try:
-        yield make_subject("vllm", engine)
-    finally:
-        await asyncio.wait_for(engine.close(), DEADLINE_S)
+    yield make_subject("vllm", request.getfixturevalue("vllm_lora_engine"))
 
 
 # -- outputs -------------------------------------------------------------------------------------
@@ -508,6 +502,7 @@ async def test_a_cancelled_generate_leaves_nothing_running(subject: Subject) -> 
 # -- closing -------------------------------------------------------------------------------------
 
 
+@pytest.mark.closes_the_lora_engine
 async def test_a_closed_engine_is_dead(own_subject: Subject) -> None:
     """A request running at close raises `EngineDeadError`, and so does every later call but
     `abort` and `close`, which stay harmless for cleanup paths."""

@@ -26,6 +26,7 @@ from asyncroll.launcher_env import launcher_variables, without_launcher_variable
 pytestmark = pytest.mark.xdist_group("ranks")
 
 JOB = Path(__file__).parent / "ranks" / "job.py"
+LAUNCH = Path(__file__).parent / "ranks" / "launch.py"
 FAULT_TIMEOUT_S = 30.0  # the jobs' Ranks(timeout_s): what a hung rank may cost
 HUNG_TIMEOUT_S = 8.0  # the never-joined gather's job: its timeout is what is measured
 
@@ -42,15 +43,23 @@ FAULTS: dict[str, tuple[int, int | None, str]] = {
 
 
 class Job:
-    """One torchrun launch of tests/ranks/job.py, started at once and read when done."""
+    """One torchrun launch of tests/ranks/job.py, started at once and read when done.
 
-    def __init__(self, scenario: str, out: Path, ranks: int, env: dict[str, str]) -> None:
+    `forked`: torchrun's main with its ranks forked from a launcher that imported torch and
+    asyncroll once (tests/ranks/launch.py), for the CPU jobs; otherwise the `torchrun`
+    command itself (`python -m torch.distributed.run`, each rank its own interpreter), as the
+    SIGTERM test and the jobs with vLLM in rank 0 run it."""
+
+    def __init__(
+        self, scenario: str, out: Path, ranks: int, env: dict[str, str], *, forked: bool = True
+    ) -> None:
         out.mkdir(parents=True)
         self.out, self.ranks = out, ranks
         self.log = out / "launcher.log"
+        launcher = [str(LAUNCH)] if forked else ["-m", "torch.distributed.run"]
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+                [sys.executable, *launcher, f"--nproc-per-node={ranks}",
                  "--standalone", str(JOB), scenario, str(out)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, **env}, start_new_session=False,
@@ -170,6 +179,7 @@ def test_sigterm_to_the_launcher_ends_every_rank_named(tmp_path: Path) -> None:
         "fault", tmp_path / "job", 2,
         {"FAULT": "sigterm_launcher", "FAULT_RANK": "0", "READY_FILE": str(ready),
          "RANKS_TIMEOUT_S": str(FAULT_TIMEOUT_S)},
+        forked=False,  # the `torchrun` command itself is what Slurm or Kubernetes signals
     )  # fmt: skip
     deadline = time.monotonic() + 180
     while not ready.exists():  # rank 0 is past step 1's update and waits: its event

@@ -2,8 +2,8 @@
 and one with LoRA for the LoRA tests.
 
 Starting vLLM takes 15-20 s on 2 cores (with LoRA 20-35 s), so the engines are
-session-scoped (`vllm_engine`, in `tests/conftest.py`, shared with the engine conformance
-suite, and `vllm_lora_engine`); the `engine` and `lora_engine` fixtures hand them to each test
+session-scoped (`vllm_engine` and `vllm_lora_engine`, in `tests/conftest.py`, shared with
+the engine conformance suite); the `engine` and `lora_engine` fixtures hand them to each test
 with the original weights and version 0 restored (and, with LoRA, no adapter), so tests do not
 depend on each other's order. Tests that kill the engine use `engine_to_kill` and run last;
 the LoRA engine is closed before them. The references of the LoRA parity tests (`lora_cases`:
@@ -24,9 +24,8 @@ import pytest
 import pytest_asyncio
 
 from asyncroll.engines import VLLMEngine
-from asyncroll.lora import LoraSlots
 from tests.chat.qwen3_model import build_tiny_qwen3
-from tests.conftest import VLLM_DEADLINE_S, VLLM_MAX_MODEL_LEN
+from tests.conftest import VLLM_DEADLINE_S, VLLM_MAX_MODEL_LEN, closing_first
 
 if TYPE_CHECKING:
     from tests.vllm.test_lora_parity import Case
@@ -45,7 +44,7 @@ DEADLINE_S = VLLM_DEADLINE_S
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects: `-m "not vllm"` leaves all of these out
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test here `vllm`; skip them without vLLM, and GPU tests without CUDA; run
-    the tests that kill the shared engine after every other test."""
+    the tests that close or kill a shared engine after every other test (`closing_order`)."""
     here = Path(__file__).parent
     ours = [item for item in items if item.path.is_relative_to(here)]
     for item in ours:
@@ -60,7 +59,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for item in ours:
             if "gpu" in item.keywords:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-    items.sort(key=lambda item: "engine_to_kill" in getattr(item, "fixturenames", ()))
+    items.sort(key=closing_order)
+
+
+def closing_order(item: pytest.Item) -> int:
+    """0 for every test but those that end a shared engine: the test that closes the LoRA
+    engine (the conformance suite's closed-engine test) runs after every other, then those
+    that kill the plain one (`engine_to_kill`)."""
+    if "engine_to_kill" in getattr(item, "fixturenames", ()):
+        return 2
+    return 1 if item.get_closest_marker("closes_the_lora_engine") else 0
 
 
 @pytest_asyncio.fixture
@@ -70,24 +78,9 @@ async def engine(vllm_engine: VLLMEngine, tiny_model: Path) -> AsyncIterator[VLL
         await vllm_engine.update_weights(original_weights(tiny_model), version=0)
 
 
-# The session's LoRA engine: the largest rank and the most slots any LoRA test asks for (the
-# producer test: a slot per update in flight).
-LORA_SLOTS = LoraSlots(max_rank=8, slots=4)
-_closing_first: list[VLLMEngine] = []  # shared engines `engine_to_kill` closes before its test
 # The last adapter id each LoRA engine had registered when `lora_engine` handed it out: tests
 # count the ids vLLM's workers hold from there (`test_lora_parity.lora_ids`).
 LORA_ID_BASE: weakref.WeakKeyDictionary[VLLMEngine, int] = weakref.WeakKeyDictionary()
-
-
-@pytest_asyncio.fixture(scope="session")
-async def vllm_lora_engine(tiny_model: Path) -> AsyncIterator[VLLMEngine]:
-    """The session's in-process engine with LoRA (`LORA_SLOTS`) on the tied tiny model."""
-    engine = VLLMEngine(tiny_model, max_model_len=MAX_MODEL_LEN, seed=0, lora=LORA_SLOTS)
-    _closing_first.append(engine)
-    try:
-        yield engine
-    finally:
-        await asyncio.wait_for(engine.close(), DEADLINE_S)
 
 
 @pytest_asyncio.fixture
@@ -124,7 +117,7 @@ def qwen3_model() -> Path:
 async def qwen3_engine(qwen3_model: Path) -> AsyncIterator[VLLMEngine]:
     """The session's in-process engine on `qwen3_model` (its tests never change its weights)."""
     engine = VLLMEngine(qwen3_model, max_model_len=QWEN3_MAX_LEN, dtype="float32", seed=0)
-    _closing_first.append(engine)
+    closing_first.append(engine)
     try:
         yield engine
     finally:
@@ -135,7 +128,7 @@ async def qwen3_engine(qwen3_model: Path) -> AsyncIterator[VLLMEngine]:
 async def engine_to_kill(vllm_engine: VLLMEngine) -> VLLMEngine:
     """The session's engine, the only one left running in this process: its death is
     looked for among this process's engine cores."""
-    for shared in _closing_first:
+    for shared in closing_first:
         await asyncio.wait_for(shared.close(), DEADLINE_S)
     return vllm_engine
 

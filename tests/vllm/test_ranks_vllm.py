@@ -23,7 +23,7 @@ async def parity_job(tmp_path_factory: pytest.TempPathFactory) -> Job:
     root = await made_once(tmp_path_factory, "weight-parity", make_cases)
     env = {"PARITY_CASE": str(root / "tied"), "ORIGINAL_MODEL": str(tiny),
            "RANKS_TIMEOUT_S": "300"}  # fmt: skip
-    job = Job("vllm_parity", tmp_path_factory.mktemp("ranks-vllm") / "job", 2, env)
+    job = Job("vllm_parity", tmp_path_factory.mktemp("ranks-vllm") / "job", 2, env, forked=False)
     job.wait(timeout=540)
     return job
 

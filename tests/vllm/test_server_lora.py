@@ -132,15 +132,17 @@ async def check_v1_then_v2(engine: VLLMServerEngine, case: Case, url: str) -> No
 
 
 async def test_a_server_started_without_lora_refuses_it_and_keeps_serving(
-    cases: dict[str, Case], tmp_path: Path, vllm_server: ServerProcess
+    server_model: Path, tmp_path: Path, vllm_server: ServerProcess
 ) -> None:
     """An engine built for LoRA on a server started without it (the session's: the tied
     model with more positions): `LoraError` naming what to start the server with, the version
-    unchanged, the replica serving the base weights."""
+    unchanged, the replica serving the base weights. The adapter is one of its own on the
+    server's model (no LoRA references: this test runs in the server's lane, where the session's
+    `vllm serve` already runs, rather than starting it again in the LoRA references' lane)."""
     async with lora_engine(vllm_server.url, tmp_path) as engine:
         before = await serve(engine, "before")
         with pytest.raises(LoraError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
-            await engine.update_weights(cases["tied"].adapter, version=VERSION)
+            await engine.update_weights(other_adapter(server_model, seed=5), version=VERSION)
         assert engine.version == 0
         assert engine.replicas[0].state is ReplicaState.UP
         after = await serve(engine, "before")
