@@ -273,3 +273,42 @@ def test_no_worker_outlives_a_trainer_stopped_by_a_signal(
             break
         threading.Event().wait(0.05)
     assert not any(alive(p) for p in pids), [p for p in pids if alive(p)]
+
+
+PRELOADED = textwrap.dedent(
+    """
+    import asyncio
+    from asyncroll import Producer, Prompt, SamplingConfig, SimEngine
+
+    async def main():
+        from tests.verifiers import preloaded  # not the script's: its own module
+
+        producer = Producer(
+            SimEngine(vocab_size=64), [Prompt(tokens=[1, 2])], preloaded, group_size=2,
+            sampling=SamplingConfig(max_new_tokens=4), reward_executor="process",
+            reward_workers=1,
+        )
+        async with producer:
+            batch = await producer.produce_batch(1, timeout=600)
+        print([s.reward for s in batch.groups[0].samples])
+
+    if __name__ == "__main__":
+        asyncio.run(main())
+    """
+)
+
+
+def test_the_fork_server_preloads_the_reward_functions_module(tmp_path: Path) -> None:
+    """A worker forks from a server that imported the function's module already: it does
+    not import it (and what it imports) again on every start, replacement and evaluation. In
+    a fresh interpreter: the session's fork server started long ago, with what the first pool
+    asked for."""
+    script = tmp_path / "trainer.py"
+    script.write_text(PRELOADED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env,
+        cwd=Path.cwd(), timeout=GUARD_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "[1.0, 1.0]", done.stdout[-500:]

@@ -23,19 +23,23 @@ trainer); the workers are daemonic, so `multiprocessing` ends them at interprete
 
 The reward function is pickled once, when the pool is built: one that cannot be (a lambda, a
 function defined inside another) is refused there, naming what failed. It is loaded by
-reference in each worker, which imports its module; a function of a script's `__main__` needs
-the script's ``if __name__ == "__main__":`` guard, as all multiprocessing does.
+reference in each worker, from its module; a function of a script's `__main__` needs the
+script's ``if __name__ == "__main__":`` guard, as all multiprocessing does. The fork server
+imports the modules the function loads from when it starts (`modules_of`: those of the pools
+built before the first worker starts, the producer's and its evaluators'), so a worker does
+not import them again on every start; the server's start waits off the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import multiprocessing
 import os
 import pickle
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -48,20 +52,47 @@ START_TIMEOUT_S = 120.0  # a worker imports the reward function's module (torch,
 # the trainer's script (`__main__`, where a reward function may live: each worker would import
 # it, torch and all, again) is imported there once too.
 _PRELOAD = ["__main__", "asyncroll", "asyncroll._core.reward_worker"]
+# The modules the pools' reward functions load from (`modules_of`), preloaded with the above
+# when the fork server starts: a worker that loads its function from a module the server had
+# not imported imports it itself, on every start (each evaluation's workers, each replacement
+# of a killed or recycled worker), and pays for that module's own imports each time.
+_REQUESTED: set[str] = set()
+_NOT_MODULES = frozenset({"__main__", "__mp_main__", "builtins", "copyreg"})
 
 
-def _context() -> Any:
+def _context(modules: Iterable[str] = ()) -> Any:
     """The "forkserver" context (a clean single-threaded server forks the workers: safe beside
-    vLLM's threads, where "fork" of the trainer is not), with asyncroll preloaded; "spawn"
-    where there is no fork server (Windows)."""
+    vLLM's threads, where "fork" of the trainer is not), with asyncroll and `modules`
+    preloaded if the server has not started yet; "spawn" where there is no fork server
+    (Windows)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     from multiprocessing import forkserver
 
     if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:  # not started yet
-        context.set_forkserver_preload(_PRELOAD)
+        _REQUESTED.update(modules)
+        context.set_forkserver_preload([*_PRELOAD, *sorted(_REQUESTED - set(_PRELOAD))])
     return context
+
+
+def modules_of(fn_bytes: bytes) -> list[str]:
+    """The modules a worker imports to load the pickled function: those its pickle names
+    (read here by loading it once, which imports nothing new: the trainer has them all)."""
+    recorder = _Recorder(io.BytesIO(fn_bytes))
+    with contextlib.suppress(Exception):  # a copy that does not load here: preload nothing
+        recorder.load()
+    return sorted(recorder.modules - _NOT_MODULES)
+
+
+class _Recorder(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.modules: set[str] = set()
+
+    def find_class(self, module: str, name: str) -> Any:
+        self.modules.add(module)
+        return super().find_class(module, name)
 
 
 class RewardDeadline(Exception):
@@ -140,7 +171,7 @@ class ProcessPool:
         self.workers = workers
         self.max_calls = max_calls
         self.max_rss_bytes = None if max_rss_mib is None else int(max_rss_mib * 2**20)
-        self._context = _context()
+        self._context = _context(modules_of(self._fn_bytes))
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
         self._spares: list[asyncio.Task[_Worker]] = []  # replacements being started
@@ -235,6 +266,7 @@ class ProcessPool:
         return await self._start()
 
     async def _start(self) -> _Worker:
+        await _server_ready(self._context)
         parent, child = self._context.Pipe(duplex=True)
         process = self._context.Process(
             target=reward_worker.main,
@@ -244,8 +276,8 @@ class ProcessPool:
         )
         process.start()
         child.close()
-        self.started += 1
         worker = _Worker(process, parent)
+        self.started += 1
         try:
             await asyncio.to_thread(parent.send_bytes, self._fn_bytes)  # may exceed a pipe
             message = await _receive(worker, START_TIMEOUT_S)
@@ -288,6 +320,25 @@ class ProcessPool:
         if isinstance(message, str):
             raise RewardFailure(f"crashed its worker process: it {message}")
         return message
+
+
+_warm: list[bool] = []  # a process has started through the fork server: its preload is done
+
+
+async def _server_ready(context: Any) -> None:
+    """Wait, off the loop, for the fork server's preload (the trainer's script, asyncroll,
+    the reward functions' modules: seconds), which blocks the first process start: a probe
+    that exits at once starts first, in a thread (cancelled, it ends by itself)."""
+    if _warm or context.get_start_method() != "forkserver":
+        return
+    probe = context.Process(target=int, name="asyncroll-reward-probe", daemon=True)
+    await asyncio.to_thread(_start_and_join, probe)
+    _warm.append(True)
+
+
+def _start_and_join(process: BaseProcess) -> None:
+    process.start()
+    process.join()
 
 
 def _retrieved(task: asyncio.Task[_Worker]) -> None:
