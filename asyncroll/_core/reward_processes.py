@@ -27,7 +27,8 @@ reference in each worker, from its module; a function of a script's `__main__` n
 script's ``if __name__ == "__main__":`` guard, as all multiprocessing does. The fork server
 imports the modules the function loads from when it starts (`modules_of`: those of the pools
 built before the first worker starts, the producer's and its evaluators'), so a worker does
-not import them again on every start; the server's start waits off the loop.
+not import them again on every start. A start and the reap of a killed worker wait off the
+event loop.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -128,8 +130,12 @@ class _Worker:
         self.conn = conn
         self.calls = 0
 
-    def kill(self) -> None:
-        """SIGKILL the worker and its process group (what its verifier forked), then reap it."""
+    def kill(self, *, reap: bool = True) -> None:
+        """SIGKILL the worker and its process group (what its verifier forked), then reap it:
+        here, or (`reap=False`, on the event loop) in a thread of its own. The reap waits for
+        the dying process and the fork server's word of it, which a loaded machine may not
+        schedule for a while (100 ms to 1 s each under a load of 12 on 2 cores): on the loop,
+        that wait stalled every group in flight."""
         pid = self.process.pid
         if pid is not None:
             with contextlib.suppress(OSError):
@@ -138,7 +144,14 @@ class _Worker:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
         self.conn.close()
-        self.process.join(timeout=5.0)  # a SIGKILLed process is reaped at once
+        if pid is None:
+            return
+        if reap:
+            self.process.join(timeout=5.0)  # a SIGKILLed process is reaped at once
+        else:
+            threading.Thread(
+                target=self.process.join, args=(5.0,), name="asyncroll-reward-reap", daemon=True
+            ).start()
 
     def died(self) -> str:
         """How the worker ended, once its pipe closed."""
@@ -200,7 +213,7 @@ class ProcessPool:
                 if keep:
                     self._idle.append(worker)
                 else:  # a deadline, a crash, a cancellation, or retired: never reused
-                    self._retire(worker)
+                    self._retire(worker, reap=False)
                     self._spare()
         return self._result(answer)
 
@@ -223,9 +236,9 @@ class ProcessPool:
     def pids(self) -> list[int]:
         return [w.process.pid for w in (*self._idle, *self._busy) if w.process.pid is not None]
 
-    def _retire(self, worker: _Worker) -> None:
+    def _retire(self, worker: _Worker, *, reap: bool = True) -> None:
         self._busy.discard(worker)
-        worker.kill()
+        worker.kill(reap=reap)
         self.killed += 1
 
     def _keeps(self, worker: _Worker, rss: int) -> bool:
@@ -266,7 +279,6 @@ class ProcessPool:
         return await self._start()
 
     async def _start(self) -> _Worker:
-        await _server_ready(self._context)
         parent, child = self._context.Pipe(duplex=True)
         process = self._context.Process(
             target=reward_worker.main,
@@ -274,10 +286,27 @@ class ProcessPool:
             name=f"asyncroll-reward-{self.started}",
             daemon=True,
         )
-        process.start()
-        child.close()
         worker = _Worker(process, parent)
-        self.started += 1
+        self.started += 1  # here: a start cancelled midway goes on, and is killed after
+        # Off the loop: a start waits for the fork server (its preload the first time, seconds;
+        # then its fork, which a loaded machine may not schedule for a while).
+        starting = asyncio.ensure_future(asyncio.to_thread(process.start))
+
+        def abandoned(_: object) -> None:
+            child.close()
+            if process.pid is None:  # it never started
+                parent.close()
+                self.started -= 1
+            else:
+                worker.kill()
+                self.killed += 1
+
+        try:
+            await asyncio.shield(starting)
+        except BaseException:
+            starting.add_done_callback(abandoned)
+            raise
+        child.close()
         try:
             await asyncio.to_thread(parent.send_bytes, self._fn_bytes)  # may exceed a pipe
             message = await _receive(worker, START_TIMEOUT_S)
@@ -320,25 +349,6 @@ class ProcessPool:
         if isinstance(message, str):
             raise RewardFailure(f"crashed its worker process: it {message}")
         return message
-
-
-_warm: list[bool] = []  # a process has started through the fork server: its preload is done
-
-
-async def _server_ready(context: Any) -> None:
-    """Wait, off the loop, for the fork server's preload (the trainer's script, asyncroll,
-    the reward functions' modules: seconds), which blocks the first process start: a probe
-    that exits at once starts first, in a thread (cancelled, it ends by itself)."""
-    if _warm or context.get_start_method() != "forkserver":
-        return
-    probe = context.Process(target=int, name="asyncroll-reward-probe", daemon=True)
-    await asyncio.to_thread(_start_and_join, probe)
-    _warm.append(True)
-
-
-def _start_and_join(process: BaseProcess) -> None:
-    process.start()
-    process.join()
 
 
 def _retrieved(task: asyncio.Task[_Worker]) -> None:
