@@ -12,7 +12,7 @@ executor was measured against before writing it on `multiprocessing`).
   (for pebble: to its future's `TimeoutError`).
 - **memory**: a worker's resident memory over 10,000 cheap calls (2,000 with math-verify).
 
-    python benchmarks/reward_executor.py           # ~3 min
+    python benchmarks/reward_executor.py           # ~3 min quiet, ~10 min on a loaded 2-core box
     python benchmarks/reward_executor.py --quick   # < 1 min (smoke run)
 
 pebble is measured when it is importable (it is not a dependency of asyncroll).
