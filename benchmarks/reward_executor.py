@@ -12,7 +12,7 @@ executor was measured against before writing it on `multiprocessing`).
   (for pebble: to its future's `TimeoutError`).
 - **memory**: a worker's resident memory over 10,000 cheap calls (2,000 with math-verify).
 
-    python benchmarks/reward_executor.py           # ~3 min
+    python benchmarks/reward_executor.py           # ~3 min quiet, ~10 min on a loaded 2-core box
     python benchmarks/reward_executor.py --quick   # < 1 min (smoke run)
 
 pebble is measured when it is importable (it is not a dependency of asyncroll).
@@ -107,15 +107,17 @@ def math_text() -> str:
 # -- overhead --------------------------------------------------------------------------------------
 
 
-async def per_call_ms(runner: RewardRunner, group: RolloutGroup, calls: int) -> float:
+async def per_call_ms(runner: RewardRunner, group: RolloutGroup, calls: int) -> list[float]:
     await runner.score(group)  # warm: the worker started, the modules imported
-    start = time.perf_counter()
+    times = []
     for _ in range(calls):
+        start = time.perf_counter()
         await runner.score(group)
-    return (time.perf_counter() - start) / calls * 1e3
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
-def pebble_call_ms(fn: Any, group: RolloutGroup, calls: int) -> float | None:
+def pebble_call_ms(fn: Any, group: RolloutGroup, calls: int) -> list[float] | None:
     """pebble pickles the function with each task: a text reward is split as the executor
     splits it (the decode here, the text functions there), or the tokenizer would be sent."""
     prepare = None
@@ -131,34 +133,56 @@ def pebble_call_ms(fn: Any, group: RolloutGroup, calls: int) -> float | None:
     def payload() -> Any:
         return group if prepare is None else prepare(group)
 
+    times = []
     with ProcessPool(max_workers=1, context=multiprocessing.get_context("spawn")) as pool:
         pool.schedule(fn, args=(payload(),), timeout=60).result()
-        start = time.perf_counter()
         for _ in range(calls):
+            start = time.perf_counter()
             pool.schedule(fn, args=(payload(),), timeout=60).result()
-        return (time.perf_counter() - start) / calls * 1e3
+            times.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
-async def bench_overhead(calls: int) -> list[dict[str, Any]]:
+async def arm_ms(executor: str, fn: Any, group: RolloutGroup, calls: int) -> list[float] | None:
+    if executor == "pebble":
+        return pebble_call_ms(fn, group, calls)
+    runner = RewardRunner(
+        fn, timeout_s=60, workers=1, in_thread=True, executor=executor, max_calls=None
+    )
+    try:
+        return await per_call_ms(runner, group, calls)
+    finally:
+        runner.close()
+
+
+async def bench_overhead(calls: int, rounds: int) -> list[dict[str, Any]]:
+    """Each arm's per-call times in `rounds` blocks of `calls`, the arms alternating within a
+    round in an order that rotates (the machine is shared: load that comes and goes falls on
+    each arm alike); a block's median is its figure (a call the scheduler preempted is an
+    outlier, which a mean of one block would carry), the arm's the median of its blocks."""
     from asyncroll.chat.answers import math_reward
 
     rows = []
     ids, text = make_group(), make_group(math_text())
     math = text_reward(math_reward, CharTokenizer())
-    for name, fn, group, n in (("cheap", cheap, ids, calls), ("math-verify", math, text, calls)):
-        row: dict[str, Any] = {"verifier": name}
-        for executor in ("thread", "process"):
-            if name == "math-verify" and executor == "thread":
-                row["thread_ms"] = None  # math-verify refuses threads (SIGALRM)
-                continue
-            runner = RewardRunner(
-                fn, timeout_s=60, workers=1, in_thread=True, executor=executor, max_calls=None
+    for name, fn, group in (("cheap", cheap, ids), ("math-verify", math, text)):
+        # math-verify refuses threads (SIGALRM)
+        arms = ["process", "pebble"] + ([] if name == "math-verify" else ["thread"])
+        blocks: dict[str, list[list[float]]] = {arm: [] for arm in arms}
+        for round_ in range(rounds):
+            k = round_ % len(arms)
+            for arm in arms[k:] + arms[:k]:
+                times = await arm_ms(arm, fn, group, calls)
+                if times is not None:
+                    blocks[arm].append(times)
+        row: dict[str, Any] = {"verifier": name, "blocks": blocks}
+        for arm in ("thread", "process", "pebble"):
+            medians = [statistics.median(b) for b in blocks.get(arm, [])]
+            row[f"{arm}_ms"] = statistics.median(medians) if medians else None
+            row[f"{arm}_spread"] = f"{min(medians):.3g}-{max(medians):.3g}" if medians else ""
+            row[f"{arm}_mean_ms"] = (
+                statistics.mean(t for b in blocks[arm] for t in b) if medians else None
             )
-            try:
-                row[f"{executor}_ms"] = await per_call_ms(runner, group, n)
-            finally:
-                runner.close()
-        row["pebble_ms"] = pebble_call_ms(fn, group, n)
         rows.append(row)
     return rows
 
@@ -167,6 +191,9 @@ async def bench_overhead(calls: int) -> list[dict[str, Any]]:
 
 
 async def run_groups(reward: Any, executor: str, groups: int) -> dict[str, Any]:
+    """One run over `groups` prompts, timed from its first batch; the groups in flight are
+    sampled every 10 ms (their mean, with the groups finished per second, gives by Little's
+    law how long a group holds its in-flight slot: `slot_s`)."""
     prompts = [Prompt(tokens=[1, 2, 3 + i % 100]) for i in range(groups)]
     engine = SimEngine(SimConfig(vocab_size=512, per_token_latency_s=LATENCY_S, seed=1))
     producer = Producer(
@@ -175,28 +202,64 @@ async def run_groups(reward: Any, executor: str, groups: int) -> dict[str, Any]:
         reward_executor=executor, max_dropped_in_a_row=None,
     )  # fmt: skip
     done, error, start = 0, None, 0.0
+    inflight: list[int] = []
+
+    async def sample() -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            if start:
+                inflight.append(producer.ledger().in_flight_groups)
+
+    sampler = asyncio.ensure_future(sample())
     try:
         async with producer:
             async for batch in producer.batches(8):
                 if not start:  # from the first batch on: the workers have started
                     start = time.perf_counter()
+                    first = producer.progress.counters.copy()
                 else:
                     done += len(batch.groups)
     except ProducerError as exc:
         error = str(exc)[:120]
+    finally:
+        sampler.cancel()
     wall = time.perf_counter() - start
+    totals = producer.progress.counters
+    finished = sum(
+        getattr(totals, f) - getattr(first, f)
+        for f in ("completed_groups", "failed_groups", "filtered_groups")
+    )
+    mean_inflight = statistics.mean(inflight) if inflight else 0.0
     return {"executor": executor, "completed": done, "wall_s": wall,
-            "groups_per_s": done / wall, "error": error}  # fmt: skip
+            "groups_per_s": done / wall, "finished_per_s": finished / wall,
+            "failed": totals.failed_groups, "mean_inflight": mean_inflight,
+            "slot_s": mean_inflight / (finished / wall) if finished else None,
+            "error": error}  # fmt: skip
 
 
-async def bench_hangs(groups: int) -> list[dict[str, Any]]:
+async def bench_hangs(groups: int, rounds: int) -> list[dict[str, Any]]:
+    """Process: `rounds` pairs of runs (without hangs, with), alternating which goes first;
+    threads: one pair (the hung run stops)."""
     rows = []
-    for executor in ("process", "thread"):
-        base = await run_groups(cheap, executor, groups)
-        hung = await run_groups(sometimes_hangs, executor, groups)
-        rows.append({**hung, "baseline_groups_per_s": base["groups_per_s"],
-                     "ratio": hung["groups_per_s"] / base["groups_per_s"]})  # fmt: skip
+    for round_ in range(rounds):
+        pair = {}
+        for hung in (False, True) if round_ % 2 == 0 else (True, False):
+            pair[hung] = await run_groups(sometimes_hangs if hung else cheap, "process", groups)
+        rows.append(hang_row(pair[False], pair[True]))
+    base = await run_groups(cheap, "thread", groups)
+    rows.append(hang_row(base, await run_groups(sometimes_hangs, "thread", groups)))
     return rows
+
+
+def hang_row(base: dict[str, Any], hung: dict[str, Any]) -> dict[str, Any]:
+    """With a share h of the groups holding their slot for the deadline D on top of the time
+    t a group holds it without hangs (`slot_s` of the run without), and the slots kept full,
+    completed groups/s can reach at most (1 - h) x t / (t + h x D) of the run without."""
+    h, t = 0.1, base["slot_s"]
+    return {**hung, "baseline_groups_per_s": base["groups_per_s"],
+            "baseline_slot_s": t, "baseline_mean_inflight": base["mean_inflight"],
+            "ratio": hung["groups_per_s"] / base["groups_per_s"],
+            "ceiling": (1 - h) * t / (t + h * DEADLINE_S)}  # fmt: skip
 
 
 # -- kill latency ----------------------------------------------------------------------------------
@@ -289,24 +352,31 @@ def ms(values: list[float] | None, q: float) -> float | None:
 
 async def main_async(args: argparse.Namespace) -> None:
     info = run_info()
-    calls = 30 if args.quick else 300
-    overhead = await bench_overhead(calls)
-    hung = await bench_hangs(80 if args.quick else 400)
+    overhead = await bench_overhead(20 if args.quick else 100, 2 if args.quick else 6)
+    hung = await bench_hangs(80 if args.quick else 400, 1 if args.quick else 3)
     kill = await bench_kill(5 if args.quick else 20)
     memory = await bench_memory(1000 if args.quick else 10_000, 100 if args.quick else 2000)
 
     report = [f"# Reward executor\n\n{info_line(info)}\n"]
     report.append(print_section(
-        f"Per call, one at a time: a group of {SAMPLES} x {TOKENS} tokens (ms)",
-        ["verifier", "threads", "processes (ours)", "pebble ProcessPool"],
-        [[r["verifier"], r["thread_ms"], r["process_ms"], r["pebble_ms"]] for r in overhead],
+        f"Per call, one at a time: a group of {SAMPLES} x {TOKENS} tokens (ms; median of "
+        "the blocks' medians, the blocks' spread, the mean of every call)",
+        ["verifier", "threads", "spread", "processes (ours)", "spread", "mean",
+         "pebble ProcessPool", "spread", "mean"],
+        [[r["verifier"], r["thread_ms"], r["thread_spread"], r["process_ms"],
+          r["process_spread"], r["process_mean_ms"], r["pebble_ms"], r["pebble_spread"],
+          r["pebble_mean_ms"]] for r in overhead],
     ))  # fmt: skip
     report.append(print_section(
         "Producer on SimEngine, 10% of reward calls hang forever "
-        f"(deadline {DEADLINE_S} s, 8 reward workers)",
-        ["executor", "groups/s", "without hangs", "ratio", "completed", "stopped with"],
+        f"(deadline {DEADLINE_S} s, 8 reward workers, {INFLIGHT} groups in flight at most)",
+        ["executor", "groups/s", "without hangs", "ratio", "ceiling", "s a slot is held",
+         "without hangs", "groups in flight", "without hangs", "completed", "failed",
+         "stopped with"],
         [[r["executor"], r["groups_per_s"], r["baseline_groups_per_s"], r["ratio"],
-          r["completed"], r["error"] or ""] for r in hung],
+          r["ceiling"], r["slot_s"], r["baseline_slot_s"], r["mean_inflight"],
+          r["baseline_mean_inflight"], r["completed"], r["failed"], r["error"] or ""]
+         for r in hung],
     ))  # fmt: skip
     report.append(print_section(
         "Kill latency: past the deadline until the caller hears (ms)",

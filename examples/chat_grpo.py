@@ -20,7 +20,7 @@ import itertools
 import random
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -84,6 +84,10 @@ class Setup:
     template_kwargs: dict[str, Any] = dataclasses.field(
         default_factory=lambda: {"enable_thinking": False}
     )
+    # Where the verifier runs: a worker thread, or "process" for verifiers that can hang or
+    # crash (math checkers, code): each call is killed at its deadline and fails only its
+    # group (docs/rewards.md).
+    reward_executor: Literal["thread", "process"] = "thread"
 
 
 def hf_setup() -> Setup:
@@ -132,6 +136,7 @@ async def train(
         max_staleness=1,
         filter="nonzero_std",  # a group whose samples all scored the same teaches nothing
         sampling=SamplingConfig(max_new_tokens=setup.max_new_tokens, temperature=1.0),
+        reward_executor=setup.reward_executor,
     )
     held_out = prompts(setup, setup.held_out, tokenizer, engine.max_model_len)
     evaluator = Evaluator(producer, held_out, reward)  # greedy; pass@1 = accuracy

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncroll.app.demo_chat import HELD_OUT, ChatTask, letter_reward, rows
+from asyncroll.app.demo_chat import HELD_OUT, ChatTask, letter_reward, reward_args, rows
+from asyncroll.config import ProducerConfig
 from asyncroll.types import RolloutGroup, RolloutState, Status
 
 
@@ -52,3 +53,12 @@ def test_prompts_render_through_the_chat_template_and_rewards_read_text(tiny_mod
         samples=samples, metadata=prompt.metadata,
     )  # fmt: skip
     assert task.reward(group) == [1.0, 0.5]  # decoded: "c" and "c xyz"
+
+
+def test_the_demo_runs_its_verifier_where_it_is_told() -> None:
+    """`REWARD_EXECUTOR` (which benchmarks/demo_reward_executor.py sets) becomes the
+    producer's settings: on the loop, in a thread, or in worker processes."""
+    assert reward_args("inline") == {"reward_in_thread": False}
+    assert reward_args("process") == {"reward_in_thread": True, "reward_executor": "process"}
+    for executor in ("inline", "thread", "process"):
+        ProducerConfig(**reward_args(executor))  # settings the producer accepts

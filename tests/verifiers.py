@@ -18,6 +18,7 @@ from typing import Any
 from asyncroll.types import RolloutGroup
 
 _LEAK: list[bytes] = []
+IMPORTED_BY = os.getpid()  # the process that imported this module
 
 
 def hostile(group: RolloutGroup) -> Any:
@@ -56,6 +57,12 @@ def hostile(group: RolloutGroup) -> Any:
     if do == "raise":
         raise KeyError("answer")
     return [1.0] * n
+
+
+def preloaded(group: RolloutGroup) -> list[float]:
+    """1.0 per sample when a process before this worker (its fork server) had imported this
+    module, 0.0 when the worker had to import it to load the function."""
+    return [float(os.getpid() != IMPORTED_BY)] * group.num_samples
 
 
 def count_words(completions: list[str], **kwargs: Any) -> list[float]:

@@ -23,19 +23,25 @@ trainer); the workers are daemonic, so `multiprocessing` ends them at interprete
 
 The reward function is pickled once, when the pool is built: one that cannot be (a lambda, a
 function defined inside another) is refused there, naming what failed. It is loaded by
-reference in each worker, which imports its module; a function of a script's `__main__` needs
-the script's ``if __name__ == "__main__":`` guard, as all multiprocessing does.
+reference in each worker, from its module; a function of a script's `__main__` needs the
+script's ``if __name__ == "__main__":`` guard, as all multiprocessing does. The fork server
+imports the modules the function loads from when it starts (`modules_of`: those of the pools
+built before the first worker starts, the producer's and its evaluators'), so a worker does
+not import them again on every start. A start and the reap of a killed worker wait off the
+event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import multiprocessing
 import os
 import pickle
 import signal
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -48,20 +54,47 @@ START_TIMEOUT_S = 120.0  # a worker imports the reward function's module (torch,
 # the trainer's script (`__main__`, where a reward function may live: each worker would import
 # it, torch and all, again) is imported there once too.
 _PRELOAD = ["__main__", "asyncroll", "asyncroll._core.reward_worker"]
+# The modules the pools' reward functions load from (`modules_of`), preloaded with the above
+# when the fork server starts: a worker that loads its function from a module the server had
+# not imported imports it itself, on every start (each evaluation's workers, each replacement
+# of a killed or recycled worker), and pays for that module's own imports each time.
+_REQUESTED: set[str] = set()
+_NOT_MODULES = frozenset({"__main__", "__mp_main__", "builtins", "copyreg"})
 
 
-def _context() -> Any:
+def _context(modules: Iterable[str] = ()) -> Any:
     """The "forkserver" context (a clean single-threaded server forks the workers: safe beside
-    vLLM's threads, where "fork" of the trainer is not), with asyncroll preloaded; "spawn"
-    where there is no fork server (Windows)."""
+    vLLM's threads, where "fork" of the trainer is not), with asyncroll and `modules`
+    preloaded if the server has not started yet; "spawn" where there is no fork server
+    (Windows)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     from multiprocessing import forkserver
 
     if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:  # not started yet
-        context.set_forkserver_preload(_PRELOAD)
+        _REQUESTED.update(modules)
+        context.set_forkserver_preload([*_PRELOAD, *sorted(_REQUESTED - set(_PRELOAD))])
     return context
+
+
+def modules_of(fn_bytes: bytes) -> list[str]:
+    """The modules a worker imports to load the pickled function: those its pickle names
+    (read here by loading it once, which imports nothing new: the trainer has them all)."""
+    recorder = _Recorder(io.BytesIO(fn_bytes))
+    with contextlib.suppress(Exception):  # a copy that does not load here: preload nothing
+        recorder.load()
+    return sorted(recorder.modules - _NOT_MODULES)
+
+
+class _Recorder(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.modules: set[str] = set()
+
+    def find_class(self, module: str, name: str) -> Any:
+        self.modules.add(module)
+        return super().find_class(module, name)
 
 
 class RewardDeadline(Exception):
@@ -97,8 +130,12 @@ class _Worker:
         self.conn = conn
         self.calls = 0
 
-    def kill(self) -> None:
-        """SIGKILL the worker and its process group (what its verifier forked), then reap it."""
+    def kill(self, *, reap: bool = True) -> None:
+        """SIGKILL the worker and its process group (what its verifier forked), then reap it:
+        here, or (`reap=False`, on the event loop) in a thread of its own. The reap waits for
+        the dying process and the fork server's word of it, which a loaded machine may not
+        schedule for a while (100 ms to 1 s each under a load of 12 on 2 cores): on the loop,
+        that wait stalled every group in flight."""
         pid = self.process.pid
         if pid is not None:
             with contextlib.suppress(OSError):
@@ -107,7 +144,14 @@ class _Worker:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
         self.conn.close()
-        self.process.join(timeout=5.0)  # a SIGKILLed process is reaped at once
+        if pid is None:
+            return
+        if reap:
+            self.process.join(timeout=5.0)  # a SIGKILLed process is reaped at once
+        else:
+            threading.Thread(
+                target=self.process.join, args=(5.0,), name="asyncroll-reward-reap", daemon=True
+            ).start()
 
     def died(self) -> str:
         """How the worker ended, once its pipe closed."""
@@ -140,7 +184,7 @@ class ProcessPool:
         self.workers = workers
         self.max_calls = max_calls
         self.max_rss_bytes = None if max_rss_mib is None else int(max_rss_mib * 2**20)
-        self._context = _context()
+        self._context = _context(modules_of(self._fn_bytes))
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
         self._spares: list[asyncio.Task[_Worker]] = []  # replacements being started
@@ -169,7 +213,7 @@ class ProcessPool:
                 if keep:
                     self._idle.append(worker)
                 else:  # a deadline, a crash, a cancellation, or retired: never reused
-                    self._retire(worker)
+                    self._retire(worker, reap=False)
                     self._spare()
         return self._result(answer)
 
@@ -192,9 +236,9 @@ class ProcessPool:
     def pids(self) -> list[int]:
         return [w.process.pid for w in (*self._idle, *self._busy) if w.process.pid is not None]
 
-    def _retire(self, worker: _Worker) -> None:
+    def _retire(self, worker: _Worker, *, reap: bool = True) -> None:
         self._busy.discard(worker)
-        worker.kill()
+        worker.kill(reap=reap)
         self.killed += 1
 
     def _keeps(self, worker: _Worker, rss: int) -> bool:
@@ -242,10 +286,27 @@ class ProcessPool:
             name=f"asyncroll-reward-{self.started}",
             daemon=True,
         )
-        process.start()
-        child.close()
-        self.started += 1
         worker = _Worker(process, parent)
+        self.started += 1  # here: a start cancelled midway goes on, and is killed after
+        # Off the loop: a start waits for the fork server (its preload the first time, seconds;
+        # then its fork, which a loaded machine may not schedule for a while).
+        starting = asyncio.ensure_future(asyncio.to_thread(process.start))
+
+        def abandoned(_: object) -> None:
+            child.close()
+            if process.pid is None:  # it never started
+                parent.close()
+                self.started -= 1
+            else:
+                worker.kill()
+                self.killed += 1
+
+        try:
+            await asyncio.shield(starting)
+        except BaseException:
+            starting.add_done_callback(abandoned)
+            raise
+        child.close()
         try:
             await asyncio.to_thread(parent.send_bytes, self._fn_bytes)  # may exceed a pipe
             message = await _receive(worker, START_TIMEOUT_S)

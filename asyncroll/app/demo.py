@@ -259,6 +259,7 @@ async def run_demo(
     step = 0
     turn_rewards: TurnRewards | None = None
     chat: Any = None
+    rewards_on: dict[str, Any] = {"reward_in_thread": False}  # a few numpy ops: cheaper inline
     serving: contextlib.AbstractAsyncContextManager[Any] = contextlib.nullcontext()
     task_metrics: Callable[[list[RolloutGroup]], dict[str, float]] = _no_task_metrics
     if cfg.task == "tool_echo":
@@ -287,6 +288,7 @@ async def run_demo(
 
         chat = ChatTask(model_dir, cfg.seed)
         prompts, reward, episodes = chat.prompts(), chat.reward, {}
+        rewards_on = chat.reward_args
     else:
         prompts, reward, episodes = echo_prompts(tokenizer, cfg.seed), echo_reward, {}
     lora = cfg.lora_config()
@@ -314,7 +316,7 @@ async def run_demo(
             max_staleness=cfg.max_staleness,
             sampling=sampling,
             filter=None if cfg.filter == "none" else cfg.filter,
-            reward_in_thread=False,  # a few numpy ops: cheaper inline than a thread hop
+            **rewards_on,
         )
         if cfg.resume:  # the engine gets the trainer's weights at the checkpoint's version
             step = trainer.load(out / "trainer.pt")

@@ -46,6 +46,13 @@ DEFAULTS: Final = {"max_new_tokens": 4, "steps": 150, "eval_every": 10, "solved_
 """chat's defaults where they differ from `DemoConfig`'s; `asyncroll.app.demo.demo_config` applies
 them (a flag given wins)."""
 
+REWARD_EXECUTOR = "inline"
+"""Where the verifier runs: "inline" (on the event loop: it splits a few words), "thread" or
+"process" (worker processes, which a hung verifier cannot stop). benchmarks/demo_reward_executor.py
+sets this to compare them (benchmarks/results/2026-12-07-demo-reward-executor.md): processes
+cost the training loop nothing measurable, but each evaluation ~2 s (its workers start anew),
+past the 5% of the demo's time that a switch may cost, so the demo stays inline."""
+
 
 def rows(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The training and the held-out rows (chat messages and the reference answer), split by
@@ -82,6 +89,7 @@ class ChatTask:
         eval_builder = PromptBuilder(self.tokenizer, task="chat_held_out")
         self.held_out = [eval_builder.build(row, i) for i, row in enumerate(held_out)]
         self.reward = text_reward(letter_reward, self.tokenizer)
+        self.reward_args = reward_args(REWARD_EXECUTOR)
         self.seed = seed
 
     def prompts(self) -> Iterator[Prompt]:
@@ -89,3 +97,10 @@ class ChatTask:
         rng = random.Random(self.seed)
         while True:
             yield rng.choice(self.train)
+
+
+def reward_args(executor: str) -> dict[str, Any]:
+    """The `Producer` arguments that run the reward on `executor` (see `REWARD_EXECUTOR`)."""
+    if executor == "inline":
+        return {"reward_in_thread": False}
+    return {"reward_in_thread": True, "reward_executor": executor}
