@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from asyncroll import (
     SamplingConfig,
     SimEngine,
 )  # fmt: skip
+from asyncroll._core import reward_processes
 from asyncroll._core.reward_processes import ProcessPool, RewardDeadline
 from asyncroll.chat.rewards import text_reward
 from asyncroll.evaluation import Evaluator
@@ -397,3 +399,37 @@ async def test_starting_a_worker_waits_off_the_event_loop(
     finally:
         pool.close()
     assert order == ["loop ran", "started"], order
+
+
+def test_closing_waits_until_what_a_verifier_forked_has_died(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SIGKILLed group's members die when next scheduled: under load a verifier's forked
+    child was seen alive after close() returned. Here the group's member ends only when the
+    wait first sleeps (deterministic: the sleep ends it), so close() must look again; and a
+    group of zombies only is not waited for."""
+    member = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    slept: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:  # time.sleep itself: Popen.wait's too
+        if slept or not member.stdin:
+            return real_sleep(seconds)
+        slept.append(seconds)
+        member.stdin.close()
+        member.wait(timeout=30)  # reaped: its group is empty now
+        return None
+
+    monkeypatch.setattr(reward_processes.time, "sleep", sleep)
+    reward_processes._wait_groups_gone([member.pid], timeout_s=60.0)
+    assert slept and member.returncode == 0
+
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # ended, left unreaped
+    slept.clear()
+    reward_processes._wait_groups_gone([zombie.pid], timeout_s=60.0)
+    assert slept == []  # dead, not yet reaped: nothing runs
+    zombie.wait()

@@ -36,18 +36,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import logging
 import multiprocessing
 import os
 import pickle
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import psutil
+
 from asyncroll._core import reward_worker
 
+log = logging.getLogger("asyncroll.rewards")
 START_TIMEOUT_S = 120.0  # a worker imports the reward function's module (torch, sympy...)
 # Imported once by multiprocessing's fork server, so a worker starts as a fork of it in
 # milliseconds instead of importing asyncroll anew (most of a fresh interpreter's start), and
@@ -122,6 +127,39 @@ def pickled(fn: Callable[..., Any], name: str) -> bytes:
             "at module level (a lambda, or a function defined inside another, cannot be "
             "sent), or keep reward_executor='thread'"
         ) from None
+
+
+GROUP_EXIT_TIMEOUT_S = 5.0
+
+
+def _wait_groups_gone(groups: list[int], timeout_s: float) -> None:
+    """Wait until no process of these process groups runs. A SIGKILL sent to a group is
+    acted on when each member is next scheduled, which a loaded machine may put off: a
+    verifier's forked child was seen alive just after its worker's group had been killed.
+    A group whose worker was reaped and that forked nothing is empty at the first look."""
+    deadline = time.monotonic() + timeout_s
+    left = [g for g in groups if _group_runs(g)]
+    while left:
+        if time.monotonic() >= deadline:
+            log.warning("reward worker processes still running after SIGKILL: groups %s", left)
+            return
+        time.sleep(0.01)
+        left = [g for g in left if _group_runs(g)]
+
+
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of group `pgid` runs (a zombie, dead but not reaped, does not)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    for process in psutil.process_iter(["status"]):
+        with contextlib.suppress(OSError, psutil.Error):
+            if os.getpgid(process.pid) == pgid and process.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+    return False
 
 
 class _Worker:
@@ -218,15 +256,21 @@ class ProcessPool:
         return self._result(answer)
 
     def close(self) -> None:
-        """Kill every worker now (idle, busy or starting); a later call starts fresh ones."""
+        """Kill every worker now (idle, busy or starting), and return once what their
+        verifiers forked has died too (`GROUP_EXIT_TIMEOUT_S`); a later call starts fresh
+        ones."""
+        groups = []
         for task in self._spares:
             if task.done() and not task.cancelled() and task.exception() is None:
+                groups.append(task.result().process.pid)
                 self._retire(task.result())
             task.cancel()  # one still starting kills its process as it is cancelled
         self._spares.clear()
         for worker in [*self._idle, *self._busy]:
+            groups.append(worker.process.pid)
             self._retire(worker)
         self._idle.clear()
+        _wait_groups_gone([g for g in groups if g is not None], GROUP_EXIT_TIMEOUT_S)
 
     @property
     def alive(self) -> int:
