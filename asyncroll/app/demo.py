@@ -33,19 +33,24 @@ from asyncroll.app.demo_report import (
     EvalRecord,
     StepRecord,
     eval_line,
+    eval_numbers,
     eval_record,
     log_record,
     postfix,
+    step_numbers,
     step_record,
     summarise,
 )
 from asyncroll.app.demo_trainer import Trainer
 from asyncroll.engines.base import SamplingConfig
 from asyncroll.lora import VLLM_MAX_RANKS, LoraConfig, LoraSlots
+from asyncroll.record import RecordConfig, record_files
+from asyncroll.report import build_report
 from asyncroll.train.turns import TurnRewards
 from asyncroll.types import Prompt, RolloutGroup
 
 if TYPE_CHECKING:
+    from asyncroll import ProduceBatchResult
     from asyncroll.engines import VLLMEngine
 
 LETTERS = "abcdefgh"
@@ -235,8 +240,11 @@ async def run_demo(
     console: TextIO | None = None,
     engine: VLLMEngine | None = None,
 ) -> list[StepRecord]:
-    """Train for `cfg.steps` steps; write metrics.jsonl, summary and a PNG to `cfg.out`.
-    The progress bar and the summary go to `console` (default: stdout).
+    """Train for `cfg.steps` steps; write metrics.jsonl, summary and a PNG to `cfg.out`,
+    the run record (every handed-out group token by token, the trainer's logprobs and
+    advantages, each step's metrics: `asyncroll.record`) to `cfg.out/record/` and its report
+    to `cfg.out/report/`. The progress bar and the summary go to `console` (default: stdout).
+    A run that does not resume replaces the record of an earlier run in `cfg.out`.
 
     `engine`: run on this engine, left open (it must serve `demo_model(cfg)`'s weights at
     version 0, with LoRA slots under --lora), instead of starting one (11-20 s on 2 CPU
@@ -255,8 +263,12 @@ async def run_demo(
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before anything runs
     model_dir = demo_model(cfg)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    if not cfg.resume:  # the folder's earlier record is of another run: this one starts anew
+        for old in record_files(out):
+            old.unlink()
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens)
     step = 0
+    pieces: Any = None
     turn_rewards: TurnRewards | None = None
     chat: Any = None
     rewards_on: dict[str, Any] = {"reward_in_thread": False}  # a few numpy ops: cheaper inline
@@ -289,8 +301,11 @@ async def run_demo(
         chat = ChatTask(model_dir, cfg.seed)
         prompts, reward, episodes = chat.prompts(), chat.reward, {}
         rewards_on = chat.reward_args
+        pieces = chat.tokenizer  # its chat template's special tokens decoded as such
     else:
         prompts, reward, episodes = echo_prompts(tokenizer, cfg.seed), echo_reward, {}
+    if cfg.task != "chat":
+        pieces = tokenizer
     lora = cfg.lora_config()
     trainer = Trainer(
         model_dir, cfg.lr, cfg.seed, sampling, cfg.correction, turn_rewards, cfg.entropy, lora,
@@ -317,10 +332,12 @@ async def run_demo(
             sampling=sampling,
             filter=None if cfg.filter == "none" else cfg.filter,
             **rewards_on,
+            record=RecordConfig(dir=str(out), tokenizer=pieces),
         )
         if cfg.resume:  # the engine gets the trainer's weights at the checkpoint's version
             step = trainer.load(out / "trainer.pt")
             producer.load(out / "producer.ckpt", weights=trainer.weights())
+            producer.record.steps = step  # the record's next batch is step + 1
         records: list[StepRecord] = []
         staleness: Counter[int] = Counter()
         bar = tqdm(
@@ -333,16 +350,26 @@ async def run_demo(
         evals: list[EvalRecord] = []
         loop_start = time.perf_counter()
 
-        async def evaluate() -> None:
+        async def evaluate() -> dict[str, float]:
             assert evaluator is not None
             result = await evaluator.run()
             evals.append(eval_record(step, result, time.perf_counter() - loop_start))
             log_record(out, evals[-1], "eval.jsonl")
             bar.write(eval_line(evals[-1], result.error), file=console)
+            return eval_numbers(evals[-1])
+
+        def train(batch: ProduceBatchResult) -> tuple[float, dict[str, float]]:
+            """The trainer's step (in a worker thread) and what it computed, for the record."""
+            loss, offpolicy = trainer.step(batch.groups, batch.version)
+            producer.record.attach(
+                batch.groups, step=step + 1, logprobs=trainer.last_logprobs,
+                advantages=trainer.last_advantages,
+            )  # fmt: skip
+            return loss, offpolicy
 
         async with producer:
             if evaluator is not None and step % cfg.eval_every == 0:
-                await evaluate()
+                producer.record.step_metrics(step, await evaluate())
             while (
                 step < cfg.steps
                 and not solved(records, cfg.solved_reward)
@@ -361,7 +388,7 @@ async def run_demo(
                 waited = time.perf_counter() - start
                 staleness.update(batch.staleness_tokens())
                 train_start = time.perf_counter()
-                loss, offpolicy = await asyncio.to_thread(trainer.step, batch.groups, batch.version)
+                loss, offpolicy = await asyncio.to_thread(train, batch)
                 train_s = time.perf_counter() - train_start
                 await producer.update_weights(trainer.weights())
                 step += 1
@@ -375,17 +402,23 @@ async def run_demo(
                 log_record(out, records[-1])
                 bar.update(1)
                 bar.set_postfix(postfix(records[-1]))
+                numbers = step_numbers(records[-1])
                 if evaluator is not None and step % cfg.eval_every == 0:
-                    await evaluate()
+                    numbers |= await evaluate()
+                producer.record.step_metrics(step, numbers)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     async with producer.pausing():
                         trainer.save(out / "trainer.pt", step)
                         await producer.save(out / "producer.ckpt")
             if evaluator is not None and (not evals or evals[-1].step != step):
-                await evaluate()  # the last evaluation is of the final policy
+                # the last evaluation is of the final policy (a step line of its own)
+                producer.record.step_metrics(step, await evaluate())
         bar.close()
         producer.check_ledger()
-    summary = summarise(out, records, producer.progress.counters.copy(), staleness, cfg.task, evals)
+    report = build_report(out)  # the record as HTML: the summary names it
+    summary = summarise(
+        out, records, producer.progress.counters.copy(), staleness, cfg.task, evals, report
+    )
     if summary:
         print(summary, file=console)
     return records

@@ -118,6 +118,28 @@ def step_record(
     )
 
 
+def step_numbers(r: StepRecord) -> dict[str, float]:
+    """The trainer's side of a step for the run record's step line (the producer's metrics of
+    the batch are the record's own): loss, times, the waiting share, memory, the mismatch and
+    the task's metrics."""
+    return {
+        "train/loss": r.loss,
+        "train/s": r.train_s,
+        "train/wait_s": r.wait_s,
+        "train/wall_s": r.wall_s,
+        "train/wait_ratio": r.wait_s / r.wall_s if r.wall_s else 0.0,
+        "train/reward": r.reward,
+        "train/rss_mib": r.rss_mib,
+        **r.offpolicy,
+        **{f"task/{k}": v for k, v in r.task_metrics.items()},
+    }
+
+
+def eval_numbers(e: EvalRecord) -> dict[str, float]:
+    """An evaluation's numbers for the run record's step line of the step it followed."""
+    return {**e.metrics, "eval/s": e.eval_s}
+
+
 def _population_reward(batch: ProduceBatchResult) -> float:
     """Mean reward of every sample scored since the previous batch, before the filter drops
     zero-variance groups (the kept groups alone would overstate it); the batch's own mean if
@@ -152,6 +174,7 @@ def summarise(
     staleness: Counter[int],
     task: str,
     evals: list[EvalRecord],
+    report: Path | None = None,
 ) -> str:
     """The run's summary table (written to summary.txt, with the plot to demo.png; empty
     when no step ran): the demo prints it."""
@@ -190,6 +213,9 @@ def summarise(
              f"{len(evals)}, {np.median([e.eval_s for e in evals]):.2f}"),
             ("training loop wall s (evaluations included)", f"{evals[-1].train_wall_s:.0f}"),
         ]  # fmt: skip
+    rows.append(("run record", str(out / "record")))
+    if report is not None:
+        rows.append(("report (open in a browser)", str(report)))
     width = max(len(str(r[0])) for r in rows)
     text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
     (out / "summary.txt").write_text(text + "\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from asyncroll.engines.base import SamplingConfig, Weights
 from asyncroll.lora import LoraAdapter, LoraConfig
@@ -90,6 +91,11 @@ class Trainer:
         self.last_entropy = math.nan
         self.last_failed_entropy = math.nan
         self.last_blind_entropy = math.nan
+        # the last step's logprobs of every token ([rows, L], to_batch's layout) and the
+        # advantages it trained with ([rows]; None with per-turn credit, whose are per turn):
+        # what the demo attaches to the run record
+        self.last_logprobs: Any = None
+        self.last_advantages: Any = None
 
     def step(self, groups: list[RolloutGroup], version: int) -> tuple[float, dict[str, float]]:
         """One optimizer step on the batch; `version` is the policy version of the current
@@ -107,6 +113,8 @@ class Trainer:
         # One optimizer step per batch: the weights before it (the proximal policy) are the
         # current ones, so their logprobs are these, detached; no second forward pass.
         proximal = logprobs.detach()
+        self.last_logprobs = proximal
+        self.last_advantages = batch.advantages if self.turn_rewards is None else None
         anchor = proximal if self.correction is not None else None
         if self.turn_rewards is None:
             loss, _ = policy_loss(

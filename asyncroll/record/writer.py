@@ -338,6 +338,7 @@ class _Lines:
         self.file_bytes = 0
         self.piece = _pieces(self.cfg.tokenizer)
         self.steps: dict[int, tuple[int, float, dict[str, float]]] = {}
+        self.version = 0  # of the last batch: a step line of the trainer's numbers alone
         self.encoder = msgspec.json.Encoder()
         kept = self.cfg.step_bytes
         self.group_limit = self.cfg.max_bytes - (
@@ -355,6 +356,7 @@ class _Lines:
                     self.stats.groups += 1
                     time.sleep(0)  # let the event loop have the GIL between lines
                 self.steps[step] = (batch.version, item.at, batch.metrics())
+                self.version = batch.version
                 for old in [s for s in self.steps if s <= step - STEPS_KEPT]:
                     self.step_line(old, {})
             case "drop":
@@ -370,7 +372,7 @@ class _Lines:
                 self.step_line(step, numbers, at=item.at)
 
     def step_line(self, step: int, numbers: dict[str, float], at: float | None = None) -> None:
-        version, handed, produced = self.steps.pop(step, (-1, at or time.time(), {}))
+        version, handed, produced = self.steps.pop(step, (self.version, at or time.time(), {}))
         stats = {f"record/{k}": float(v) for k, v in msgspec.structs.asdict(self.stats).items()}
         metrics = {**produced, **numbers, **stats}
         line = StepLine(

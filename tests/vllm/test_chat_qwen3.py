@@ -22,6 +22,8 @@ from asyncroll.chat.template import ChatFormat
 from asyncroll.engines.base import Engine
 from asyncroll.train import token_logprobs
 from asyncroll.types import RolloutGroup
+from tests.test_record import check_sample
+from tests.test_record import lines as record_lines
 from tests.vllm.conftest import QWEN3_MAX_LEN
 
 pytestmark = pytest.mark.vllm
@@ -77,7 +79,7 @@ def engine(request: pytest.FixtureRequest) -> Engine:
 
 
 async def test_chat_episodes_train_exactly_the_sampled_ids(
-    engine: Engine, qwen3_model: Path, chat: tuple[ChatFormat, RenderersParser]
+    engine: Engine, qwen3_model: Path, chat: tuple[ChatFormat, RenderersParser], tmp_path: Path
 ) -> None:
     import transformers
 
@@ -101,7 +103,7 @@ async def test_chat_episodes_train_exactly_the_sampled_ids(
     prompt = fmt.prompt_ids(FIRST)
     producer = Producer(
         engine, [prompt], reward, rollout_fn=agent, group_size=2, batch_size=1,
-        sampling=SAMPLING, max_turns=3, max_episode_tokens=1024,
+        sampling=SAMPLING, max_turns=3, max_episode_tokens=1024, record=tmp_path,
     )  # fmt: skip
     async with asyncio.timeout(DEADLINE_S), producer:
         batch = await producer.produce_batch(1, timeout=DEADLINE_S)
@@ -131,3 +133,9 @@ async def test_chat_episodes_train_exactly_the_sampled_ids(
               f"max logprob gap {float(gap.max()):.2e}")  # fmt: skip
         assert (sample.logprobs[~mask] == 0).all()
     assert turns_seen >= 4  # some episode got past its first turn: the bridge ran
+    # The run record holds the episodes token by token: bridges unmasked, turns as sampled.
+    _, lines_, _, _ = record_lines(tmp_path)
+    (line,) = [g for g in lines_ if g.step == 1]
+    assert line.uid == group.uid and line.prompt_tokens == [int(t) for t in prompt]
+    for sample_line, sample in zip(line.samples, group.samples, strict=True):
+        check_sample(sample_line, sample)

@@ -20,6 +20,7 @@ from asyncroll.app import demo_tool
 from asyncroll.app.demo import DemoConfig, demo_config, demo_model, run_demo
 from asyncroll.app.demo_report import StepRecord
 from asyncroll.engines import VLLMEngine
+from tests.test_record import lines as record_lines
 from tests.vllm.conftest import original_weights
 
 
@@ -129,3 +130,8 @@ async def test_demo_resumes_from_its_checkpoint(tmp_path: Path, demo_engine: VLL
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
     assert all(r.failed_groups == 0 for r in resumed)
+    # The record goes on: a second run line, the resumed steps numbered after the first two.
+    runs, groups, trains, steps = record_lines(tmp_path)
+    assert len(runs) == 2 and [s.step for s in steps] == [1, 2, 3, 4]
+    assert sorted({g.step for g in groups if g.step is not None}) == [1, 2, 3, 4]
+    assert sorted({t.step for t in trains}) == [1, 2, 3, 4]

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncroll.app.demo import demo_config, run_demo
+from asyncroll.app.demo import demo_config, demo_model, run_demo
+from asyncroll.chat import tiny_chat_tokenizer
 from asyncroll.engines import VLLMEngine
+from tests.test_record import lines
 
 pytestmark = pytest.mark.vllm
 
@@ -38,3 +40,35 @@ async def test_chat_demo_learns_the_held_out_questions(engine: VLLMEngine, tmp_p
     assert "held-out accuracy, first / last evaluation" in summary
     assert "eval after step 30" in console.getvalue()
     assert (tmp_path / "demo.png").stat().st_size > 10_000
+    check_demo_record(tmp_path, config.batch_groups, config.group_size)
+
+
+def check_demo_record(run: Path, batch_groups: int, group_size: int) -> None:
+    """The demo's record (written by default): a step line per step (the evaluations' at
+    steps 0, 10, 20, 30), every handed-out group with its pieces, and for every sample the
+    trainer's logprobs, which match vLLM's at the tokens of the trainer's own version."""
+    runs, groups, trains, steps = lines(run)
+    assert len(runs) == 1 and runs[0].model is not None
+    assert [s.step for s in steps] == list(range(STEPS + 1))
+    assert [s.step for s in steps if "eval/pass@1" in s.metrics] == [0, 10, 20, 30]
+    assert all("train/loss" in s.metrics and "rollout/batch_groups" in s.metrics for s in steps[1:])
+    handed = [g for g in groups if g.step is not None]
+    assert len(handed) == STEPS * batch_groups
+    tokenizer = tiny_chat_tokenizer(demo_model(demo_config(task="chat")))
+    for g in handed:
+        assert g.prompt_text == tokenizer.decode(g.prompt_tokens, skip_special_tokens=False)
+        for s in g.samples:
+            assert s.pieces is not None and len(s.pieces) == len(s.tokens)
+    assert len(trains) == STEPS * batch_groups * group_size
+    by_key = {(g.uid, s.index): (g, s) for g in handed for s in g.samples}
+    gaps = []
+    for t in trains:
+        g, s = by_key[(t.uid, t.index)]
+        assert t.step == g.step and t.logprobs is not None and t.advantages is not None
+        assert len(t.logprobs) == len(s.tokens)
+        gaps += [
+            abs(ours - theirs)
+            for ours, theirs, v in zip(t.logprobs, s.logprobs, s.versions, strict=True)
+            if ours is not None and v == t.step - 1  # sampled by the weights that trained
+        ]
+    assert gaps and max(gaps) < 1e-3, max(gaps)
