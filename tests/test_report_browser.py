@@ -4,11 +4,11 @@ sample as the record holds it: its token count, loss mask, versions, turns and b
 with no console error. One browser start serves the module (~1-2 s); each check is one
 navigation.
 
-`check_sample` takes any run folder: pointed at the demo's, it checks the demo's report."""
+`check_sample` takes any run folder: tests/vllm/test_demo_chat.py points it at the chat demo's
+run, so the demo's own report is checked in the browser too."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -156,23 +156,3 @@ async def test_a_producers_report_shows_its_samples(browser: Chromium, tmp_path:
         "reward", "staleness (versions behind)", "dropped groups per step, by reason",
         "generated tokens/s", "trainer's waiting share",
     ]  # fmt: skip
-
-
-@pytest.fixture
-def demo_run() -> Path:
-    """The folder of a demo run with a record: $ASYNCROLL_DEMO_RUN (the demo does not write
-    its record by default yet; point this at a run's folder, or at the demo test's)."""
-    folder = os.environ.get("ASYNCROLL_DEMO_RUN")
-    if not folder or not (Path(folder) / "record").is_dir():
-        pytest.skip("no demo run with a record: set ASYNCROLL_DEMO_RUN to its folder")
-    return Path(folder)
-
-
-async def test_the_demos_report(browser: Chromium, demo_run: Path) -> None:
-    """The demo's report (`asyncroll demo` writes the record to its folder by default): its
-    first handed-out chat-like sample and its first single-turn one, as its record holds them."""
-    lines = list(read_record(demo_run))
-    handed = [x for x in lines if isinstance(x, GroupLine) and x.step is not None]
-    assert handed, f"{demo_run}'s record holds no handed-out group"
-    await check_sample(browser, demo_run, lines, handed[0].uid, 0)
-    await check_sample(browser, demo_run, lines, handed[-1].uid, 0, mode="mask")

@@ -13,7 +13,10 @@ import pytest
 from asyncroll.app.demo import demo_config, demo_model, run_demo
 from asyncroll.chat import tiny_chat_tokenizer
 from asyncroll.engines import VLLMEngine
+from asyncroll.record import GroupLine, read_record
+from tests.browser import chromium, find_chromium
 from tests.test_record import lines
+from tests.test_report_browser import check_sample
 
 pytestmark = pytest.mark.vllm
 
@@ -41,6 +44,23 @@ async def test_chat_demo_learns_the_held_out_questions(engine: VLLMEngine, tmp_p
     assert "eval after step 30" in console.getvalue()
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     check_demo_record(tmp_path, config.batch_groups, config.group_size)
+    report = tmp_path / "report" / "index.html"
+    assert report.exists() and str(report) in summary  # the summary names the report
+    await check_demo_report(tmp_path)
+
+
+async def check_demo_report(run: Path) -> None:
+    """The demo's own report in headless Chromium (where the machine has one: `make test`
+    installs it): the first and the last handed-out group's first sample as the record holds
+    them (token count, ids, mask, versions, turns, both logprobs), no console error."""
+    executable = find_chromium()
+    if executable is None:
+        return  # tests/test_report_browser.py says the browser is missing, skipped
+    record = list(read_record(run))
+    uids = [x.uid for x in record if isinstance(x, GroupLine) and x.step is not None]
+    async with chromium(executable) as browser:
+        await check_sample(browser, run, record, uids[0], 0)
+        await check_sample(browser, run, record, uids[-1], 0, mode="mask")
 
 
 def check_demo_record(run: Path, batch_groups: int, group_size: int) -> None:
