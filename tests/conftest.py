@@ -31,6 +31,13 @@ SERVER_FIXTURES = frozenset({"vllm_server", "server_engine", "server_weights_dir
 QWEN3_FIXTURES = frozenset({"qwen3_model", "qwen3_engine"})
 # The two lanes a module may be split between, test by test (`pytest_collection_modifyitems`).
 SPLIT_LANES = frozenset({"in-process", "serve"})
+# The demos train for minutes on the plain in-process engine and use no other session engine:
+# a lane of their own, at the cost of one more start of that engine (~25 s), takes ~250 s of
+# tests off the in-process lane, which otherwise ran on alone at the end of the run.
+DEMO_MODULES = frozenset(
+    {"vllm/test_demo.py", "vllm/test_demo_chat.py", "vllm/test_demo_openai.py",
+     "vllm/test_getting_started.py"}
+)  # fmt: skip
 
 
 def lane(fixtures: set[str], params: set[str]) -> str | None:
@@ -78,6 +85,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             continue  # the module chose its group itself
         uses = [engine_uses(item) for item in module_items]
         group = lane(set().union(*(f for f, _ in uses)), set().union(*(p for _, p in uses)))
+        if group == "in-process" and path.relative_to(here).as_posix() in DEMO_MODULES:
+            group = "demos"
         if group is None and (
             path.is_relative_to(here / "vllm") or path.name == "test_benchmarks.py"
         ):
