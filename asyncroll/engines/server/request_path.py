@@ -352,16 +352,21 @@ class RequestPath:
         replica checked (`ReplicaControl.failed`), which `_send` waits for."""
         replica = live.replica
         assert replica is not None  # it was sent there
+        self._unsend(part, samples)
+        self._tasks.spawn(self._abort_left(replica, [part.server_id]), "abort")
+        part.resends += 1
+        self._control.failed(replica, exc)
+        self._progress.notify()
+
+    def _unsend(self, part: ss.Part, samples: list[ss.Sample]) -> None:
+        """`part` as if never sent: its samples emptied and its adapter released (an adapter
+        binds the policy of the part's next send)."""
         for i in part.indices:
             samples[i].clear()
         if part.adapter is not None:
             self._lora.release(part.adapter)
             part.adapter = None
         part.started = False
-        self._tasks.spawn(self._abort_left(replica, [part.server_id]), "abort")
-        part.resends += 1
-        self._control.failed(replica, exc)
-        self._progress.notify()
 
     async def _refused(
         self, live: ss.Live, part: ss.Part, samples: list[ss.Sample], exc: rp.PausedRefusal
@@ -371,12 +376,7 @@ class RequestPath:
         id may be sent again, as vLLM finished the refused one) and nobody's failure (no
         check of the replica). It waits `refusals.retry_delay_s` (ended by its abort or the
         engine's close), for `_stream` to send it again, within the group's deadline."""
-        for i in part.indices:
-            samples[i].clear()
-        if part.adapter is not None:
-            self._lora.release(part.adapter)
-            part.adapter = None
-        part.started = False
+        self._unsend(part, samples)
         part.refusals += 1
         self.pause_refusals += 1
         live.refused = exc
