@@ -285,9 +285,11 @@ class Producer:
                 self.config.update_timeout_s,
                 "update_weights",
             )
+            if self.record.enabled:  # its process started beside the update: now it is up
+                await anyio.to_thread.run_sync(self.record.started)
         except BaseException:
             core.phase = move(move(core.phase, Phase.STOPPING), Phase.STOPPED)
-            self.record.close(0)  # nothing but its run line can wait: the thread ends alone
+            self.record.close(0)  # nothing but its run line can wait: the writer is killed
             raise
         del weights
         self._runner = asyncio.create_task(self._run(), name="asyncroll-producer")

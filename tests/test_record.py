@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import os
+import select
+import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -184,11 +186,15 @@ async def test_dropped_groups_are_sampled_per_reason(tmp_path: Path) -> None:
         assert counts.get(reason, 0) == min(n, 2) + max(0, n - 2) // 3, (reason, n, counts)
 
 
-async def test_pieces_and_prompt_text_come_from_the_tokenizer(tmp_path: Path) -> None:
-    class Letters:
-        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-            return "".join(chr(97 + i % 26) for i in ids)
+class Letters:
+    """A tokenizer of one letter a token (at a module's top level: the writer process gets it
+    pickled, by reference)."""
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+async def test_pieces_and_prompt_text_come_from_the_tokenizer(tmp_path: Path) -> None:
     p = producer(RecordConfig(dir=str(tmp_path), tokenizer=Letters()))
     async with p:
         await run_steps(p, 1, attach=False)
@@ -201,40 +207,36 @@ async def test_pieces_and_prompt_text_come_from_the_tokenizer(tmp_path: Path) ->
 # -- hostile paths --------------------------------------------------------------------------------
 
 
-class BlockedDisk:
-    """A record file whose writes wait until `free` is set: a disk that stopped answering."""
-
-    def __init__(self, path: Path, free: threading.Event) -> None:
-        self.file = path.open("xb")
-        self.free = free
-
-    def write(self, data: bytes) -> int:
-        self.free.wait()
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
-async def test_a_blocked_disk_never_stalls_the_producer_and_the_lines_left_out_are_counted(
+def test_a_tokenizer_the_writer_process_cannot_get_is_refused_when_the_producer_is_built(
     tmp_path: Path,
 ) -> None:
-    free = threading.Event()
+    class Local(Letters):  # a local class: pickle cannot name it
+        pass
+
+    with pytest.raises(ValueError, match=r"RecordConfig.tokenizer: .*Local cannot be pickled"):
+        producer(RecordConfig(dir=str(tmp_path), tokenizer=Local()))
+    Local.__module__ = "__main__"  # as a class of the script being run
+    with pytest.raises(ValueError, match=r"defined in the script being run \(__main__\)"):
+        producer(RecordConfig(dir=str(tmp_path), tokenizer=Local()))
+
+
+async def test_a_blocked_writer_never_stalls_the_producer_and_the_lines_left_out_are_counted(
+    tmp_path: Path,
+) -> None:
+    # A writer that does not move (a disk that stopped answering): the process is stopped.
     p = producer(RecordConfig(dir=str(tmp_path), max_pending_tokens=200))
-    p.record._open = lambda path: BlockedDisk(path, free)  # type: ignore[method-assign]
-    try:
-        async with p:
-            await run_steps(p, 40)  # the writer is stuck at its first line all along
+    async with p:
+        pid = p.record.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # after its run line (the entry waits for that)
+        try:
+            await run_steps(p, 40)
             assert p.record.stats.groups == 0
             stats = p.record.stats
             assert stats.dropped_pending > 0
             assert p.record._pending_tokens <= 200
-            free.set()
-    finally:
-        free.set()
+        finally:
+            os.kill(pid, signal.SIGCONT)
     _, groups, _, step_lines = lines(tmp_path)
     assert 0 < len([g for g in groups if g.step is not None]) < 80
     assert step_lines and step_lines[-1].metrics["record/dropped_pending"] > 0
@@ -272,7 +274,7 @@ async def main():
         await p.pause()  # no more groups land: nothing pushes the lines out but the flush
         p.record.step_metrics(4, {"eval/accuracy": 0.5})  # a short line, last before the kill
         await anyio.to_thread.run_sync(p.record.flush, 30.0)
-        print("flushed", flush=True)
+        print("flushed", p.record.pid, flush=True)
         await anyio.sleep(60)  # killed in here: what the writer flushed is on disk
 
 asyncio.run(main())
@@ -288,10 +290,13 @@ def test_a_killed_run_leaves_a_readable_record(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         assert child.stdout is not None
-        assert child.stdout.readline() == "flushed\n"
+        said, writer = child.stdout.readline().split()
+        assert said == "flushed"
     finally:
         child.kill()
         child.wait(DEADLINE_S)
+    # The writer process ends with its producer: the pipe's end of file is its exit.
+    assert exits_within(int(writer), DEADLINE_S)
     _, groups, trains, step_lines = lines(tmp_path)
     assert [s.step for s in step_lines] == [1, 2, 3, 4]  # all flushed, the short one too
     assert {1, 2, 3} <= {g.step for g in groups}
@@ -304,6 +309,57 @@ def test_a_killed_run_leaves_a_readable_record(tmp_path: Path) -> None:
     start = data.rfind(b"\n", 0, len(data) - 1) + 1  # the last whole line, cut in two
     last.write_bytes(data[: (start + len(data)) // 2])
     assert len(list(read_record(tmp_path))) == before - 1
+
+
+def exits_within(pid: int, timeout: float) -> bool:
+    """Whether process `pid` (not a child of ours) has ended or ends within `timeout`."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+class Unreadable(Letters):
+    """A tokenizer that pickles but does not load (a library the writer cannot import)."""
+
+    def __init__(self) -> None:
+        self.vocabulary = "elsewhere"  # a state: unpickling calls __setstate__
+
+    def __setstate__(self, state: object) -> None:
+        raise RuntimeError("this tokenizer's vocabulary is not here")
+
+
+async def test_a_writer_that_cannot_start_stops_the_entry_with_its_cause(tmp_path: Path) -> None:
+    p = producer(RecordConfig(dir=str(tmp_path), tokenizer=Unreadable()))
+    with pytest.raises(RuntimeError, match=r"writer process did not start: RuntimeError: this "):
+        async with p:
+            pass
+    assert p.record.pid is None
+
+
+async def test_a_writer_that_dies_costs_the_record_not_the_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = producer(tmp_path)
+    async with p:
+        await run_steps(p, 2)
+        assert await anyio.to_thread.run_sync(p.record.flush, DEADLINE_S)
+        pid = p.record.pid
+        assert pid is not None
+        written = p.record.stats.groups
+        os.kill(pid, signal.SIGKILL)
+        await anyio.to_thread.run_sync(p.record._threads[1].join, DEADLINE_S)  # heard it end
+        await run_steps(p, 3)  # the run goes on
+        assert not await anyio.to_thread.run_sync(p.record.flush, DEADLINE_S)
+    assert p.record.stats.dropped_closed > 0
+    assert p.record.stats.groups == written
+    assert "the run record's writer failed: it exited before the run's end" in caplog.text
+    _, groups, _, _ = lines(tmp_path)
+    assert {g.step for g in groups if g.step is not None} == {1, 2}
 
 
 def test_a_folder_that_cannot_be_written_is_refused_when_the_producer_is_built(

@@ -8,21 +8,33 @@ logprobs=..., advantages=...)` and `step_metrics(step, metrics)`. Without a reco
 `producer.record` is a disabled `Record` whose calls do nothing, so a training loop calls it
 unconditionally.
 
-The event loop never waits on the disk. What the loop (or the trainer's thread) does is hand
-over references to frozen groups and already-copied arrays: a lock held for a `deque.append`.
-One writer thread per record turns them into lines, encodes them with msgspec and writes them.
-What may wait is bounded by `max_pending_tokens` (every item weighs its response tokens, at
-least one): an item that would pass it is dropped and counted (`Record.stats`, and
-`record/dropped_pending` in every step line). A slow or blocked disk so costs lines, never
-generation. The thread yields the GIL between lines (`time.sleep(0)`), so that a backlog of
-lines does not hold the loop off for the interpreter's whole switch interval (5 ms).
+The event loop never waits on the disk, and never shares its interpreter lock with the
+record's work. What the loop (or the trainer's thread) does is hand over references to frozen
+groups and already-copied arrays: a lock held for a `deque.append`. A feeder thread encodes
+each item with the codec (microseconds a group, in C) and sends it down a pipe to the
+record's writer process (`asyncroll.record.child`), which builds the lines (the per-token
+lists, the pieces, the JSON) and writes them. In a thread of this process that work held the
+lock in stretches of up to the interpreter's switch interval (5 ms), each of which the loop
+waited out: a 10 ms stretch of the loop's own work became 20. What may wait is bounded by
+`max_pending_tokens` (every item weighs its response tokens, at least one; an item counts
+until the writer has taken it): an item that would pass it is dropped and counted
+(`Record.stats`, and `record/dropped_pending` in every step line). A slow or blocked disk so
+costs lines, never generation. The writer's own counters (lines, bytes, files) come back
+with its acknowledgements; the producer's (drops, items left out) go with each message, and
+step lines carry both.
+
+The writer process starts at the producer's entry (a Python that imports msgspec and numpy,
+then the tokenizer's library when there is one: about 0.3 s of CPU, waited for beside the
+engine's first update) and ends with the pipe: at the producer's exit, or when the producer
+dies. A tokenizer is pickled to it, so one that cannot be is refused when the producer is
+built.
 
 On disk the record is bounded by `max_bytes` (default 1 GiB, over every file of the record,
 those of earlier runs it continues included). Group and train lines stop at `max_bytes`
 minus a sixteenth, kept for the step lines, which stop at `max_bytes`; lines left out are
 counted (`record/skipped_budget`). Files rotate at `file_bytes` (64 MiB) into
 `rollouts-NNNNNN.jsonl`. Each line is written whole with its newline, and flushed to the OS
-as soon as the queue is empty: a killed run leaves every line but, at worst, the last one cut
+as soon as the writer has caught up: a killed run leaves every line but, at worst, the last one cut
 short, which `read_record` skips.
 
 A producer loaded from a checkpoint (`Producer.load`) continues the record: a new file with a
@@ -35,26 +47,32 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
-import math
 import os
+import pickle
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
-from asyncroll.record.format import (
-    FILE_GLOB,
-    RECORD_DIR,
-    GroupLine,
-    RunLine,
-    SampleLine,
-    StepLine,
-    TrainLine,
-    record_files,
+from asyncroll.codec import encode, encode_value
+from asyncroll.launcher_env import without_launcher_variables
+from asyncroll.record.format import FILE_GLOB, RECORD_DIR, RunLine, record_files
+from asyncroll.record.wire import (
+    ACKS,
+    Batch,
+    Counts,
+    Drop,
+    Message,
+    Start,
+    Step,
+    Train,
 )
 from asyncroll.types import RolloutGroup
 
@@ -63,8 +81,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STEP_SHARE = 16  # 1/16 of max_bytes is kept for step lines once groups reach the budget
-STEPS_KEPT = 8  # the producer's metrics of a step wait this many batches for the trainer's
+# The writer's start: a Python, msgspec and numpy, the tokenizer's library (transformers is
+# seconds on a loaded machine); this only bounds a writer that never answers.
+START_TIMEOUT_S = 120.0
 
 
 class RecordConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,7 +100,7 @@ class RecordConfig(msgspec.Struct, frozen=True, kw_only=True):
     tokenizer: Any = None
     drops_per_reason: int = 8  # the first dropped groups of each reason are all recorded
     drop_every: int = 50  # then one in this many (0: no more)
-    max_pending_tokens: int = 1 << 20  # what may wait for the writer thread, in tokens
+    max_pending_tokens: int = 1 << 20  # what may wait for the writer, in tokens
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "file_bytes", "max_pending_tokens"):
@@ -116,8 +135,9 @@ class RecordStats(msgspec.Struct, kw_only=True):
 
 
 class _Item(msgspec.Struct):
-    """One piece of work for the writer thread."""
+    """One piece of work for the feeder thread, numbered in the order it was handed over."""
 
+    seq: int
     kind: str  # "run", "batch", "drop", "train", "step"
     payload: Any
     at: float  # time.time() when handed over
@@ -136,25 +156,37 @@ class Record:
         self._pending: collections.deque[tuple[_Item, int]] = collections.deque()
         self._pending_tokens = 0
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._idle = threading.Condition(self._lock)
-        self._busy = False
-        self._closed = False
-        self._thread: threading.Thread | None = None
+        self._wake = threading.Condition(self._lock)  # the feeder: something to send
+        self._done = threading.Condition(self._lock)  # flush(): an acknowledgement came
+        self._seq = -1  # of the last item handed over
+        self._acked = -1  # the last item the writer wrote and flushed
+        self._closed = False  # nothing more is taken
+        self._ended = False  # the writer process said its last word (or died)
+        self._error: str | None = None  # why the writer ended early
+        self._process: subprocess.Popen[bytes] | None = None
+        self._threads: list[threading.Thread] = []
         self._drop_counts: collections.Counter[str] = collections.Counter()
         self._started = 0.0
         if option is not None:
             self.folder = _writable(option.dir)
+            self._tokenizer = _pickled(option.tokenizer)
 
     @property
     def enabled(self) -> bool:
         return self.config is not None
 
+    @property
+    def pid(self) -> int | None:
+        """The writer process's pid, while it runs."""
+        process = self._process
+        return None if process is None or process.returncode is not None else process.pid
+
     # -- the producer's side (event loop) --------------------------------------------------------
 
     def start(self, *, resumed: bool, model: str | None, settings: Mapping[str, Any]) -> None:
-        """Start the writer thread and write the run's `RunLine` (at the producer's entry).
-        A run that was not resumed refuses a folder that holds a record already."""
+        """Start the writer process and hand over the run's `RunLine` (at the producer's
+        entry; `started` then waits for the writer to be ready). A run that was not resumed
+        refuses a folder that holds a record already."""
         cfg = self.config
         if cfg is None:
             return
@@ -165,8 +197,6 @@ class Record:
                 f"({len(existing)} files {FILE_GLOB}); give this run a new folder, delete "
                 "those files, or load() that run's checkpoint to continue its record"
             )
-        self.stats.bytes = sum(p.stat().st_size for p in existing)
-        self._next_file = _number(existing[-1]) + 1 if existing else 0
         self._started = time.time()
         started = datetime.datetime.fromtimestamp(self._started, datetime.UTC).isoformat()
         record = {
@@ -177,11 +207,58 @@ class Record:
             "drop_every": cfg.drop_every,
         }
         run = RunLine(started=started, model=model, config={**settings, "record": record})
-        self._offer(_Item("run", run, self._started), 1)
-        self._thread = threading.Thread(
-            target=self._write_all, name="asyncroll-record", daemon=True
+        self.stats.bytes = sum(p.stat().st_size for p in existing)
+        first = Start(
+            seq=0,
+            path=list(sys.path),
+            folder=str(self.folder),
+            next_file=_number(existing[-1]) + 1 if existing else 0,
+            bytes_before=self.stats.bytes,
+            started=self._started,
+            max_bytes=cfg.max_bytes,
+            step_bytes=cfg.step_bytes,
+            file_bytes=cfg.file_bytes,
+            tokenizer=self._tokenizer,
+            run=msgspec.msgpack.encode(run),
         )
-        self._thread.start()
+        inbox_read, inbox_write = os.pipe()
+        ack_read, ack_write = os.pipe()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "asyncroll.record.child", str(inbox_read), str(ack_write)],
+                pass_fds=(inbox_read, ack_write),
+                start_new_session=True,  # a terminal's ^C is the producer's to handle
+                env=without_launcher_variables(os.environ),
+            )
+        finally:  # the writer's ends are the writer's: its exit closes them for good
+            os.close(inbox_read)
+            os.close(ack_write)
+        inbox = Connection(inbox_write, readable=False)
+        acks = Connection(ack_read, writable=False)
+        self._offer(_Item(0, "run", first, self._started), 1)
+        self._threads = [
+            threading.Thread(target=self._feed, args=(inbox,), name="asyncroll-record-feed"),
+            threading.Thread(target=self._hear, args=(acks,), name="asyncroll-record-acks"),
+        ]
+        for thread in self._threads:
+            thread.daemon = True
+            thread.start()
+
+    def started(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Wait (blocking) until the writer process has written the run's first line; raise
+        if it could not (it exited: its error is in the message) or did not within
+        `timeout`."""
+        if self.config is None:
+            return
+        with self._done:
+            self._done.wait_for(lambda: self._acked >= 0 or self._ended, timeout)
+            if self._acked >= 0:
+                return
+            why = self._error or f"it did not answer within {timeout} s"
+        raise RuntimeError(
+            f"record={self.config.dir!r}: the run record's writer process did not start: "
+            f"{why} (its own output above says more); the run was not started"
+        )
 
     def handed_out(self, batch: ProduceBatchResult) -> None:
         """`produce_batch` hands `batch` out: its groups are the next step's."""
@@ -189,7 +266,7 @@ class Record:
             return
         self.steps += 1
         weight = sum([g.num_tokens for g in batch.groups])
-        self._offer(_Item("batch", (self.steps, batch), time.time()), weight)
+        self._offer(_Item(0, "batch", (self.steps, batch), time.time()), weight)
 
     def dropped(self, group: RolloutGroup, reason: str, version: int) -> None:
         """A group failed, was filtered or expired (`reason`): recorded if sampled."""
@@ -202,7 +279,8 @@ class Record:
         keep = self.config.drops_per_reason
         if n < keep or (every and (n - keep) % every == every - 1):
             self.stats.drops_sampled += 1
-            self._offer(_Item("drop", (group, reason, version), time.time()), group.num_tokens)
+            item = _Item(0, "drop", (group, reason, version), time.time())
+            self._offer(item, group.num_tokens)
 
     # -- the trainer's side (any thread) ---------------------------------------------------------
 
@@ -224,16 +302,16 @@ class Record:
         `advantages`: [rows] (one per sample), [rows, L] as `logprobs`, or one 1-D array per
         row. Only tokens the loss trains (the sample's `loss_mask`) are kept; the others are
         None. `extra`: name -> one number per row. Arrays are copied here; the lines are
-        built in the writer thread."""
+        built by the writer process."""
         if self.config is None:
             return
         groups = list(groups)
-        rows = sum(g.num_samples for g in groups)
-        lp = _rows(logprobs, rows, "logprobs")
-        adv = _rows(advantages, rows, "advantages")
-        more = {k: _rows(v, rows, f"extra[{k!r}]") for k, v in (extra or {}).items()}
-        weight = sum(g.num_tokens for g in groups)
-        self._offer(_Item("train", (step, groups, lp, adv, more), time.time()), weight)
+        tokens = [len(s.tokens) for g in groups for s in g.samples]
+        lp = _rows(logprobs, tokens, "logprobs")
+        adv = _rows(advantages, tokens, "advantages")
+        more = {k: _rows(v, tokens, f"extra[{k!r}]") for k, v in (extra or {}).items()}
+        rows = {"logprobs": lp, "advantages": adv, "extra": more}
+        self._offer(_Item(0, "train", (step, groups, rows), time.time()), sum(tokens))
 
     def step_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         """The trainer's numbers of `step`: written in one `StepLine` with the metrics of the
@@ -243,35 +321,46 @@ class Record:
         if self.config is None:
             return
         numbers = {str(k): float(v) for k, v in metrics.items()}
-        self._offer(_Item("step", (step, numbers), time.time()), 1 + len(numbers) // 16)
+        self._offer(_Item(0, "step", (step, numbers), time.time()), 1 + len(numbers) // 16)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (blocking: call it from a thread, not the event loop) until everything handed
-        over so far is written and flushed to the OS; False if `timeout` passed first."""
+        over so far is written and flushed to the OS; False if `timeout` passed first or the
+        writer ended without it."""
         if self.config is None:
             return True
-        with self._idle:
-            return self._idle.wait_for(lambda: not self._pending and not self._busy, timeout)
+        with self._done:
+            last = self._seq
+            self._done.wait_for(lambda: self._acked >= last or self._ended, timeout)
+            return self._acked >= last and self._error is None
 
     def close(self, timeout: float | None = None) -> bool:
-        """Write what is waiting, flush and close the file, end the thread (blocking). False
-        if the thread was still writing after `timeout` (a disk that does not answer): it is
-        a daemon thread, and what it had not written is lost."""
+        """Hand the writer what is waiting, let it write it, flush and exit (blocking). False
+        if it was still writing after `timeout` (a disk that does not answer): it is then
+        killed, and what it had not written is lost."""
         with self._lock:
             self._closed = True
             self._wake.notify_all()
-        thread = self._thread
-        if thread is None:
+        process = self._process
+        if process is None:
             return True
-        thread.join(timeout)
-        if thread.is_alive():
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._threads[0].join(_left(deadline))  # the feeder hands over the rest, then ends
+        finished = True
+        try:
+            process.wait(_left(deadline))
+        except subprocess.TimeoutExpired:
+            finished = False
             log.warning(
-                "the run record's writer did not finish within %s s (a slow disk?): %d items "
-                "were not written to %s",
-                timeout, len(self._pending), self.folder,
+                "the run record's writer did not finish within %s s (a slow disk?): the "
+                "lines not yet written to %s are lost",
+                timeout, self.folder,
             )  # fmt: skip
-            return False
-        return True
+            process.kill()
+            process.wait()
+        for thread in self._threads:  # both end with the process: its pipes are closed
+            thread.join()
+        return finished and self._error is None
 
     def _offer(self, item: _Item, weight: int) -> None:
         """Queue `item` unless the writer is `max_pending_tokens` behind: never waits."""
@@ -284,232 +373,159 @@ class Record:
             if self._pending_tokens + weight > self.config.max_pending_tokens and self._pending:
                 self.stats.dropped_pending += 1
                 return
+            self._seq += 1
+            item.seq = self._seq
             self._pending.append((item, weight))
             self._pending_tokens += weight
             self._wake.notify()
 
-    # -- the writer thread -----------------------------------------------------------------------
+    # -- the feeder and the acknowledgements (threads of their own) -------------------------------
 
-    def _write_all(self) -> None:
-        lines = _Lines(self)
+    def _feed(self, inbox: Connection) -> None:
+        """Encode each waiting item and send it to the writer. An item counts against
+        `max_pending_tokens` until the writer has taken it, so what waits in this process
+        stays within the bound whatever the writer does."""
+        encode = msgspec.msgpack.Encoder().encode
         try:
             while True:
                 with self._lock:
                     self._wake.wait_for(lambda: bool(self._pending) or self._closed)
                     if not self._pending:
                         break
-                    item, weight = self._pending.popleft()
-                    self._busy = True
-                try:
-                    lines.write(item)
-                finally:
-                    with self._lock:
-                        self._pending_tokens -= weight
-                        self._busy = False
-                        if not self._pending:
-                            lines.flush()
-                            self._idle.notify_all()
-            lines.finish()
-        except Exception:  # a full disk, a bug: the run goes on without its record
-            log.exception("the run record's writer failed: no more lines go to %s", self.folder)
-            with self._lock:
-                self._closed = True
-                self.stats.dropped_closed += len(self._pending)
-                self._pending.clear()
-                self._idle.notify_all()
-        finally:
-            lines.close()
-
-    def _open(self, path: Path) -> BinaryIO:
-        """A new record file (a test replaces this to simulate a slow disk)."""
-        return path.open("xb")
-
-
-class _Lines:
-    """The writer thread's state: the open file, the budget, the pieces, the steps waiting for
-    the trainer's metrics."""
-
-    def __init__(self, record: Record) -> None:
-        assert record.config is not None
-        self.record = record
-        self.cfg = record.config
-        self.stats = record.stats
-        self.file: BinaryIO | None = None
-        self.file_bytes = 0
-        self.piece = _pieces(self.cfg.tokenizer)
-        self.steps: dict[int, tuple[int, float, dict[str, float]]] = {}
-        self.version = 0  # of the last batch: a step line of the trainer's numbers alone
-        self.encoder = msgspec.json.Encoder()
-        kept = self.cfg.step_bytes
-        self.group_limit = self.cfg.max_bytes - (
-            self.cfg.max_bytes // STEP_SHARE if kept is None else kept
-        )
-
-    def write(self, item: _Item) -> None:
-        match item.kind:
-            case "run":
-                self.line(item.payload, step=True)
-            case "batch":
-                step, batch = item.payload
-                for group in batch.groups:
-                    self.line(self.group(group, step, batch.version, None), step=False)
-                    self.stats.groups += 1
-                    time.sleep(0)  # let the event loop have the GIL between lines
-                self.steps[step] = (batch.version, item.at, batch.metrics())
-                self.version = batch.version
-                for old in [s for s in self.steps if s <= step - STEPS_KEPT]:
-                    self.step_line(old, {})
-            case "drop":
-                group, reason, version = item.payload
-                self.line(self.group(group, None, version, reason), step=False)
-                self.stats.groups += 1
-            case "train":
-                for line in self.train(*item.payload):
-                    self.line(line, step=False)
-                    time.sleep(0)
-            case "step":
-                step, numbers = item.payload
-                self.step_line(step, numbers, at=item.at)
-
-    def step_line(self, step: int, numbers: dict[str, float], at: float | None = None) -> None:
-        version, handed, produced = self.steps.pop(step, (self.version, at or time.time(), {}))
-        stats = {f"record/{k}": float(v) for k, v in msgspec.structs.asdict(self.stats).items()}
-        metrics = {**produced, **numbers, **stats}
-        line = StepLine(
-            step=step,
-            version=version,
-            time_s=(at or handed) - self.record._started,
-            # JSON has no NaN or infinity (msgspec writes null, which no float reads back):
-            # a metric with no value this step (a mean of nothing) is left out
-            metrics={k: v for k, v in metrics.items() if math.isfinite(v)},
-        )
-        self.line(line, step=True)
-
-    def group(
-        self, group: RolloutGroup, step: int | None, version: int, reason: str | None
-    ) -> GroupLine:
-        piece = self.piece
-        samples = []
-        for i, s in enumerate(group.samples):
-            tokens = s.tokens.tolist()
-            samples.append(
-                SampleLine(
-                    index=i,
-                    status=s.status.value,
-                    finish_reason=s.finish_reason,
-                    reward=s.reward,
-                    error=s.error,
-                    tokens=tokens,
-                    pieces=None if piece is None else [piece(t) for t in tokens],
-                    logprobs=s.logprobs.astype(np.float64).tolist(),
-                    versions=s.versions.tolist(),
-                    loss_mask=None if s.loss_mask is None else s.loss_mask.tolist(),
-                    turn_ends=None if s.turn_ends is None else s.turn_ends.tolist(),
-                )
-            )
-        prompt = group.prompt_tokens.tolist()
-        tokenizer = self.cfg.tokenizer
-        return GroupLine(
-            uid=group.uid,
-            prompt_id=group.prompt_id,
-            task=group.task,
-            status=group.status.value,
-            error=group.error,
-            step=step,
-            version=version,
-            drop_reason=reason,
-            start_version=group.start_version,
-            attempts=group.attempts,
-            latency_s=group.latency_s,
-            prompt_tokens=prompt,
-            prompt_text=None if tokenizer is None else _decode(tokenizer, prompt),
-            samples=samples,
-        )
-
-    def train(
-        self,
-        step: int,
-        groups: list[RolloutGroup],
-        logprobs: _RowValues,
-        advantages: _RowValues,
-        extra: dict[str, _RowValues],
-    ) -> list[TrainLine]:
-        out = []
-        row = 0
-        for group in groups:
-            p = len(group.prompt_tokens)
-            for i, s in enumerate(group.samples):
-                n = len(s.tokens)
-                trained = None if s.loss_mask is None else s.loss_mask.astype(bool)
-                out.append(
-                    TrainLine(
-                        step=step,
-                        uid=group.uid,
-                        index=i,
-                        logprobs=_tokens_of(logprobs, row, p, n, trained),
-                        advantages=_tokens_of(advantages, row, p, n, trained),
-                        extra={
-                            k: float(np.asarray(v[row]).reshape(-1)[0])
-                            for k, v in extra.items()
-                            if v is not None
-                        },
+                    item, weight = self._pending[0]
+                    counts = Counts(
+                        drops_seen=self.stats.drops_seen,
+                        drops_sampled=self.stats.drops_sampled,
+                        dropped_pending=self.stats.dropped_pending,
+                        dropped_closed=self.stats.dropped_closed,
                     )
-                )
-                row += 1
-        return out
+                inbox.send_bytes(encode(_message(item, counts)))
+                with self._lock:
+                    self._pending.popleft()
+                    self._pending_tokens -= weight
+        except OSError:  # the writer is gone (`_hear` says why): what waits is lost
+            with self._lock:
+                self._drop_all()
+        finally:
+            inbox.close()  # the writer's end of file: it finishes and exits
 
-    def line(self, line: Any, *, step: bool) -> None:
-        """Write one line within the budget, rotating files at `file_bytes`."""
-        data = self.encoder.encode(line) + b"\n"
-        limit = self.cfg.max_bytes if step else self.group_limit
-        if self.stats.bytes + len(data) > limit:
-            self.stats.skipped_budget += 1
-            return
-        if self.file is None or (
-            self.file_bytes and self.file_bytes + len(data) > self.cfg.file_bytes
-        ):
-            self.rotate()
-        assert self.file is not None
-        self.file.write(data)
-        self.file_bytes += len(data)
-        self.stats.bytes += len(data)
+    def _hear(self, acks: Connection) -> None:
+        """Take the writer's acknowledgements until it exits."""
+        try:
+            while True:
+                ack = ACKS.decode(acks.recv_bytes())
+                with self._lock:
+                    self.stats.groups = ack.stats.groups
+                    self.stats.skipped_budget = ack.stats.skipped_budget
+                    self.stats.bytes = ack.stats.bytes
+                    self.stats.files = ack.stats.files
+                    self._acked = max(self._acked, ack.seq)
+                    if ack.error is not None:
+                        self._error = ack.error
+                    self._done.notify_all()
+        except (EOFError, OSError):
+            pass
+        finally:
+            acks.close()
+            with self._lock:
+                self._ended = True
+                if self._error is None and not self._closed:
+                    self._error = "it exited before the run's end"
+                if self._error is not None:
+                    log.warning(
+                        "the run record's writer failed: %s; no more lines go to %s",
+                        self._error, self.folder,
+                    )  # fmt: skip
+                    self._drop_all()
+                self._done.notify_all()
 
-    def rotate(self) -> None:
-        self.close()
-        record = self.record
-        path = record.folder / f"rollouts-{record._next_file:06d}.jsonl"
-        record._next_file += 1
-        self.file = record._open(path)
-        self.file_bytes = 0
-        self.stats.files += 1
-
-    def flush(self) -> None:
-        if self.file is not None:
-            self.file.flush()
-
-    def finish(self) -> None:
-        """At the end: the steps still waiting for the trainer's metrics, then flush."""
-        for step in sorted(self.steps):
-            self.step_line(step, {})
-        self.flush()
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+    def _drop_all(self) -> None:
+        """The writer takes nothing more (called with the lock held)."""
+        self._closed = True
+        self.stats.dropped_closed += len(self._pending)
+        self._pending.clear()
+        self._pending_tokens = 0
+        self._wake.notify_all()
 
 
-_RowValues = list[np.ndarray] | np.ndarray | None
+def _message(item: _Item, counts: Counts) -> Message:
+    """`item` as the writer's message: the groups as the codec's bytes."""
+    match item.kind:
+        case "run":
+            first: Start = item.payload
+            return first
+        case "batch":
+            step, batch = item.payload
+            return Batch(
+                seq=item.seq,
+                counts=counts,
+                step=step,
+                version=batch.version,
+                at=item.at,
+                metrics=batch.metrics(),
+                groups=[encode(g) for g in batch.groups],
+            )
+        case "drop":
+            group, reason, version = item.payload
+            return Drop(
+                seq=item.seq, counts=counts, version=version, reason=reason, group=encode(group)
+            )
+        case "train":
+            step, groups, rows = item.payload
+            return Train(
+                seq=item.seq,
+                counts=counts,
+                step=step,
+                groups=[encode(g) for g in groups],
+                rows=encode_value(rows),
+            )
+        case _:
+            step, numbers = item.payload
+            return Step(seq=item.seq, counts=counts, step=step, at=item.at, numbers=numbers)
 
 
-def _rows(values: Any, rows: int, name: str) -> _RowValues:
-    """`values` as numpy, copied: a [rows] or [rows, L] array, or one 1-D array per row."""
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _pickled(tokenizer: Any) -> bytes | None:
+    """The tokenizer as the writer process gets it; one it cannot get is refused now."""
+    if tokenizer is None:
+        return None
+    kind = type(tokenizer)
+    if kind.__module__ == "__main__":
+        raise ValueError(
+            f"RecordConfig.tokenizer: {kind.__qualname__} is defined in the script being run "
+            "(__main__), which the record's writer process cannot import; move the class into "
+            "a module, or give a tokenizers.Tokenizer or a transformers tokenizer"
+        )
+    try:
+        return pickle.dumps(tokenizer)
+    except Exception as exc:
+        raise ValueError(
+            f"RecordConfig.tokenizer: the {kind.__qualname__} cannot be pickled for the "
+            f"record's writer process ({type(exc).__name__}: {exc}); give a "
+            "tokenizers.Tokenizer, a transformers tokenizer, or an object of a class defined "
+            "at a module's top level"
+        ) from exc
+
+
+def _rows(values: Any, tokens: list[int], name: str) -> np.ndarray | list[np.ndarray] | None:
+    """`values` as numpy, copied: a [rows] or [rows, L] array, or one 1-D array per row over
+    its response (`tokens[row]` values). Checked here, where the caller sees the error."""
     if values is None:
         return None
+    rows = len(tokens)
     if isinstance(values, (list, tuple)):
         out = [np.array(_numpy(v), dtype=np.float64).reshape(-1) for v in values]
         if len(out) != rows:
             raise ValueError(f"record.attach: {name} has {len(out)} rows, the groups {rows}")
+        for row, (v, n) in enumerate(zip(out, tokens, strict=True)):
+            if len(v) != n:
+                raise ValueError(
+                    f"record.attach: {name}[{row}] has {len(v)} values for the sample's {n} "
+                    "response tokens"
+                )
         return out
     array = np.array(_numpy(values), dtype=np.float64)
     if array.ndim not in (1, 2) or len(array) != rows:
@@ -525,48 +541,6 @@ def _numpy(value: Any) -> Any:
     if hasattr(value, "detach"):
         return value.detach().float().cpu().numpy()
     return value
-
-
-def _tokens_of(
-    values: _RowValues, row: int, prompt: int, n: int, trained: np.ndarray | None
-) -> list[float | None] | None:
-    """Row `row`'s value at each of its `n` response tokens, None where not trained."""
-    if values is None:
-        return None
-    v = values[row]
-    if isinstance(values, list):
-        if len(v) != n:
-            raise ValueError(f"record.attach: row {row} has {len(v)} values for {n} tokens")
-        per = v
-    elif v.ndim == 0:
-        per = np.full(n, float(v))
-    else:
-        per = v[prompt : prompt + n]
-    out: list[float | None] = per.tolist()
-    if trained is not None:
-        for k in np.flatnonzero(~trained).tolist():
-            out[k] = None
-    return out
-
-
-def _decode(tokenizer: Any, ids: list[int]) -> str:
-    return str(tokenizer.decode(ids, skip_special_tokens=False))
-
-
-def _pieces(tokenizer: Any) -> Callable[[int], str] | None:
-    """Each token id's piece (its own decode), cached per id: a vocabulary's worth of decodes
-    at most, each once."""
-    if tokenizer is None:
-        return None
-    cache: dict[int, str] = {}
-
-    def piece(token: int) -> str:
-        text = cache.get(token)
-        if text is None:
-            text = cache[token] = _decode(tokenizer, [token])
-        return text
-
-    return piece
 
 
 def _number(path: Path) -> int:
