@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from asyncroll.record.lines import Lines
-from asyncroll.record.wire import MESSAGES, Ack, Message, Start, WriterStats
+from asyncroll.record.wire import MESSAGES, Ack, Message, Opening, WriterStats
 
 
 def main(argv: list[str]) -> int:
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     acks = Connection(int(argv[2]), readable=False)
     encode = msgspec.msgpack.Encoder().encode
     start = MESSAGES.decode(inbox.recv_bytes())
-    assert isinstance(start, Start), start
+    assert isinstance(start, Opening), start
     sys.path[:] = start.path  # the tokenizer's classes import as in the producer
     lines = None
     try:

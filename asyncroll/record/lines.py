@@ -26,7 +26,7 @@ from asyncroll.record.wire import (
     Counts,
     Drop,
     Message,
-    Start,
+    Opening,
     Step,
     Train,
     WriterStats,
@@ -39,7 +39,7 @@ class Lines:
     trainer's metrics. `stats` is what it wrote and left out; `counts` the producer's own
     counters as last sent, which step lines carry beside them."""
 
-    def __init__(self, start: Start, tokenizer: Any) -> None:
+    def __init__(self, start: Opening, tokenizer: Any) -> None:
         self.start = start
         self.folder = Path(start.folder)
         self.next_file = start.next_file
@@ -58,10 +58,10 @@ class Lines:
         )
 
     def write(self, message: Message) -> None:
-        if not isinstance(message, Start):
+        if not isinstance(message, Opening):
             self.counts = message.counts
         match message:
-            case Start():
+            case Opening():
                 self.line(msgspec.msgpack.decode(message.run, type=RunLine), step=True)
             case Batch():
                 for data in message.groups:

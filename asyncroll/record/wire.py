@@ -3,8 +3,8 @@
 Messages go one way, to the writer, as msgspec msgpack over a pipe (one `Connection` frame
 each); the groups inside them are the codec's bytes (`asyncroll.codec.encode`), the trainer's
 arrays `encode_value`'s. Acknowledgements come back on a second pipe: the last message written
-and flushed, with the writer's counters. Every message but `Start` carries the producer's own
-counters (`Counts`) as they were when it was sent, so that step lines hold both sides'.
+and flushed, with the writer's counters. Every message but `Opening` carries the producer's
+own counters (`Counts`) as they were when it was sent, so that step lines hold both sides'.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class WriterStats(msgspec.Struct, kw_only=True):
     files: int = 0
 
 
-class Start(msgspec.Struct, tag="start", kw_only=True):
+class Opening(msgspec.Struct, tag="start", kw_only=True):
     """The first message: where and how to write, and the run's first line (encoded)."""
 
     seq: int
@@ -83,7 +83,7 @@ class Step(msgspec.Struct, tag="step", kw_only=True):
     numbers: dict[str, float]
 
 
-Message = Start | Batch | Drop | Train | Step
+Message = Opening | Batch | Drop | Train | Step
 
 
 class Ack(msgspec.Struct, kw_only=True):

@@ -70,7 +70,7 @@ from asyncroll.record.wire import (
     Counts,
     Drop,
     Message,
-    Start,
+    Opening,
     Step,
     Train,
 )
@@ -208,7 +208,7 @@ class Record:
         }
         run = RunLine(started=started, model=model, config={**settings, "record": record})
         self.stats.bytes = sum(p.stat().st_size for p in existing)
-        first = Start(
+        first = Opening(
             seq=0,
             path=list(sys.path),
             folder=str(self.folder),
@@ -452,7 +452,7 @@ def _message(item: _Item, counts: Counts) -> Message:
     """`item` as the writer's message: the groups as the codec's bytes."""
     match item.kind:
         case "run":
-            first: Start = item.payload
+            first: Opening = item.payload
             return first
         case "batch":
             step, batch = item.payload
