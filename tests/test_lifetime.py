@@ -148,6 +148,42 @@ def test_reaper_ends_tied_processes_of_a_killed_owner() -> None:
                 proc.kill()
 
 
+def test_reaper_reaps_for_an_owner_dead_before_it_read_a_word() -> None:
+    """The owner ties a child and dies at once, before its reaper (a Python process still
+    starting) has read the lines naming that child: the reaper reads what the pipe still holds
+    and ends the child all the same."""
+    owner = python("""
+        import os, subprocess, sys
+        import psutil
+        from asyncroll import lifetime
+
+        lifetime.REAP_GRACE_S = 1.0
+        tie = lifetime.tie()
+        with tie.starting():
+            tied = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        below = psutil.Process().children()
+        reapers = [p.pid for p in below if "reaper.py" in " ".join(p.cmdline())]
+        print(tied.pid, *reapers, flush=True)
+        os._exit(0)
+    """)  # fmt: skip
+    assert owner.stdout is not None
+    pids = [int(x) for x in owner.stdout.readline().split()]
+    owner.wait(timeout=DEADLINE_S)
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue  # ended already
+    try:
+        _gone, alive = psutil.wait_procs(procs, timeout=DEADLINE_S)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        for proc in procs:
+            if proc.is_running():
+                proc.kill()
+
+
 @pytest.mark.parametrize("how", ["bye", "eof"])
 def test_reaper_ends_with_its_owner_done(how: str) -> None:
     """Closed with "bye" (every tie released) it reaps nothing; end of file alone (the owner

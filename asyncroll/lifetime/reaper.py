@@ -17,10 +17,12 @@ It reads lines from its stdin, a pipe from the owner:
 
 End of file without `bye`, or a new parent (the owner died and the reaper was handed to init or
 a subreaper; checked every `POLL_S`, for when a process forked from the owner still holds the
-pipe), makes it reap: SIGTERM to every tied process still running and all below it (vLLM's
-engine core, workers and API server shut down in order on it, and the workers free their
-shared memory), SIGKILL to those left after `GRACE_S`. A tied process is remembered with its
-start time, so a pid reused meanwhile is left alone (psutil checks it before each signal).
+pipe), makes it reap once it has read what the pipe still holds (an owner killed just after
+starting an engine may die before this process, still starting, has read a word): SIGTERM to
+every tied process still running and all below it (vLLM's engine core, workers and API server
+shut down in order on it, and the workers free their shared memory), SIGKILL to those left
+after `GRACE_S`. A tied process is remembered with its start time, so a pid reused meanwhile
+is left alone (psutil checks it before each signal).
 It runs in a session of its own, so that a signal to the owner's process group (torchrun's
 SIGKILL, a terminal's Ctrl-C) does not end it before the owner.
 
@@ -46,7 +48,7 @@ class Reaper:
     while a window is open (the owner's list at `close` settles them: a child the owner
     started just after the window is not tied, whenever this process looks)."""
 
-    def __init__(self, owner: psutil.Process) -> None:
+    def __init__(self, owner: psutil.Process | None) -> None:
         self.owner = owner
         self.untied = {os.getpid()}
         self.tied: dict[int, psutil.Process] = {}
@@ -78,6 +80,8 @@ class Reaper:
 
     def adopt(self) -> None:
         """Note the owner's children started inside the open windows."""
+        if self.owner is None:
+            return  # gone before this process looked: what it wrote is all there is
         try:
             children = self.owner.children()
         except psutil.Error:
@@ -109,12 +113,15 @@ class Reaper:
 def main(owner_pid: int, grace_s: float) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the owner's death ends it
     try:
-        reaper = Reaper(psutil.Process(owner_pid))
+        owner: psutil.Process | None = psutil.Process(owner_pid)
     except psutil.NoSuchProcess:
-        return  # the owner died before anything was tied
+        owner = None  # died while this process started: what it wrote is still in the pipe
+    reaper = Reaper(owner)
     buffered = b""
-    while os.getppid() == owner_pid:
-        ready, _, _ = select.select([sys.stdin.buffer], [], [], POLL_S)
+    while True:
+        orphaned = os.getppid() != owner_pid
+        # an orphan only drains the pipe: the owner may have died with its last lines unread
+        ready, _, _ = select.select([sys.stdin.buffer], [], [], 0 if orphaned else POLL_S)
         if ready:
             chunk = os.read(sys.stdin.fileno(), 65536)
             if not chunk:
@@ -123,6 +130,8 @@ def main(owner_pid: int, grace_s: float) -> None:
             buffered = rest
             if not all(reaper.message(line.decode()) for line in lines if line.strip()):
                 return
+        elif orphaned:
+            break
         if reaper.windows > 0:
             reaper.adopt()
     reaper.reap(grace_s)
