@@ -11,8 +11,9 @@ the DP server's life, so that test costs one server start (the return), not two.
 
 The server runs `--api-server-count 1`: with more API servers an abort by id is honoured only
 by the API server that accepted the request (see the design section), and the engine sends
-its aborts on a connection of its own. Slow: a DP server takes 1-5 minutes to start on 2
-shared cores, and the fresh reference engine another 15-70 s.
+its aborts on a connection of its own. The update's reference is the weight-parity module's
+(tests/vllm/test_weight_parity.py: a fresh engine on every tensor perturbed, made once a run).
+Slow: a DP server takes 1-5 minutes to start on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -29,12 +30,22 @@ import pytest
 import pytest_asyncio
 
 from asyncroll import DropRecord, Producer, PutOutcome, RolloutGroup, SamplingConfig
-from asyncroll.engines import SampleOutput, VLLMEngine, VLLMServerEngine
+from asyncroll.app.models import build_tiny_model
+from asyncroll.engines import VLLMServerEngine
 from asyncroll.engines.server.launch import ServerProcess
 from asyncroll.engines.server.replicas import ReplicaState
-from tests.vllm.conftest import DEADLINE_S, MAX_MODEL_LEN, original_weights
+from tests.made_once import made_once
+from tests.vllm.conftest import DEADLINE_S, original_weights
 from tests.vllm.helpers import ids, request
 from tests.vllm.server import SERVER_MAX_MODEL_LEN, restore_session_server, server_engine_on
+from tests.vllm.test_weight_parity import (
+    VERSION,
+    Case,
+    assert_parity,
+    load_case,
+    make_cases,
+    serve,
+)
 
 # The module's own server and, in the replica test, the session's: on the session server's
 # worker under `pytest -n 2 --dist loadgroup`
@@ -43,7 +54,6 @@ pytestmark = pytest.mark.slow
 ENGINE_CORES = 2
 DP_MAX_MODEL_LEN = 8192
 PROMPTS = [ids(0, 17 + i, 18 + i % 5, 19, 20 + i % 7) for i in range(16)]  # 16 distinct
-GREEDY_TOKENS = 12
 # ~17 s per request unloaded: an update or an abort (well under a second) lands while it runs
 LONG_TOKENS = DP_MAX_MODEL_LEN - 16
 # The relabel test's budgets, tried in turn. A request that ran to its end before the update
@@ -53,19 +63,6 @@ LONG_TOKENS = DP_MAX_MODEL_LEN - 16
 # times that, so that it is the attempt that runs unless the machine stalls.
 RELABEL_BUDGETS = (1024, 4096, LONG_TOKENS)
 RUN_TO_END_S = 600.0
-
-
-def perturbed_weights(model: Path) -> list[tuple[str, object]]:
-    """Every tensor scaled by its own noise (1 + N(0, 0.5^2)), the tied embedding included:
-    its head has no tensor of its own, so a stale head would show here (issue #24, item 1)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(1)
-    out: list[tuple[str, object]] = []
-    for name, tensor in original_weights(model):
-        noise = torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype)
-        out.append((name, tensor * (1 + 0.5 * noise)))
-    return out
 
 
 async def per_engine(url: str, metric: str) -> Counter[str]:
@@ -89,19 +86,6 @@ async def checksums(url: str) -> dict[str, str]:
     ):
         assert reply.status == 200, await reply.text()
         return dict((await reply.json())["checksums"])
-
-
-async def greedy_all(engine: VLLMEngine | VLLMServerEngine, tag: str) -> list[SampleOutput]:
-    async with asyncio.timeout(DEADLINE_S * 2):
-        results = await asyncio.gather(
-            *(
-                engine.generate(
-                    request(f"{tag}-{i}", p, max_new_tokens=GREEDY_TOKENS, temperature=0.0)
-                )
-                for i, p in enumerate(PROMPTS)
-            )
-        )
-    return [out for (out,) in results]
 
 
 @pytest.fixture(scope="module")
@@ -140,71 +124,33 @@ async def dp_engine(
         await asyncio.wait_for(engine.close(), DEADLINE_S)
 
 
-def model_folder(model: Path, weights: Sequence[tuple[str, object]], folder: Path) -> Path:
-    """`model`'s folder (config, tokenizer) copied to `folder`, with `weights` as its weights."""
-    from safetensors.torch import save_file
-
-    folder.mkdir()
-    for f in model.iterdir():
-        if f.name != "model.safetensors":
-            (folder / f.name).write_bytes(f.read_bytes())
-    tensors = {name: tensor.contiguous() for name, tensor in weights}  # type: ignore[attr-defined]
-    save_file(tensors, str(folder / "model.safetensors"))
-    return folder
-
-
-async def fresh_engine_outputs(folder: Path) -> list[SampleOutput]:
-    """Greedy outputs of a fresh in-process engine started on `folder` (the reference)."""
-    engine = VLLMEngine(folder, max_model_len=MAX_MODEL_LEN, dtype="float32", seed=0)
-    try:
-        return await greedy_all(engine, "fresh")
-    finally:
-        await asyncio.wait_for(engine.close(), DEADLINE_S)
-
-
-@pytest.fixture(scope="module")
-def new_weights(server_model: Path) -> list[tuple[str, object]]:
-    return perturbed_weights(server_model)
-
-
 @pytest_asyncio.fixture(scope="module")
-async def fresh_outputs(
-    server_model: Path,
-    new_weights: list[tuple[str, object]],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> list[SampleOutput]:
-    """The reference: a fresh in-process engine started on `new_weights` (module-scoped and
-    asked for before `dp_server`, so that it runs, and ends, before the DP server starts)."""
-    folder = tmp_path_factory.mktemp("dp-fresh") / "model"
-    await asyncio.to_thread(model_folder, server_model, new_weights, folder)
-    return await fresh_engine_outputs(folder)
+async def tied_case(tmp_path_factory: pytest.TempPathFactory) -> Case:
+    """The weight-parity module's tied case: every tensor perturbed, and what a fresh engine
+    on them served (made once a run, before any engine under test starts). The DP server runs
+    the same tensors with more positions, as the session's server does in that module."""
+    root = await made_once(tmp_path_factory, "weight-parity", make_cases)
+    return load_case(build_tiny_model(), root / "tied")
 
 
 async def test_every_engine_core_serves_the_update_under_its_label(
-    fresh_outputs: list[SampleOutput],
-    new_weights: list[tuple[str, object]],
-    dp_server: ServerProcess,
-    dp_engine: VLLMServerEngine,
+    tied_case: Case, dp_server: ServerProcess, dp_engine: VLLMServerEngine
 ) -> None:
-    """16 greedy requests after an update, spread by vLLM over both engine cores, equal a
-    fresh engine loaded with the same weights token for token (logprobs within 1e-4), every
-    token labelled with the update's version; both cores report the same checksums."""
-    server, engine, expected = dp_server, dp_engine, fresh_outputs
-    before = await greedy_all(engine, "before")
+    """The weight-parity requests (greedy and seeded, sent at once: vLLM's DP front end
+    spreads a burst round-robin over the engine cores) after an update equal a fresh engine
+    loaded with the same weights token for token (logprobs within 1e-4), every token labelled
+    with the update's version, and both cores served them; both report the same checksums."""
+    server, engine, case = dp_server, dp_engine, tied_case
+    before = await serve(engine, "before")
+    pairs = zip(before, case.reference, strict=True)
+    assert any(a.tokens.tolist() != b.tokens.tolist() for a, b in pairs)  # the update matters
+    await engine.update_weights(case.weights, version=VERSION)
     served_before = await per_engine(server.url, "vllm:request_success_total")
-    await engine.update_weights(new_weights, version=1)
-    after = await greedy_all(engine, "after")
+    assert_parity(await serve(engine, "parity"), case.reference)  # the same ids: seeds
     served = await per_engine(server.url, "vllm:request_success_total") - served_before
 
     assert sorted(served) == [str(i) for i in range(ENGINE_CORES)], served  # both cores served
-    assert sum(served.values()) == len(PROMPTS)
-    pairs = zip(before, after, strict=True)
-    changed = sum(not np.array_equal(b.tokens, a.tokens) for b, a in pairs)
-    assert changed >= len(PROMPTS) // 2  # the update changed what is served
-    for got, want in zip(after, expected, strict=True):
-        assert (got.versions == 1).all()
-        np.testing.assert_array_equal(got.tokens, want.tokens)
-        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
+    assert sum(served.values()) == len(case.reference)
     sums = await checksums(server.url)
     ranks = {key.split(":", 1)[0] for key in sums}
     assert ranks == {f"dp{i}" for i in range(ENGINE_CORES)}, ranks
