@@ -7,13 +7,16 @@ trains its share of each batch with `train_step`; rank 0 alone starts vLLM and t
 (the other ranks never import vLLM), hands each rank its share (`Ranks.batch`), and loads the
 gathered weights into vLLM after each step (`Ranks.update_weights`). The loss is the one
 process demo's (GRPO with the same correction, clip and gradient clipping), so it learns as
-that one does. docs/whole-machine.md explains each line.
+that one does. Rank 0 writes the run record as the one-process demo does (the groups, their
+advantages and each step's numbers; not the trainer's logprobs, which each rank computes for
+its own share) and its report. docs/whole-machine.md explains each line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import sys
 import time
 from collections import Counter
@@ -23,8 +26,16 @@ from typing import Any, TextIO
 import msgspec
 
 from asyncroll.app.demo import DemoConfig, demo_model, echo_prompts, echo_reward, solved
-from asyncroll.app.demo_report import StepRecord, log_record, postfix, step_record, summarise
+from asyncroll.app.demo_report import (
+    StepRecord,
+    log_record,
+    postfix,
+    step_numbers,
+    step_record,
+    summarise,
+)
 from asyncroll.engines.base import SamplingConfig
+from asyncroll.record import RecordConfig, record_files
 
 
 def command(cfg: DemoConfig, verbose: bool) -> list[str]:
@@ -45,6 +56,7 @@ async def run_ranks(cfg: DemoConfig, *, console: TextIO, progress: bool = True) 
     from transformers import AutoModelForCausalLM
 
     from asyncroll.distributed import Ranks
+    from asyncroll.report import build_report
     from asyncroll.train import CORRECTIONS, LossConfig, split_batch, to_batch, train_step
 
     torch.set_num_threads(1)  # the ranks and vLLM's worker share the machine's cores
@@ -62,21 +74,25 @@ async def run_ranks(cfg: DemoConfig, *, console: TextIO, progress: bool = True) 
         prompt_len = 3  # bos, the letter, ":"
         max_tokens = cfg.group_size * (prompt_len + cfg.max_new_tokens)  # a group per pass
 
-        def split(result: Any) -> list[Any]:
-            batch = to_batch(result.groups, advantage="grpo", pad_id=2)
-            return split_batch(batch, ranks.world_size, max_tokens=max_tokens)
-
         out = Path(cfg.out)
         records: list[StepRecord] = []
         staleness: Counter[int] = Counter()
         async with _rollouts(cfg, model_dir, sampling, ranks.rollout) as producer:
+
+            def split(result: Any, step: int) -> list[Any]:
+                """Rank 0's: each rank's share of the batch, and the record's advantages."""
+                batch = to_batch(result.groups, advantage="grpo", pad_id=2)
+                producer.record.attach(result.groups, step=step, advantages=batch.advantages)
+                return split_batch(batch, ranks.world_size, max_tokens=max_tokens)
+
             bar = tqdm(
                 total=cfg.steps, disable=not (progress and ranks.rollout), file=console,
                 desc=f"GRPO echo, {ranks.world_size} ranks",
             )  # fmt: skip
             for step in range(1, cfg.steps + 1):
                 start = time.perf_counter()
-                got = await ranks.batch(producer, split, timeout=cfg.batch_timeout_s)
+                share = functools.partial(split, step=step)
+                got = await ranks.batch(producer, share, timeout=cfg.batch_timeout_s)
                 if got is None:
                     break
                 shard, result = got
@@ -96,6 +112,7 @@ async def run_ranks(cfg: DemoConfig, *, console: TextIO, progress: bool = True) 
                         k: v for k, v in stats.items() if k.startswith("train/")
                     }
                     log_record(out, records[-1])
+                    producer.record.step_metrics(step, step_numbers(records[-1]))
                     bar.update(1)
                     bar.set_postfix(postfix(records[-1]))
                 if await ranks.decide(
@@ -105,10 +122,12 @@ async def run_ranks(cfg: DemoConfig, *, console: TextIO, progress: bool = True) 
             bar.close()
             if producer is not None:
                 producer.check_ledger()
-                summary = summarise(
-                    out, records, producer.progress.counters.copy(), staleness, "echo", []
-                )
-                print(f"{ranks.world_size} ranks (FSDP2, gloo)\n{summary}", file=console)
+        if producer is not None:  # the record's writer has ended with the producer
+            report = build_report(out)
+            summary = summarise(
+                out, records, producer.progress.counters.copy(), staleness, "echo", [], report
+            )
+            print(f"{ranks.world_size} ranks (FSDP2, gloo)\n{summary}", file=console)
 
 
 @contextlib.asynccontextmanager
@@ -126,12 +145,16 @@ async def _rollouts(
     from asyncroll.producer import Producer
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    out = Path(cfg.out)
+    for old in record_files(out):  # an earlier run's: this one starts anew (no --resume here)
+        old.unlink()
     async with VLLMEngine(model_dir, seed=cfg.seed) as engine:
         producer = Producer(
             engine, echo_prompts(tokenizer, cfg.seed), echo_reward,
             group_size=cfg.group_size, batch_size=cfg.batch_groups,
             max_staleness=cfg.max_staleness, sampling=sampling,
             filter=None if cfg.filter == "none" else cfg.filter, reward_in_thread=False,
+            record=RecordConfig(dir=str(out), tokenizer=tokenizer),
         )  # fmt: skip
         async with producer:
             yield producer

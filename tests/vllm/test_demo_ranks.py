@@ -1,7 +1,7 @@
 """`asyncroll demo --ranks 2`, as documented (docs/whole-machine.md): the command re-executes
 itself under torchrun, rank 0 starts vLLM (its own: it lives in rank 0's process) and the
 producer, both ranks train FSDP2 shards of the tiny model; a short run ends cleanly with the
-summary, its metrics, and no process left."""
+summary, its metrics, its run record and report, and no process left."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 from asyncroll.app.demo import DemoConfig, demo_config
 from asyncroll.app.demo_ranks import command
+from tests.test_record import lines as record_lines
 
 
 def test_the_demo_on_two_ranks_runs_as_documented(tmp_path: Path) -> None:
@@ -29,6 +30,22 @@ def test_the_demo_on_two_ranks_runs_as_documented(tmp_path: Path) -> None:
     records = (out / "metrics.jsonl").read_text().splitlines()
     assert [msgspec.json.decode(r)["step"] for r in records] == [1, 2]
     assert msgspec.json.decode(records[-1])["version"] == 1  # the batch of step 2: version 1
+    # Rank 0's record: every group handed out, its GRPO advantages, each step's numbers.
+    runs, groups, trains, steps = record_lines(out)
+    config = DemoConfig()
+    assert len(runs) == 1 and [s.step for s in steps] == [1, 2]
+    assert all("train/loss" in s.metrics for s in steps)
+    handed = [g for g in groups if g.step is not None]
+    assert sorted(g.step for g in handed) == [1] * config.batch_groups + [2] * config.batch_groups
+    rewards = {(g.uid, i): s.reward for g in handed for i, s in enumerate(g.samples)}
+    assert sorted((t.uid, t.index) for t in trains) == sorted(rewards)
+    for group in handed:  # the group's rewards centred and scaled: same order, summing to 0
+        advantage = {t.index: t.advantages[-1] for t in trains if t.uid == group.uid}
+        assert all(t.logprobs is None for t in trains if t.uid == group.uid)
+        assert sum(advantage.values()) == pytest.approx(0.0, abs=1e-4)
+        by_reward = sorted(advantage, key=lambda i: rewards[group.uid, i])
+        assert [advantage[i] for i in by_reward] == sorted(advantage.values())
+    assert "report" in done.stdout and (out / "report" / "index.html").exists()
     left = [
         p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])
     ]
