@@ -392,4 +392,5 @@ async def test_a_new_run_refuses_a_folder_with_a_record_and_a_resumed_one_append
     runs, groups, _, step_lines = lines(tmp_path)
     assert [s.step for s in step_lines] == [1, 2]
     assert len(runs) == 2 and len(record_files(tmp_path)) == 2
+    assert [r.first_step for r in runs] == [1, 2]  # the resumed run's lines replace from 2 on
     assert sorted({g.step for g in groups if g.step is not None}) == [1, 2]

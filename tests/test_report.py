@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -213,3 +214,43 @@ async def test_a_producers_record_is_reported_as_the_groups_it_handed_out(tmp_pa
                 compared += len(sample.tokens)
     assert compared > 0
     assert any(0 in (s["loss_mask"] or []) for g in by_uid.values() for s in g["samples"])
+
+
+def test_a_resumed_run_replaces_the_steps_it_ran_again(tmp_path: Path) -> None:
+    """The first run recorded steps 1-4 and died; its checkpoint was of step 2, so the resumed
+    run (its `RunLine.first_step` 3) ran steps 3-5 again. The report holds steps 1-2 of the
+    first run and 3-5 of the second, each group and trainer line once; a dropped group goes
+    with the step written before it."""
+    first = record_lines(steps=4, first_step=1, dropped_every=2, seed=0)
+    again = [
+        msgspec.structs.replace(line, uid=line.uid + 1000)
+        if isinstance(line, GroupLine | TrainLine)
+        else line
+        for line in record_lines(steps=3, first_step=3, dropped_every=2, seed=1)
+    ]
+    again[0] = msgspec.structs.replace(again[0], first_step=3)
+    run = write_record(tmp_path / "run", first + again, files=2)
+    index = build_report(run, steps_per_chunk=2)
+
+    near, kept_uids = 0, []
+    for line in first:
+        if isinstance(line, GroupLine | StepLine):
+            near = line.step if line.step is not None else near
+        if isinstance(line, GroupLine) and near < 3:
+            kept_uids.append(line.uid)
+    expected = kept_uids + [x.uid for x in again if isinstance(x, GroupLine)]
+    s = summary(index)
+    assert s["groups"]["uid"] == expected
+    data = chunks(index)
+    assert sorted(g["uid"] for groups, _ in data.values() for g in groups) == sorted(expected)
+    trained = [(t.uid, t.index) for t in first if isinstance(t, TrainLine) and t.step < 3]
+    trained += [(t.uid, t.index) for t in again if isinstance(t, TrainLine)]
+    assert sorted((t["uid"], t["index"]) for _, train in data.values() for t in train) == sorted(
+        trained
+    )
+    steps = [x for x in first if isinstance(x, StepLine) and x.step < 3]
+    steps += [x for x in again if isinstance(x, StepLine)]
+    assert s["steps"]["step"] == [1, 2, 3, 4, 5]
+    assert s["steps"]["metrics"]["rollout/reward_mean"] == [
+        x.metrics["rollout/reward_mean"] for x in steps
+    ]

@@ -12,13 +12,18 @@ exactly: `np.float32(x)` of a read value is bit for bit the value that was writt
 
 Lines of one run, in the order they are written:
 
-* `RunLine` first, once per writer start (a resumed run appends a second one);
+* `RunLine` first, once per writer start (a resumed run appends a second one, whose
+  `first_step` supersedes what the record holds of that step and later ones: the run that
+  died after its checkpoint ran them, the resumed one runs them again);
 * `GroupLine` for each group handed out (`step` is the trainer step it was handed out for), and
   for a sample of the dropped ones (`step` None, `drop_reason` set);
 * `TrainLine` for what the trainer attaches to a handed-out sample (its logprobs, advantages);
 * `StepLine` once per step with that step's metrics (the producer's and the trainer's).
 
 `read_record(run_dir)` yields every line of every file in order, decoded into these structs.
+A reader of a resumed run drops, at each `RunLine` with a `first_step`, the lines read so far
+of that step and later: the groups handed out for them, the trainer's lines and the step lines
+(the report does, counting a dropped group as of the last step written before it).
 `FORMAT` rises when a field changes meaning; readers refuse a newer one.
 """
 
@@ -49,6 +54,10 @@ class RunLine(_Line, tag="run", kw_only=True):
     # The settings a reader needs to make sense of the samples (group size, max_new_tokens,
     # the record's own budget); free-form and never read back into a run.
     config: dict[str, Any] = {}
+    # The step of this run's first batch: 1 for a new run, the checkpoint's step + 1 for a
+    # resumed one, whose lines of that step and later replace the earlier lines of the same
+    # steps. None in records written before it was added: nothing is replaced.
+    first_step: int | None = None
 
 
 class SampleLine(msgspec.Struct, kw_only=True):

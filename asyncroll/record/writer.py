@@ -206,7 +206,12 @@ class Record:
             "drops_per_reason": cfg.drops_per_reason,
             "drop_every": cfg.drop_every,
         }
-        run = RunLine(started=started, model=model, config={**settings, "record": record})
+        run = RunLine(
+            started=started,
+            model=model,
+            config={**settings, "record": record},
+            first_step=self.steps + 1,
+        )
         self.stats.bytes = sum(p.stat().st_size for p in existing)
         first = Opening(
             seq=0,

@@ -178,6 +178,10 @@ class ReportData:
         )
         self.groups: dict[int, list[bytes]] = {}
         self.train: dict[int, list[bytes]] = {}
+        # the step of each entry of `groups` (a dropped group's `near`) and of `train`, per
+        # chunk: what a resumed run's `RunLine` supersedes is found by them
+        self._group_steps: dict[int, list[int]] = {}
+        self._train_steps: dict[int, list[int]] = {}
         self._chunk_of_uid: dict[int, int] = {}
         self._last_step: int | None = None
         self._step_rows: dict[int, StepLine] = {}
@@ -187,6 +191,35 @@ class ReportData:
 
     def add_run(self, line: RunLine) -> None:
         self.summary.runs.append(line)
+        if line.first_step is not None:
+            self._supersede(line.first_step)
+
+    def _supersede(self, first_step: int) -> None:
+        """A resumed run starts at `first_step`: what the record holds of that step and later
+        ones (the run that died after its checkpoint ran them too) goes, in every chunk and
+        in the index; the resumed run's lines take their place."""
+        for chunk in [c for c in self.groups if c >= self.chunk_of(first_step)]:
+            kept = [i for i, n in enumerate(self._group_steps[chunk]) if n < first_step]
+            self.groups[chunk] = [self.groups[chunk][i] for i in kept]
+            self._group_steps[chunk] = [self._group_steps[chunk][i] for i in kept]
+            if not kept:
+                del self.groups[chunk], self._group_steps[chunk]
+        for chunk in [c for c in self.train if c >= self.chunk_of(first_step)]:
+            kept = [i for i, n in enumerate(self._train_steps[chunk]) if n < first_step]
+            self.train[chunk] = [self.train[chunk][i] for i in kept]
+            self._train_steps[chunk] = [self._train_steps[chunk][i] for i in kept]
+            if not kept:
+                del self.train[chunk], self._train_steps[chunk]
+        g = self.summary.groups
+        kept = [i for i, n in enumerate(g.near) if n < first_step]
+        if len(kept) < len(g.near):
+            for field in g.__struct_fields__:
+                column = getattr(g, field)
+                setattr(g, field, [column[i] for i in kept])
+        for step in [s for s in self._step_rows if s >= first_step]:
+            del self._step_rows[step]
+        if self._last_step is not None:
+            self._last_step = min(self._last_step, first_step - 1)
 
     def add_group(self, line: GroupLine) -> None:
         if line.step is not None:
@@ -212,6 +245,7 @@ class ReportData:
             samples=[_sample(s) for s in line.samples],
         )
         self.groups.setdefault(chunk, []).append(_encoder.encode(group))
+        self._group_steps.setdefault(chunk, []).append(near)
         g = self.summary.groups
         g.uid.append(line.uid)
         g.prompt_id.append(line.prompt_id)
@@ -236,10 +270,11 @@ class ReportData:
             extra=line.extra,
         )
         self.train.setdefault(chunk, []).append(_encoder.encode(train))
+        self._train_steps.setdefault(chunk, []).append(line.step)
 
     def add_step(self, line: StepLine) -> None:
         self._last_step = line.step
-        self._step_rows[line.step] = line  # a resumed run's step again: the later one
+        self._step_rows[line.step] = line  # a step written twice (no `first_step`): the later
 
     def finish(self) -> RunSummary:
         """The summary with the steps in order, as columns."""
