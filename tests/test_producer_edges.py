@@ -1110,6 +1110,46 @@ async def test_a_keep_mode_pause_does_not_count_against_generate_timeout_s(episo
     assert not drops and len(consumed) == 8, [d.error for d in drops]
 
 
+class RefusedWhilePaused(SimEngine):
+    """A simulated engine whose vLLM someone else paused: its request is refused and sent
+    again (counted in `pause_refusals`, as asyncroll's vLLM engines count each refusal) and
+    never answered, or (`refusals=0`) simply never answered."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__(vocab_size=VOCAB)
+        self.refusals = refusals
+        self.pause_refusals = 0
+
+    async def generate(self, request: GenerateRequest) -> Sequence[SampleOutput]:
+        self.pause_refusals += self.refusals
+        await asyncio.Event().wait()
+        raise AssertionError("never answered")
+
+
+@pytest.mark.parametrize("refusals", [0, 3])
+async def test_a_deadline_run_out_while_vllm_was_paused_by_someone_else_says_so(
+    refusals: int,
+) -> None:
+    """With the defaults the producer's `generate_timeout_s` runs out before the engine's own
+    request deadline: a group whose requests a paused vLLM kept refusing failed as
+    engine_deadline with nothing that named the pause. It names it, with what to do."""
+    drops: list[DropRecord] = []
+    producer = Producer(
+        RefusedWhilePaused(refusals), prompts(1), ones, group_size=2, generate_timeout_s=0.1,
+        on_drop=drops.append,
+    )  # fmt: skip
+    async with producer, asyncio.timeout(GUARD_S):
+        assert await consume_all(producer, 1) == []
+    (drop,) = drops
+    assert drop.reason is FailureReason.ENGINE_DEADLINE
+    assert "generate_timeout_s=0.1" in drop.error
+    if refusals:
+        assert f"vLLM refused {refusals} of the engine's requests" in drop.error
+        assert 'mode="keep"' in drop.error
+    else:
+        assert "paused" not in drop.error
+
+
 async def test_a_single_turn_checkpoint_resumed_with_episodes_counts_its_tokens_wasted() -> None:
     """Issue 25 (suspected, confirmed): episodes restart a group from its prompt, so a single-
     turn partial's tokens are not continued: they are wasted, and the ledger must say so."""

@@ -6,7 +6,9 @@ Single-turn groups (`attempt`) and every turn of an episode (`episode`) generate
 an engine error, not a deadline; a `CancelledError` the engine raised while nobody cancelled
 its caller (a torn-down client session does that) is an engine error, not a cancellation; the
 deadline itself aborts the request (best effort, within `abort_timeout_s`) so the engine does
-not keep generating for a group that has failed.
+not keep generating for a group that has failed. A deadline that ran out while vLLM refused the
+engine's requests because someone else paused it (the engine's `pause_refusals` grew: vLLM
+0.33+ in mode "abort" or "wait") says so, since that pause, not the engine, is what to fix.
 
 The deadline is `asyncio.timeout`, whose explicit state (`expired()`) and cancellation count
 tell it apart from a cancellation of the caller, which passes through untouched. Every
@@ -114,6 +116,7 @@ async def generate(
     frozen); every failure as `EngineCallError`. Only a cancellation of the caller,
     `KeyboardInterrupt` and `SystemExit` pass through."""
     deadline = asyncio.timeout(timeout_s)
+    refused = _pause_refusals(engine)
     try:
         async with deadline:
             if freezes is None:
@@ -130,7 +133,22 @@ async def generate(
         async with asyncio.timeout(abort_timeout_s):
             await engine.abort(request.request_id)
     error = f"engine gave no answer within generate_timeout_s={timeout_s}"
+    paused = _pause_refusals(engine) - refused
+    if paused > 0:
+        error += (
+            f"; meanwhile vLLM refused {paused} of the engine's requests because someone else"
+            ' paused it (mode "abort" or "wait"): resume it, or have whoever pauses it'
+            ' use mode="keep"'
+        )
     raise EngineCallError(FailureReason.ENGINE_DEADLINE, error)
+
+
+def _pause_refusals(engine: Engine) -> int:
+    """The engine's count of requests a paused vLLM refused (`pause_refusals` of asyncroll's
+    vLLM engines, each sent again), 0 for an engine that keeps none: what names a pause by
+    someone else as the cause of a deadline."""
+    count = getattr(engine, "pause_refusals", 0)
+    return count if isinstance(count, int) else 0
 
 
 async def _call(engine: Engine, request: GenerateRequest) -> Sequence[SampleOutput]:
