@@ -231,8 +231,10 @@ async def test_a_hung_thread_verifier_does_not_stall_the_evaluator() -> None:
 
 SIGNALLED = textwrap.dedent(
     """
-    import asyncio, sys
+    import asyncio, faulthandler, sys
     from asyncroll import Producer, Prompt, SamplingConfig, SimEngine
+
+    faulthandler.enable(all_threads=True)  # a SIGABRT from the test prints every thread
     from tests.verifiers import hostile
 
     async def main(busy):
@@ -270,16 +272,26 @@ def test_no_worker_outlives_a_trainer_stopped_by_a_signal(
     script = tmp_path / "trainer.py"
     script.write_text(SIGNALLED)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), *sys.path])}
-    proc = subprocess.Popen(
-        [sys.executable, str(script), "busy" if busy else "idle"], stdout=subprocess.PIPE,
-        text=True, env=env, cwd=Path.cwd(),
-    )  # fmt: skip
+    stderr = tmp_path / "stderr"
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), "busy" if busy else "idle"], stdout=subprocess.PIPE,
+            stderr=err, text=True, env=env, cwd=Path.cwd(),
+        )  # fmt: skip
     try:
         assert proc.stdout is not None
         pids = [int(proc.stdout.readline()) for _ in range(2)]
         assert all(alive(p) for p in pids)
         proc.send_signal(sig)
-        proc.wait(timeout=GUARD_S)
+        try:
+            proc.wait(timeout=GUARD_S)
+        except subprocess.TimeoutExpired:  # where it hangs, for the failure's message
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=GUARD_S)
+            pytest.fail(
+                f"the trainer did not exit within {GUARD_S} s of {signal.Signals(sig).name}; "
+                f"its stderr ends:\n{stderr.read_text()[-8000:]}"
+            )
     finally:
         proc.kill()
         proc.wait()
