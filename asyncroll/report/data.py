@@ -198,18 +198,9 @@ class ReportData:
         """A resumed run starts at `first_step`: what the record holds of that step and later
         ones (the run that died after its checkpoint ran them too) goes, in every chunk and
         in the index; the resumed run's lines take their place."""
-        for chunk in [c for c in self.groups if c >= self.chunk_of(first_step)]:
-            kept = [i for i, n in enumerate(self._group_steps[chunk]) if n < first_step]
-            self.groups[chunk] = [self.groups[chunk][i] for i in kept]
-            self._group_steps[chunk] = [self._group_steps[chunk][i] for i in kept]
-            if not kept:
-                del self.groups[chunk], self._group_steps[chunk]
-        for chunk in [c for c in self.train if c >= self.chunk_of(first_step)]:
-            kept = [i for i, n in enumerate(self._train_steps[chunk]) if n < first_step]
-            self.train[chunk] = [self.train[chunk][i] for i in kept]
-            self._train_steps[chunk] = [self._train_steps[chunk][i] for i in kept]
-            if not kept:
-                del self.train[chunk], self._train_steps[chunk]
+        first_chunk = self.chunk_of(first_step)
+        _keep_before(first_step, first_chunk, self.groups, self._group_steps)
+        _keep_before(first_step, first_chunk, self.train, self._train_steps)
         g = self.summary.groups
         kept = [i for i, n in enumerate(g.near) if n < first_step]
         if len(kept) < len(g.near):
@@ -286,6 +277,20 @@ class ReportData:
         steps.time_s = [r.time_s for r in rows]
         steps.metrics = {key: [r.metrics.get(key) for r in rows] for key in keys}
         return self.summary
+
+
+def _keep_before(
+    first_step: int, first_chunk: int, parts: dict[int, list[bytes]], steps: dict[int, list[int]]
+) -> None:
+    """Keep, in the chunks from `first_chunk` on, the encoded entries whose step (`steps`,
+    parallel to `parts`) is before `first_step`; a chunk left empty goes."""
+    for chunk in [c for c in parts if c >= first_chunk]:
+        kept = [i for i, n in enumerate(steps[chunk]) if n < first_step]
+        if kept:
+            parts[chunk] = [parts[chunk][i] for i in kept]
+            steps[chunk] = [steps[chunk][i] for i in kept]
+        else:
+            del parts[chunk], steps[chunk]
 
 
 def _sample(s: SampleLine) -> ReportSample:
