@@ -30,7 +30,9 @@ def hostile(group: RolloutGroup) -> Any:
     if do == "sleep":
         time.sleep(3600)
     if do == "announce":  # says that it runs, and where, then hangs
-        print(os.getpid(), flush=True)
+        # one write(2) of the whole line: print() writes the pid and its newline apart under
+        # PYTHONUNBUFFERED, and two workers announcing at once interleaved ("pidpid\n\n")
+        os.write(sys.stdout.fileno(), f"{os.getpid()}\n".encode())
         time.sleep(3600)
     if do == "regex":  # catastrophic backtracking: one C call, the GIL held throughout
         re.match(r"(a+)+$", "a" * 64 + "b")
