@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import http.server
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -744,6 +745,64 @@ def test_a_server_start_on_a_port_in_use_fails_instead_of_trusting_its_health(
         squatter.shutdown()
         squatter.server_close()
     assert spawned == []
+
+
+# A stand-in `vllm serve`: binds its --port as vLLM's API server does (exiting on "Address
+# already in use" with vLLM's traceback's last line), then answers /health.
+STAND_IN_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+port = int(sys.argv[sys.argv.index("--port") + 1])
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+except OSError as exc:
+    sys.exit(f"OSError: {exc}")
+server.serve_forever()
+"""
+
+
+def test_a_port_taken_before_the_server_binds_it_is_replaced_by_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The port `start` chose was free when chosen, but in the seconds before the server
+    bound it another process took it (seen in a full suite run: vLLM's API server exited
+    with `OSError: [Errno 98] Address already in use`, and the test failed). `start` starts
+    the server again on a new port; a port the caller named is not replaced."""
+    taker = socket.socket()
+    taker.bind(("127.0.0.1", 0))
+    taker.listen()
+    taken = taker.getsockname()[1]
+    ports = iter([taken, vllm_serve.free_port()])
+    monkeypatch.setattr(vllm_serve, "free_port", lambda: next(ports))
+    monkeypatch.setattr(vllm_serve, "_in_use", lambda port: False)  # taken after the check
+    spawned: list[list[str]] = []
+
+    def popen(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        spawned.append(args)
+        return subprocess.Popen([sys.executable, "-c", STAND_IN_SERVER, *args], **kwargs)
+
+    fake = types.SimpleNamespace(Popen=popen, DEVNULL=subprocess.DEVNULL, STDOUT=subprocess.STDOUT)
+    monkeypatch.setattr(vllm_serve, "subprocess", fake)
+    try:
+        server = ServerProcess.start("no-model", ready_timeout_s=60.0)
+        try:
+            assert server.url != f"http://127.0.0.1:{taken}"
+            assert [a[a.index("--port") + 1] for a in spawned] == [
+                str(taken),
+                server.url.rsplit(":", 1)[1],
+            ]
+        finally:
+            server.stop()
+        with pytest.raises(ServerStartError, match="Address already in use"):
+            ServerProcess.start("no-model", port=taken, ready_timeout_s=60.0)
+        assert len(spawned) == 3
+    finally:
+        taker.close()
 
 
 async def test_an_update_running_when_the_engine_closes_raises_engine_dead() -> None:

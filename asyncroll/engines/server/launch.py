@@ -97,6 +97,10 @@ def serve_args(
     return args
 
 
+PORT_TRIES = 3
+"""How many ports `ServerProcess.start` tries when it chose the port itself (see there)."""
+
+
 def free_port() -> int:
     """A loopback port free right now (the server binds it a moment later)."""
     with socket.socket() as sock:
@@ -154,13 +158,44 @@ class ServerProcess:
         on GPUs loads, compiles and captures CUDA graphs for minutes, and the tiny test model
         took 30-55 s on 2 idle CPU cores but over 4 minutes with both cores busy (a full test
         run beside two busy loops; 240 s, the earlier default, failed there). A process that
-        exits is reported at once, whatever the deadline."""
-        if port is None:
-            port = free_port()
-        elif _in_use(port):  # whatever listens there would answer the /health polled below
+        exits is reported at once, whatever the deadline.
+
+        A port `start` chose itself (`port=None`) can be taken by another process in the
+        seconds before the server binds it (the kernel hands the same ephemeral ports out to
+        anyone): a server that exits on "Address already in use" is started again on a new
+        port, `PORT_TRIES` times in all, within the one `ready_timeout_s`."""
+        if port is not None and _in_use(port):  # whatever listens there would answer /health
             raise ServerStartError(
                 f"port {port} on 127.0.0.1 is in use (an earlier server still stopping?)"
             )
+        deadline = time.monotonic() + ready_timeout_s
+        tries = PORT_TRIES if port is None else 1
+        for attempt in range(1, tries + 1):
+            chosen = free_port() if port is None else port
+            server = cls._launch(model, chosen, extra_args, env, serve_kwargs)
+            try:
+                server.wait_healthy(max(deadline - time.monotonic(), 0.0))
+            except ServerStartError:
+                server.stop()
+                if attempt == tries or not server.lost_its_port():
+                    raise
+            except BaseException:
+                server.stop()
+                raise
+            else:
+                return server
+        raise AssertionError("unreachable: the last try returned or raised")
+
+    @classmethod
+    def _launch(
+        cls,
+        model: str | os.PathLike[str],
+        port: int,
+        extra_args: Sequence[str],
+        env: dict[str, str] | None,
+        serve_kwargs: dict[str, object],
+    ) -> ServerProcess:
+        """Start `vllm serve` on `port`, tied to this process; not yet healthy."""
         args = serve_args(model, port, **serve_kwargs)  # type: ignore[arg-type]
         check_environment({**os.environ, **(env or {})})  # before anything is started
         fd, log_name = tempfile.mkstemp(prefix=f"vllm-serve-{port}-", suffix=".log")
@@ -184,13 +219,11 @@ class ServerProcess:
         except BaseException:
             tie.release()
             raise
-        server = cls(process, f"http://127.0.0.1:{port}", Path(log_name), tie)
-        try:
-            server.wait_healthy(ready_timeout_s)
-        except BaseException:
-            server.stop()
-            raise
-        return server
+        return cls(process, f"http://127.0.0.1:{port}", Path(log_name), tie)
+
+    def lost_its_port(self) -> bool:
+        """Whether the server exited because another process held its port."""
+        return self.process.poll() is not None and "Address already in use" in self.log_tail()
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Poll `/health` until 200. A readiness probe of an outside process: no event to wait
