@@ -50,7 +50,7 @@ from asyncroll._core.lifecycle import Gate, Hold, Phase, move
 from asyncroll._core.logs import FailureWarnings
 from asyncroll._core.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
 from asyncroll._core.rewards import RewardFn, RewardRunner
-from asyncroll._core.state import ProducerState, dumps, loads, write_atomic
+from asyncroll._core.state import ProducerState, dumps, loads, write_settled
 from asyncroll._core.wakeup import Signal
 from asyncroll.buffer import RolloutBuffer
 from asyncroll.config import ProducerConfig, make_config
@@ -624,14 +624,16 @@ class Producer:
         partial samples (kept in the checkpoint), takes the state, resumes, and writes. The
         state is that of the moment it paused: a batch handed out while the file is written
         is not in it, so call `save` between training steps, from the training loop, and the
-        trainer's checkpoint and this one describe the same step."""
+        trainer's checkpoint and this one describe the same step. Cancelled while the file is
+        written, it returns once the write has ended: the file is then the old one or the new
+        one, and nothing changes it later."""
         if self.running:
             async with self._control.holding(Hold.SAVE):
                 await self._control.drain()
                 data = dumps(self.state_dict())  # resumes before the (slow) write
         else:
             data = dumps(self.state_dict())
-        await anyio.to_thread.run_sync(write_atomic, path, data)
+        await write_settled(path, data)
 
     def load(
         self, path: str | os.PathLike[str], *, weights: Weights | LoraAdapter | None = _UNSET

@@ -182,6 +182,11 @@ class SoakConfig(msgspec.Struct, frozen=True, kw_only=True):
     sample_every_s: float = 0.5
 
 
+def _discard(path: str) -> None:
+    """Remove a checkpoint file no session will load (a local unlink: not worth a thread)."""
+    Path(path).unlink(missing_ok=True)
+
+
 class Checkpoint(msgspec.Struct, frozen=True):
     """A saved producer state and the number of journal entries (prompt endings) it knows."""
 
@@ -240,7 +245,8 @@ class Soak:
     def __init__(self, cfg: SoakConfig, workdir: Path) -> None:
         self.cfg = cfg
         self.phase = "chaos"
-        self.ckpt_path = str(workdir / "producer.ckpt")
+        self.workdir = workdir
+        self.saves = 0  # each save has a file of its own, see `save`
         self.prompts = ChaosPrompts(cfg.seed, VOCAB, self.kept(ChaosPrompts.KINDS))
         self.release = threading.Event()  # lets hung sync rewards return at the end
         self.t0 = time.monotonic()
@@ -589,17 +595,30 @@ class Soak:
         takes batches while the file is written (a pause does not stop hand-outs), so the
         journal's length after `save` may count batches the checkpoint still holds as ready;
         the checkpoint's own counters say how many endings it knows (every ending is one
-        journal entry, in order)."""
+        journal entry, in order).
+
+        Each save writes a file of its own, which becomes the checkpoint only once noted: a
+        save cancelled by its session's end may have written its file or not, and one
+        written over the noted checkpoint's would be loaded with the journal cut to the
+        older one's length (its endings since then lost)."""
         self.pausing_now += 1
+        self.saves += 1
+        path = str(self.workdir / f"producer-{self.saves}.ckpt")
+        noted = False
         try:
             async with producer.pausing():
-                await producer.save(self.ckpt_path)
-            c = loads(await asyncio.to_thread(Path(self.ckpt_path).read_bytes)).counters
+                await producer.save(path)
+            c = loads(await asyncio.to_thread(Path(path).read_bytes)).counters
             covered = c.consumed_groups + c.failed_groups + c.filtered_groups
             assert covered <= len(self.journal), (covered, len(self.journal))
-            self.checkpoint = Checkpoint(self.ckpt_path, covered)
+            previous, self.checkpoint = self.checkpoint, Checkpoint(path, covered)
+            noted = True
+            if previous is not None:
+                _discard(previous.path)
         finally:
             self.pausing_now -= 1
+            if not noted:
+                _discard(path)
 
     # -- sampling and results --------------------------------------------------------------------
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,42 @@ async def test_save_while_running_and_load_from_file(tmp_path: Path) -> None:
     ended_after = ends(consumed_b, drops_b)
     assert len(set(ended_after)) == len(ended_after)  # none twice
     assert ended_before + len(ended_after) == 100  # none missing
+
+
+async def test_a_cancelled_save_returns_only_once_its_file_is_settled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread cannot be stopped: a save cancelled while its thread writes must wait for the
+    write before it goes on, or the file would change under a caller who already moved on
+    (loaded it, or recorded which checkpoint it has). Seen in the chaos soak: a session ended
+    during a save, the next one loaded the file the abandoned write had replaced."""
+    from asyncroll._core import state as state_mod
+
+    entered, go = threading.Event(), threading.Event()
+    real_write = state_mod.write_atomic
+
+    def held_write(path: str | os.PathLike[str], data: bytes) -> None:
+        entered.set()
+        go.wait(60)
+        real_write(path, data)
+
+    monkeypatch.setattr(state_mod, "write_atomic", held_write)
+    target = tmp_path / "ckpt"
+    a = make_producer(60, sim={"per_token_latency_s": 0.0005}, max_new_tokens=32)
+    async with a:
+        await a.produce_batch(8)
+        save = asyncio.create_task(a.save(target))
+        assert await asyncio.to_thread(entered.wait, 60)
+        save.cancel()
+        for _ in range(50):  # turns of the loop, each a chance for the cancelled save to end
+            await asyncio.sleep(0)
+        ended_before_its_write = save.done()
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await save
+        assert not ended_before_its_write
+        assert loads(target.read_bytes()).counters.consumed_groups == 8  # the new file, whole
+        await a.save(target)  # the producer goes on saving after a cancelled save
 
 
 async def test_checkpoint_after_exit_holds_partials_and_ready_groups() -> None:
