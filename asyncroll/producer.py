@@ -50,7 +50,8 @@ from asyncroll._core.lifecycle import Gate, Hold, Phase, move
 from asyncroll._core.logs import FailureWarnings
 from asyncroll._core.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
 from asyncroll._core.rewards import RewardFn, RewardRunner
-from asyncroll._core.state import ProducerState, dumps, loads, write_settled
+from asyncroll._core.state import ProducerState, dumps, loads, write_atomic
+from asyncroll._core.tasks import thread_to_end
 from asyncroll._core.wakeup import Signal
 from asyncroll.buffer import RolloutBuffer
 from asyncroll.config import ProducerConfig, make_config
@@ -633,7 +634,7 @@ class Producer:
                 data = dumps(self.state_dict())  # resumes before the (slow) write
         else:
             data = dumps(self.state_dict())
-        await write_settled(path, data)
+        await thread_to_end(write_atomic, path, data)  # cancelled, the file is settled
 
     def load(
         self, path: str | os.PathLike[str], *, weights: Weights | LoraAdapter | None = _UNSET

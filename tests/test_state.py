@@ -23,7 +23,15 @@ from asyncroll import (
 )
 from asyncroll._core.state import STATE_FORMAT, dumps, loads
 from asyncroll.types import Prompt
-from tests.test_producer import VOCAB, SimEngine, consume_all, make_producer, parity_reward, prompts
+from tests.test_producer import (
+    VOCAB,
+    SimEngine,
+    consume_all,
+    freeze_mid_sample,
+    make_producer,
+    parity_reward,
+    prompts,
+)
 
 
 def ends(consumed: list[RolloutGroup], drops: list[DropRecord]) -> list[str]:
@@ -41,10 +49,11 @@ async def test_state_dict_continues_the_run_exactly() -> None:
         for _ in range(3):
             consumed_a += (await a.produce_batch(8)).groups
         await a.update_weights(None)
-        await a._changed.wait_until(lambda: bool(a._inflight), 60)  # groups to abort
+        await freeze_mid_sample(a.engine)  # a group to abort part-way, however late it comes
         async with a.pausing():  # abort mode: in-flight work lands as partials first
             state = loads(dumps(a.state_dict()))
             drops_before = list(drops_a)
+        await a.engine.resume_generation()
     assert state.version == 1 and state.resume  # partial groups are in the checkpoint
 
     drops_b: list[DropRecord] = []
@@ -90,17 +99,17 @@ async def test_a_cancelled_save_returns_only_once_its_file_is_settled(
     write before it goes on, or the file would change under a caller who already moved on
     (loaded it, or recorded which checkpoint it has). Seen in the chaos soak: a session ended
     during a save, the next one loaded the file the abandoned write had replaced."""
-    from asyncroll._core import state as state_mod
+    from asyncroll import producer as producer_mod
 
     entered, go = threading.Event(), threading.Event()
-    real_write = state_mod.write_atomic
+    real_write = producer_mod.write_atomic
 
     def held_write(path: str | os.PathLike[str], data: bytes) -> None:
         entered.set()
         go.wait(60)
         real_write(path, data)
 
-    monkeypatch.setattr(state_mod, "write_atomic", held_write)
+    monkeypatch.setattr(producer_mod, "write_atomic", held_write)
     target = tmp_path / "ckpt"
     a = make_producer(60, sim={"per_token_latency_s": 0.0005}, max_new_tokens=32)
     async with a:

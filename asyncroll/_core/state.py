@@ -13,8 +13,6 @@ from deep inside the buffer instead of a `CheckpointError` before anything loads
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import os
 import struct
 import tempfile
@@ -22,7 +20,6 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-import anyio.to_thread
 import msgspec
 
 from asyncroll import codec
@@ -34,7 +31,6 @@ from asyncroll.types import RolloutGroup, Status
 STATE_FORMAT = 2  # 2: the cursor's re-queued prompts are `encode_prompt` bytes
 _MAGIC = b"ARCK"
 _HEAD = struct.Struct("<4sIIQ")
-log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -148,27 +144,6 @@ def fit_to_run(
         else:
             resume.append(codec.encode(msgspec.structs.replace(group, samples=samples)))
     return msgspec.structs.replace(state, counters=counters, resume=resume)
-
-
-async def write_settled(path: str | os.PathLike[str], data: bytes) -> None:
-    """`write_atomic` in a thread. A cancellation waits for the write to end before it goes
-    on: the thread cannot be stopped, and a write let go on after its caller was cancelled
-    would replace the file under one who already moved on (loaded the file, or noted which
-    checkpoint it holds). So a cancelled write leaves the old file or the new one, and
-    nothing changes it after this returns. (Native asyncio cancellation passes through
-    anyio's shielded scopes, so `run_sync`'s own wait is not enough.)"""
-    write = asyncio.ensure_future(anyio.to_thread.run_sync(write_atomic, path, data))
-    cancelled: asyncio.CancelledError | None = None
-    while not write.done():
-        try:
-            await asyncio.wait({write})
-        except asyncio.CancelledError as exc:
-            cancelled = exc
-    if cancelled is not None:
-        if not write.cancelled() and write.exception() is not None:  # retrieved: it is lost
-            log.warning("a cancelled checkpoint write failed: %s", write.exception())
-        raise cancelled
-    write.result()
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:

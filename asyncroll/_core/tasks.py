@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Coroutine
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Tasks:
@@ -80,3 +82,21 @@ async def finish(
         except asyncio.CancelledError as exc:
             cancelled = cancelled or exc
     return call, cancelled
+
+
+async def thread_to_end(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a worker thread, awaited to its end even if the caller is cancelled
+    meanwhile (the cancellation is raised once it has ended). For a thread that writes a
+    file: a thread cannot be stopped, so a caller let go at once would clean up (unlink the
+    file, or take the old one for current) while the thread still writes, and the thread
+    would re-create the file after it. Native asyncio cancellation passes through anyio's
+    shielded scopes, so `anyio.to_thread.run_sync`'s own wait does not hold it."""
+    call, cancelled = await finish(asyncio.to_thread(fn, *args))
+    if cancelled is not None:
+        if not call.cancelled() and call.exception() is not None:
+            log.warning(
+                "%s failed after its caller was cancelled: %r",
+                getattr(fn, "__qualname__", fn), call.exception(),
+            )  # fmt: skip
+        raise cancelled
+    return call.result()
