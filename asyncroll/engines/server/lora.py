@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncroll._core.tasks import thread_to_end
 from asyncroll.engines.server.client import ReplicaClient
 from asyncroll.engines.server.replica_load import missing_extension
 from asyncroll.engines.server.replicas import Replica, ReplicaError, ReplicaHTTPError
@@ -155,7 +156,7 @@ class ServerAdapters:
         record = ServedAdapter(name, version, weights_dir / name, check)
         self._written.append(record)
         try:
-            await asyncio.to_thread(write_peft, adapter, record.folder)
+            await thread_to_end(write_peft, adapter, record.folder)  # then removed if cut
         except BaseException:
             self._written.remove(record)
             shutil.rmtree(record.folder, ignore_errors=True)

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from asyncroll._core.tasks import thread_to_end
 from asyncroll.engines.base import Weights
 from asyncroll.engines.vllm import weight_check, weights_file
 from asyncroll.engines.vllm.startup import Transfer
@@ -139,7 +140,7 @@ class WeightLoader:
     async def _load_file(self, named: list[tuple[str, Any]]) -> None:
         path = WEIGHTS_DIR / f"asyncroll-weights-{uuid.uuid4().hex}.safetensors"
         try:
-            await asyncio.to_thread(weights_file.write_safetensors, named, path)
+            await thread_to_end(weights_file.write_safetensors, named, path)  # see its doc
             await self._load_in_workers("asyncroll_load_path", str(path), named)
         finally:
             path.unlink(missing_ok=True)

@@ -14,7 +14,6 @@ the last request started under it ends.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import uuid
@@ -22,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from asyncroll._core.tasks import finish
+from asyncroll._core.tasks import finish, thread_to_end
 from asyncroll.engines.vllm import weights_file
 from asyncroll.lora import LoraAdapter, LoraError, adapter_name, peft_config, peft_tensors
 
@@ -152,7 +151,7 @@ class AdapterSet:
         args = (serial, str(path), peft_config(adapter.config))
         try:
             named = list(peft_tensors(adapter).items())
-            await asyncio.to_thread(weights_file.write_safetensors, named, path)
+            await thread_to_end(weights_file.write_safetensors, named, path)  # see its doc
             add = self._call(self._llm.collective_rpc("asyncroll_add_lora", args=args))
             call, cancelled = await finish(add)  # once asked, the workers add it regardless
         finally:
