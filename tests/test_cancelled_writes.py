@@ -3,7 +3,7 @@ behind. The thread cannot be stopped: a caller let go at once removed the file (
 first, and the thread wrote it after, for nobody to delete: a model's size in /dev/shm at each
 cut update. Each engine's write is held in its thread, the update cancelled, then let go
 (no vLLM: the write comes before anything reaches a worker; `test_state` covers the
-producer's checkpoint)."""
+producer's checkpoint), and the helper they write with, `thread_to_end`, under an anyio scope."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
+from asyncroll._core.tasks import thread_to_end
 from asyncroll.engines.server import lora as server_lora
 from asyncroll.engines.vllm import loading, weights_file
 from asyncroll.engines.vllm.lora import AdapterSet
@@ -93,3 +95,30 @@ async def test_an_update_cancelled_during_its_write_leaves_no_file(
     assert await asyncio.to_thread(held.ended.wait, GUARD_S)
     assert os.listdir(tmp_path) == []  # nothing left for nobody
     assert not ended_before_its_write  # it waited for its thread, then cleaned up
+
+
+async def test_an_anyio_scope_cancelled_during_the_write_ends_the_caller_after_it() -> None:
+    """`thread_to_end` under an anyio scope cancelled while the thread runs: the thread ends,
+    the call returns its result, and the scope's cancellation lands at the caller's next
+    await (deferred, shielded: not absorbed and raised, and not re-delivered at every turn
+    of the loop while the thread runs)."""
+    held = HeldWrite(lambda: 7)
+    reached: list[object] = []
+
+    async def caller(scope: anyio.CancelScope) -> None:
+        with scope:
+            reached.append(await thread_to_end(held))
+            await asyncio.sleep(0)  # the scope's cancellation lands here
+            reached.append("past the cancelled scope's next await")
+
+    scope = anyio.CancelScope()
+    task = asyncio.ensure_future(caller(scope))
+    assert await asyncio.to_thread(held.entered.wait, GUARD_S)
+    scope.cancel()
+    for _ in range(50):  # turns of the loop, each a chance for the caller to end
+        await asyncio.sleep(0)
+    ended_before_its_thread = task.done()
+    held.go.set()
+    await task
+    assert not ended_before_its_thread
+    assert reached == [7] and scope.cancelled_caught

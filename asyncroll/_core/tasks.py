@@ -16,6 +16,8 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+import anyio
+
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -66,19 +68,25 @@ class Tasks:
 
 
 async def finish(
-    awaitable: Awaitable[T],
+    awaitable: Awaitable[T], *, defer_scopes: bool = False
 ) -> tuple[asyncio.Future[T], asyncio.CancelledError | None]:
     """Await `awaitable` to its end even if the caller is cancelled meanwhile: its future
     (done) and the cancellation absorbed (None: none), which the caller raises once it has
     acted on the result. For calls whose effect lands whether their answer is awaited or not
     (vLLM applies a label, or registers an adapter, once asked): a caller that stopped waiting
     could not know what was done. The wait is the call's own deadline; anyio scopes cancel
-    again at each await, so every cancellation is absorbed until the call is done."""
+    again at each await, so every cancellation is absorbed until the call is done.
+
+    With `defer_scopes`, an anyio scope's cancellation is not absorbed but waits, shielded,
+    for the caller's next await (where the scope delivers it again): the scope then does not
+    cancel the wait at every turn of the loop while the call runs (a long write's time, spent
+    spinning). Only native cancellations (`Task.cancel`, `asyncio.timeout`) come back then."""
     call = asyncio.ensure_future(awaitable)
     cancelled: asyncio.CancelledError | None = None
     while not call.done():
         try:
-            await asyncio.wait({call})  # cancelling this wait leaves `call` running
+            with anyio.CancelScope(shield=defer_scopes):
+                await asyncio.wait({call})  # cancelling this wait leaves `call` running
         except asyncio.CancelledError as exc:
             cancelled = cancelled or exc
     return call, cancelled
@@ -90,8 +98,9 @@ async def thread_to_end(fn: Callable[..., T], *args: Any) -> T:
     file: a thread cannot be stopped, so a caller let go at once would clean up (unlink the
     file, or take the old one for current) while the thread still writes, and the thread
     would re-create the file after it. Native asyncio cancellation passes through anyio's
-    shielded scopes, so `anyio.to_thread.run_sync`'s own wait does not hold it."""
-    call, cancelled = await finish(asyncio.to_thread(fn, *args))
+    shielded scopes, so `anyio.to_thread.run_sync`'s own wait does not hold it; an anyio
+    scope's cancellation reaches the caller at its next await."""
+    call, cancelled = await finish(asyncio.to_thread(fn, *args), defer_scopes=True)
     if cancelled is not None:
         if not call.cancelled() and call.exception() is not None:
             log.warning(
