@@ -51,7 +51,7 @@ from asyncroll._core.logs import FailureWarnings
 from asyncroll._core.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
 from asyncroll._core.rewards import RewardFn, RewardRunner
 from asyncroll._core.state import ProducerState, dumps, loads, write_atomic
-from asyncroll._core.tasks import thread_to_end
+from asyncroll._core.tasks import finish, thread_to_end
 from asyncroll._core.wakeup import Signal
 from asyncroll.buffer import RolloutBuffer
 from asyncroll.config import ProducerConfig, make_config
@@ -336,22 +336,35 @@ class Producer:
             self._drops.close()
             self._failure_log.flush()
             runner, self._runner = self._runner, None
-            if runner is not None:  # the scheduler returns once it sees the stop
-                try:
-                    await asyncio.wait([runner], timeout=self.config.abort_timeout_s)
-                finally:  # a cancelled wait too: the owner insists, the tasks end all the same
-                    if not runner.done():  # cancel what is left (groups land as interrupted)
-                        runner.cancel()
-                        await asyncio.wait([runner])
-                runner = None
-            self._admission.unstage()
-            self._rewards.close()  # no worker process outlives the run
-            if self.record.enabled:  # the last lines written and flushed, off the loop
-                await anyio.to_thread.run_sync(self.record.close, self.config.abort_timeout_s)
-            if self.config.pause_mode == "keep" and self._control.gate is not Gate.OPEN:
-                await self._control.unfreeze("the producer stopped while paused")
-            if core.phase is Phase.STOPPING:
-                core.phase = move(core.phase, Phase.STOPPED)
+            try:
+                if runner is not None:  # the scheduler returns once it sees the stop
+                    try:
+                        await asyncio.wait([runner], timeout=self.config.abort_timeout_s)
+                    finally:  # a cancelled wait too: the owner insists, the tasks end all the same
+                        if not runner.done():  # cancel what is left (groups land as interrupted)
+                            runner.cancel()
+                            await asyncio.wait([runner])
+                    runner = None
+            finally:  # cut by another cancellation or not: each step has a deadline of its own
+                release, cancelled = await finish(self._release(), defer_scopes=True)
+                if cancelled is not None:
+                    raise cancelled
+                release.result()
+
+    async def _release(self) -> None:
+        """What the run holds besides its tasks: the staged prompt, the reward workers, the
+        record's writer, a frozen engine. Awaited to its end by `_stop`, whose own waits the
+        owner's cancellations may cut short: this runs after them all the same (a writer left
+        running would lose the record's last lines, a frozen engine stay paused)."""
+        core = self._core
+        self._admission.unstage()
+        self._rewards.close()  # no worker process outlives the run
+        if self.record.enabled:  # the last lines written and flushed, off the loop
+            await anyio.to_thread.run_sync(self.record.close, self.config.abort_timeout_s)
+        if self.config.pause_mode == "keep" and self._control.gate is not Gate.OPEN:
+            await self._control.unfreeze("the producer stopped while paused")
+        if core.phase is Phase.STOPPING:
+            core.phase = move(core.phase, Phase.STOPPED)
 
     @property
     def version(self) -> int:

@@ -238,10 +238,12 @@ async def test_an_exit_cancelled_by_an_anyio_scope_still_drains_and_ends_every_t
     producer.state_dict()
 
 
-async def test_an_exit_cancelled_twice_still_ends_every_task() -> None:
+async def test_an_exit_cancelled_twice_still_ends_every_task(tmp_path: Path) -> None:
     """The owner's first cancellation cuts the drain short, its second the wait for the
     producer's task: the exit then returned with that task and every group's still running,
-    instead of cancelling them and waiting for them (as `Tasks.join` does)."""
+    instead of cancelling them and waiting for them (as `Tasks.join` does). What the run holds
+    besides is released all the same: the record's writer process ended (its last lines
+    written), the reward workers closed, the producer stopped."""
     never = asyncio.Event()
     calls: list[int] = []
     all_scoring = asyncio.Event()
@@ -253,7 +255,10 @@ async def test_an_exit_cancelled_twice_still_ends_every_task() -> None:
         await never.wait()  # never answers: only a cancellation ends the groups
         return ones(group)
 
-    producer = make_producer(4, reward=judge, reward_timeout_s=GUARD_S, abort_timeout_s=GUARD_S)
+    producer = make_producer(
+        4, reward=judge, reward_timeout_s=GUARD_S, abort_timeout_s=GUARD_S,
+        record=tmp_path / "record",
+    )  # fmt: skip
 
     async def owner() -> None:
         async with producer:
@@ -270,6 +275,8 @@ async def test_an_exit_cancelled_twice_still_ends_every_task() -> None:
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("asyncroll")]
     ledger = producer.check_ledger()
     assert ledger.in_flight_groups == 0 and ledger.failed_groups == 4  # interrupted scoring
+    assert producer._phase is Phase.STOPPED
+    assert producer.record.pid is None  # the writer was closed, not left running
 
 
 # -- 3. stalls: raised when real, never while an update or a save runs -------------------------
