@@ -51,7 +51,7 @@ from asyncroll._core.logs import FailureWarnings
 from asyncroll._core.progress import LatencyHistogram, ProduceBatchResult, ProduceProgress
 from asyncroll._core.rewards import RewardFn, RewardRunner
 from asyncroll._core.state import ProducerState, dumps, loads, write_atomic
-from asyncroll._core.tasks import finish, thread_to_end
+from asyncroll._core.tasks import thread_to_end, to_end
 from asyncroll._core.wakeup import Signal
 from asyncroll.buffer import RolloutBuffer
 from asyncroll.config import ProducerConfig, make_config
@@ -335,21 +335,23 @@ class Producer:
         finally:
             self._drops.close()
             self._failure_log.flush()
-            runner, self._runner = self._runner, None
             try:
-                if runner is not None:  # the scheduler returns once it sees the stop
-                    try:
-                        await asyncio.wait([runner], timeout=self.config.abort_timeout_s)
-                    finally:  # a cancelled wait too: the owner insists, the tasks end all the same
-                        if not runner.done():  # cancel what is left (groups land as interrupted)
-                            runner.cancel()
-                            await asyncio.wait([runner])
-                    runner = None
+                await self._end_runner()
             finally:  # cut by another cancellation or not: each step has a deadline of its own
-                release, cancelled = await finish(self._release(), defer_scopes=True)
-                if cancelled is not None:
-                    raise cancelled
-                release.result()
+                await to_end(self._release())
+
+    async def _end_runner(self) -> None:
+        """Wait for the producer's task (the scheduler returns once it sees the stop); cancel
+        what is left after `abort_timeout_s` (groups land as interrupted)."""
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        try:
+            await asyncio.wait([runner], timeout=self.config.abort_timeout_s)
+        finally:  # a cancelled wait too: the owner insists, the tasks end all the same
+            if not runner.done():
+                runner.cancel()
+                await asyncio.wait([runner])
 
     async def _release(self) -> None:
         """What the run holds besides its tasks: the staged prompt, the reward workers, the

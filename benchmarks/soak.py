@@ -604,7 +604,6 @@ class Soak:
         self.pausing_now += 1
         self.saves += 1
         path = str(self.workdir / f"producer-{self.saves}.ckpt")
-        noted = False
         try:
             async with producer.pausing():
                 await producer.save(path)
@@ -612,12 +611,11 @@ class Soak:
             covered = c.consumed_groups + c.failed_groups + c.filtered_groups
             assert covered <= len(self.journal), (covered, len(self.journal))
             previous, self.checkpoint = self.checkpoint, Checkpoint(path, covered)
-            noted = True
             if previous is not None:
                 _discard(previous.path)
         finally:
             self.pausing_now -= 1
-            if not noted:
+            if self.checkpoint is None or self.checkpoint.path != path:  # not noted
                 _discard(path)
 
     # -- sampling and results --------------------------------------------------------------------

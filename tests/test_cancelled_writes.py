@@ -46,6 +46,14 @@ class HeldWrite:
             self.ended.set()
 
 
+async def ended_at_once(task: asyncio.Future[Any]) -> bool:
+    """Whether `task`, just cancelled, ends within 50 turns of the loop (each a chance for it
+    to end) while the thread it waits for is held: a count of turns, not a wait for time."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+    return task.done()
+
+
 def adapter() -> LoraAdapter:
     q = "model.layers.0.self_attn.q_proj"
     config = LoraConfig(rank=1, alpha=1.0, target_modules=("q_proj",))
@@ -86,9 +94,7 @@ async def test_an_update_cancelled_during_its_write_leaves_no_file(
     task = asyncio.ensure_future(update)
     assert await asyncio.to_thread(held.entered.wait, GUARD_S)
     task.cancel()
-    for _ in range(50):  # turns of the loop, each a chance for the cancelled update to end
-        await asyncio.sleep(0)
-    ended_before_its_write = task.done()
+    ended_before_its_write = await ended_at_once(task)
     held.go.set()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -115,9 +121,7 @@ async def test_an_anyio_scope_cancelled_during_the_write_ends_the_caller_after_i
     task = asyncio.ensure_future(caller(scope))
     assert await asyncio.to_thread(held.entered.wait, GUARD_S)
     scope.cancel()
-    for _ in range(50):  # turns of the loop, each a chance for the caller to end
-        await asyncio.sleep(0)
-    ended_before_its_thread = task.done()
+    ended_before_its_thread = await ended_at_once(task)
     held.go.set()
     await task
     assert not ended_before_its_thread

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -100,27 +99,19 @@ async def test_a_cancelled_save_returns_only_once_its_file_is_settled(
     (loaded it, or recorded which checkpoint it has). Seen in the chaos soak: a session ended
     during a save, the next one loaded the file the abandoned write had replaced."""
     from asyncroll import producer as producer_mod
+    from tests.test_cancelled_writes import HeldWrite, ended_at_once
 
-    entered, go = threading.Event(), threading.Event()
-    real_write = producer_mod.write_atomic
-
-    def held_write(path: str | os.PathLike[str], data: bytes) -> None:
-        entered.set()
-        go.wait(60)
-        real_write(path, data)
-
-    monkeypatch.setattr(producer_mod, "write_atomic", held_write)
+    held = HeldWrite(producer_mod.write_atomic)
+    monkeypatch.setattr(producer_mod, "write_atomic", held)
     target = tmp_path / "ckpt"
     a = make_producer(60, sim={"per_token_latency_s": 0.0005}, max_new_tokens=32)
     async with a:
         await a.produce_batch(8)
         save = asyncio.create_task(a.save(target))
-        assert await asyncio.to_thread(entered.wait, 60)
+        assert await asyncio.to_thread(held.entered.wait, 60)
         save.cancel()
-        for _ in range(50):  # turns of the loop, each a chance for the cancelled save to end
-            await asyncio.sleep(0)
-        ended_before_its_write = save.done()
-        go.set()
+        ended_before_its_write = await ended_at_once(save)
+        held.go.set()
         with pytest.raises(asyncio.CancelledError):
             await save
         assert not ended_before_its_write

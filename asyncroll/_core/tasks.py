@@ -92,20 +92,22 @@ async def finish(
     return call, cancelled
 
 
+async def to_end(awaitable: Awaitable[T]) -> T:
+    """`awaitable`'s result, awaited to its end even if the caller is cancelled meanwhile
+    (the cancellation is raised once it has ended; an anyio scope's reaches the caller at its
+    next await): `finish` with `defer_scopes`, for work that must not be left half-done."""
+    call, cancelled = await finish(awaitable, defer_scopes=True)
+    if cancelled is not None:
+        if not call.cancelled() and call.exception() is not None:
+            log.warning("%r failed after its caller was cancelled: %r", call, call.exception())
+        raise cancelled
+    return call.result()
+
+
 async def thread_to_end(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in a worker thread, awaited to its end even if the caller is cancelled
-    meanwhile (the cancellation is raised once it has ended). For a thread that writes a
+    """`fn(*args)` in a worker thread, awaited with `to_end`. For a thread that writes a
     file: a thread cannot be stopped, so a caller let go at once would clean up (unlink the
     file, or take the old one for current) while the thread still writes, and the thread
     would re-create the file after it. Native asyncio cancellation passes through anyio's
-    shielded scopes, so `anyio.to_thread.run_sync`'s own wait does not hold it; an anyio
-    scope's cancellation reaches the caller at its next await."""
-    call, cancelled = await finish(asyncio.to_thread(fn, *args), defer_scopes=True)
-    if cancelled is not None:
-        if not call.cancelled() and call.exception() is not None:
-            log.warning(
-                "%s failed after its caller was cancelled: %r",
-                getattr(fn, "__qualname__", fn), call.exception(),
-            )  # fmt: skip
-        raise cancelled
-    return call.result()
+    shielded scopes, so `anyio.to_thread.run_sync`'s own wait does not hold it."""
+    return await to_end(asyncio.to_thread(fn, *args))

@@ -175,15 +175,14 @@ class ServerProcess:
             server = cls._launch(model, chosen, extra_args, env, serve_kwargs)
             try:
                 server.wait_healthy(max(deadline - time.monotonic(), 0.0))
-            except ServerStartError:
-                server.stop()
-                if attempt == tries or not server.lost_its_port():
-                    raise
-            except BaseException:
-                server.stop()
-                raise
-            else:
                 return server
+            except BaseException as exc:
+                retry = (
+                    attempt < tries and isinstance(exc, ServerStartError) and server.lost_its_port()
+                )  # read before the stop: it exited by itself
+                server.stop()
+                if not retry:
+                    raise
         raise AssertionError("unreachable: the last try returned or raised")
 
     @classmethod
